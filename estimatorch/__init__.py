@@ -1,0 +1,40 @@
+"""estimatorch: a PyTorch training loop with mixin event handlers and bit-identical resume.
+
+>>> from estimatorch import Estimator
+"""
+
+__version__ = "0.1.0"
+
+from . import distributed, metrics, rng, samplers  # noqa: E402
+from .estimator import BatchProcessor, Estimator, History  # noqa: E402
+from .event_handlers import (  # noqa: E402
+    EarlyStoppingHandler,
+    GradientUpdateHandler,
+    LambdaHandler,
+    LoggingHandler,
+    LRSchedulerHandler,
+    MetricHandler,
+    ProgressBarHandler,
+    StoppingHandler,
+    ValidationHandler,
+)
+
+__all__ = [
+    "BatchProcessor",
+    "EarlyStoppingHandler",
+    "Estimator",
+    "GradientUpdateHandler",
+    "History",
+    "LRSchedulerHandler",
+    "LambdaHandler",
+    "LoggingHandler",
+    "MetricHandler",
+    "ProgressBarHandler",
+    "StoppingHandler",
+    "ValidationHandler",
+    "__version__",
+    "distributed",
+    "metrics",
+    "rng",
+    "samplers",
+]

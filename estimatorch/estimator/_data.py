@@ -1,0 +1,429 @@
+"""Batches: the ``(data, label)`` convention, moves to the device, and training streams that can
+start any epoch at any batch.
+
+``make_train_stream`` turns what the user passed to ``fit`` into a :class:`TrainStream`:
+
+- a map-style :class:`~torch.utils.data.DataLoader` is rebuilt around a resumable sampler
+  (settings kept) and a fetch that seeds every sample from ``(seed, epoch, index)``;
+- a list or tuple of batches is indexed directly;
+- an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state;
+- anything else is replayed (with a warning when a resume has to do it).
+"""
+
+from __future__ import annotations
+
+import inspect
+import itertools
+import warnings
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import (
+    BatchSampler,
+    ConcatDataset,
+    DataLoader,
+    DistributedSampler,
+    IterableDataset,
+    RandomSampler,
+    SequentialSampler,
+    Subset,
+    TensorDataset,
+    get_worker_info,
+)
+from torch.utils.data._utils.collate import default_collate
+
+from .. import distributed, rng
+from ..samplers.resumable import (
+    ResumableDistributedSampler,
+    ResumableRandomSampler,
+    ResumableSampler,
+    ResumableSequentialSampler,
+)
+
+__all__ = ["TrainStream", "batch_size_of", "call_net", "make_train_stream", "split_batch", "to_device"]
+
+_LOADER_SALT = 0x10AD
+
+
+# -- batches ----------------------------------------------------------------------------------
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to ``device``; copies from the CPU
+    to an accelerator are ``non_blocking`` (truly asynchronous from pinned memory)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
+        return obj.to(device, non_blocking=device.type != "cpu")
+    if isinstance(obj, tuple):
+        moved = [to_device(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
+    if isinstance(obj, list):
+        return [to_device(x, device) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """Split a batch into ``(data, label)``.
+
+    The convention:
+
+    - ``(data, label)``: a pair; ``data`` may itself be a tuple of inputs;
+    - ``(x1, x2, ..., label)``: the last element is the label, the others are the inputs;
+    - ``{"label": y, **inputs}`` (or ``"labels"``): the rest of the dict are keyword inputs.
+    """
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        if len(batch) > 2:
+            return tuple(batch[:-1]), batch[-1]
+    elif isinstance(batch, Mapping):
+        for key in ("label", "labels"):
+            if key in batch:
+                return {k: v for k, v in batch.items() if k != key}, batch[key]
+        raise ValueError(f"a dict batch needs a 'label' or 'labels' key, got keys {sorted(batch)}")
+    raise TypeError(
+        "a batch must be a (data, label) pair, a tuple whose last element is the label, or a dict "
+        f"with a 'label' key; got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        + ". Replace the BatchProcessor to train on other batch layouts."
+    )
+
+
+def call_net(net: Callable[..., Any], data: Any) -> Any:
+    """``net(data)``; a tuple of inputs is unpacked, a dict is passed as keywords."""
+    if isinstance(data, tuple):
+        return net(*data)
+    if isinstance(data, Mapping):
+        return net(**data)
+    return net(data)
+
+
+def batch_size_of(value: Any, batch_axis: int = 0) -> int:
+    """The number of samples in a label or data structure (from shapes: no device sync)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[batch_axis] if value.dim() > batch_axis else 1
+    if isinstance(value, (tuple, list)) and value:
+        return batch_size_of(value[0], batch_axis)
+    if isinstance(value, Mapping) and value:
+        return batch_size_of(next(iter(value.values())), batch_axis)
+    return 1
+
+
+# -- streams ----------------------------------------------------------------------------------
+class TrainStream:
+    """Per-epoch iterators over the training data that can start at any batch."""
+
+    #: batches in a full epoch, when known.
+    batches_per_epoch: Optional[int] = None
+    #: True when resuming positions the data without loading skipped batches.
+    exact: bool = True
+
+    def __init__(self, seed: int):
+        self.seed = seed
+
+    def fingerprint(self) -> dict[str, Any]:
+        """What shapes the data stream; a resume with a different fingerprint is refused."""
+        return {"world_size": distributed.get_world_size(), "seed": self.seed}
+
+    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:  # pragma: no cover - abstract
+        raise NotImplementedError
+
+    def state_dict(self) -> dict[str, Any]:
+        return {}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output before the next :meth:`epoch_iter`."""
+
+
+def _identity(batch: Any) -> Any:
+    return batch
+
+
+def _draws_no_randomness(dataset: Any) -> bool:
+    flag = getattr(dataset, "estimatorch_sample_seeding", None)
+    if flag is not None:
+        return not flag
+    if isinstance(dataset, TensorDataset):
+        return True
+    if isinstance(dataset, Subset):
+        return _draws_no_randomness(dataset.dataset)
+    if isinstance(dataset, ConcatDataset):
+        return all(_draws_no_randomness(d) for d in dataset.datasets)
+    return False
+
+
+class _SeededFetch(torch.utils.data.Dataset):
+    """Fetch and collate one batch of ``(epoch, indices)``; every sample's random draws (torch,
+    python ``random``, :func:`estimatorch.rng.default_numpy_rng`) are seeded from
+    ``(seed, epoch, index)`` so they do not depend on the worker or on the resume point."""
+
+    def __init__(self, dataset: Any, collate_fn: Callable[[Any], Any], seed: int, seeding: bool,
+                 auto_collate: bool):
+        self.dataset = dataset
+        self.collate_fn = collate_fn
+        self.seed = seed
+        self.seeding = seeding
+        self.auto_collate = auto_collate
+
+    def __len__(self) -> int:
+        return len(self.dataset)
+
+    def _collate(self, samples: list) -> Any:
+        return self.collate_fn(samples) if self.auto_collate else self.collate_fn(samples[0])
+
+    def __getitem__(self, key: tuple[int, list[int]]) -> Any:
+        epoch, indices = key
+        dataset = self.dataset
+        if not self.seeding:
+            getitems = getattr(dataset, "__getitems__", None)
+            samples = getitems(indices) if getitems and self.auto_collate else [dataset[i] for i in indices]
+            return self._collate(samples)
+        # In the main process (num_workers=0) the caller's generators are restored afterwards,
+        # so loading data never shifts the model's random stream (dropout).
+        with rng.sample_seeding(self.seed, epoch, restore=get_worker_info() is None) as seed_sample:
+            samples = []
+            for index in indices:
+                seed_sample(index)
+                samples.append(dataset[index])
+            seed_sample(indices[0], salt=1)  # the collate function's draws
+            return self._collate(samples)
+
+
+class _KeyBatches:
+    """The rebuilt loader's sampler: yields ``(epoch, [indices])`` per batch, from ``start``."""
+
+    def __init__(self, index_batches: Callable[[int, int], Iterator[list[int]]],
+                 length: Optional[int]):
+        self._index_batches = index_batches
+        self._length = length
+        self.epoch = 0
+        self.start = 0
+
+    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+        epoch = self.epoch
+        for indices in self._index_batches(epoch, self.start):
+            yield epoch, indices
+
+    def __len__(self) -> int:
+        if self._length is None:
+            raise TypeError("this sampler has no length")
+        return max(self._length - self.start, 0)
+
+
+def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+    """The settings of ``loader`` that a rebuilt loader keeps."""
+    kwargs: dict[str, Any] = dict(
+        num_workers=loader.num_workers,
+        pin_memory=loader.pin_memory,
+        timeout=loader.timeout,
+        worker_init_fn=loader.worker_init_fn,
+        multiprocessing_context=loader.multiprocessing_context,
+        persistent_workers=loader.persistent_workers,
+    )
+    if loader.num_workers > 0:
+        kwargs["prefetch_factor"] = loader.prefetch_factor
+    params = inspect.signature(DataLoader.__init__).parameters
+    if "in_order" in params:
+        kwargs["in_order"] = getattr(loader, "in_order", True)
+    if getattr(loader, "pin_memory_device", ""):
+        kwargs["pin_memory_device"] = loader.pin_memory_device
+    return kwargs
+
+
+class _LoaderStream(TrainStream):
+    """A map-style DataLoader rebuilt so that any (epoch, batch) is reachable in O(1)."""
+
+    def __init__(self, loader: DataLoader, seed: int):
+        super().__init__(seed)
+        dataset = loader.dataset
+        self.dataset_len = len(dataset)
+        self.batch_size = loader.batch_size
+        self.drop_last = loader.drop_last
+        auto_collate = loader.batch_size is not None
+        unit = loader.batch_size or 1
+        self.sampler = self._resumable_sampler(loader, unit)
+        if self.sampler is not None and (not auto_collate or type(loader.batch_sampler) is BatchSampler):
+            per_epoch = self.sampler.num_samples
+            length = per_epoch // unit if self.drop_last and auto_collate else -(-per_epoch // unit)
+            index_batches = self._sampler_batches
+            self.sampler_name = type(self.sampler).__name__
+        else:
+            self.sampler = None
+            self._user_batches = loader.batch_sampler if auto_collate else loader.sampler
+            length = len(self._user_batches) if isinstance(self._user_batches, Sized) else None
+            index_batches = self._replayed_batches
+            self.sampler_name = type(self._user_batches).__name__
+            warnings.warn(
+                f"train_data's {self.sampler_name} is not one estimatorch knows how to position: "
+                "a resume replays its indices (no data is loaded for skipped batches) and is "
+                "exact only if its order is a function of set_epoch(). Use a "
+                "estimatorch.samplers.ResumableSampler for a guaranteed resume.",
+                stacklevel=4,
+            )
+        self.batches_per_epoch = length
+        collate = loader.collate_fn
+        seeding = not (_draws_no_randomness(dataset) and collate is default_collate)
+        self._keys = _KeyBatches(index_batches, length)
+        self._generator = torch.Generator()
+        self.loader = DataLoader(
+            _SeededFetch(dataset, collate, seed, seeding, auto_collate),
+            batch_size=None,
+            sampler=self._keys,
+            collate_fn=_identity,
+            generator=self._generator,
+            **_loader_kwargs(loader),
+        )
+
+    def _resumable_sampler(self, loader: DataLoader, unit: int) -> Optional[ResumableSampler]:
+        sampler, n, seed = loader.sampler, self.dataset_len, self.seed
+        if isinstance(sampler, ResumableSampler):
+            return sampler
+        if isinstance(sampler, DistributedSampler):
+            return ResumableDistributedSampler(n, sampler.num_replicas, sampler.rank, sampler.shuffle,
+                                               seed, sampler.drop_last, unit)
+        plain_random = (isinstance(sampler, RandomSampler) and not sampler.replacement
+                        and sampler._num_samples is None)
+        if not plain_random and not isinstance(sampler, SequentialSampler):
+            return None
+        if distributed.get_world_size() > 1:
+            return ResumableDistributedSampler(n, shuffle=plain_random, seed=seed, batch_size=unit)
+        if plain_random:
+            return ResumableRandomSampler(n, seed=seed, batch_size=unit)
+        return ResumableSequentialSampler(n, batch_size=unit)
+
+    def _sampler_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
+        unit = self.batch_size or 1
+        sampler = self.sampler
+        sampler.set_epoch(epoch)
+        sampler.set_start_index(start * unit)
+        it = iter(sampler)
+        while True:
+            batch = list(itertools.islice(it, unit))
+            if not batch or (self.drop_last and len(batch) < unit):
+                return
+            yield batch
+
+    def _replayed_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
+        source = self._user_batches
+        if hasattr(source, "set_epoch"):
+            source.set_epoch(epoch)
+        elif hasattr(getattr(source, "sampler", None), "set_epoch"):
+            source.sampler.set_epoch(epoch)
+        for batch in itertools.islice(iter(source), start, None):
+            yield batch if isinstance(batch, list) else [batch]
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "dataset_len": self.dataset_len,
+                "batch_size": self.batch_size, "drop_last": self.drop_last,
+                "sampler": self.sampler_name}
+
+    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
+        if self.batches_per_epoch is not None and start >= self.batches_per_epoch:
+            return iter(())
+        self._keys.epoch, self._keys.start = epoch, start
+        self._generator.manual_seed(rng.derive_seed(self.seed, epoch, _LOADER_SALT))
+        return iter(self.loader)
+
+
+class _SequenceStream(TrainStream):
+    """A list or tuple of batches: indexed directly."""
+
+    def __init__(self, batches: Sequence[Any], seed: int):
+        super().__init__(seed)
+        self.batches = batches
+        self.batches_per_epoch = len(batches)
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "dataset_len": len(self.batches)}
+
+    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
+        return itertools.islice(self.batches, start, None)
+
+
+class _StatefulIterableStream(TrainStream):
+    """An IterableDataset (or a 0-worker loader over one) that saves its own position."""
+
+    def __init__(self, data: Iterable[Any], dataset: Any, seed: int):
+        super().__init__(seed)
+        self.data = data
+        self.dataset = dataset
+        self._restored = False
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "dataset": type(self.dataset).__name__}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"dataset": self.dataset.state_dict()}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        self.dataset.load_state_dict(state["dataset"])
+        self._restored = True
+
+    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
+        # A restored dataset already sits at the saved position; otherwise start must be 0.
+        self._restored = False
+        return iter(self.data)
+
+
+class _ReplayStream(TrainStream):
+    """Any other iterable: re-iterated each epoch, skipped batches are loaded and discarded."""
+
+    exact = False
+
+    def __init__(self, data: Iterable[Any], seed: int):
+        super().__init__(seed)
+        self.data = data
+        self.batches_per_epoch = len(data) if isinstance(data, Sized) else None
+
+    def fingerprint(self) -> dict[str, Any]:
+        fp = {**super().fingerprint(), "data": type(self.data).__name__}
+        if self.batches_per_epoch is not None:
+            fp["dataset_len"] = self.batches_per_epoch
+        return fp
+
+    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
+        if start:
+            warnings.warn(
+                f"resuming a {type(self.data).__name__} without state_dict(): replaying {start} "
+                "batches (loaded and discarded) to reach the saved position; random draws made "
+                "while loading them are not restored",
+                stacklevel=3,
+            )
+        return itertools.islice(iter(self.data), start, None)
+
+
+def make_train_stream(train_data: Any, seed: int) -> TrainStream:
+    """Wrap ``fit``'s ``train_data``; raises when it is not an iterable of batches or is empty."""
+    if isinstance(train_data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(train_data, Iterable):
+        raise TypeError(
+            "train_data must be an iterable of batches (a DataLoader, a list of (data, label) "
+            f"pairs, ...), got {type(train_data).__name__}"
+        )
+    if isinstance(train_data, DataLoader):
+        dataset = train_data.dataset
+        if isinstance(dataset, IterableDataset):
+            stateful = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
+            if stateful and train_data.num_workers == 0:
+                return _StatefulIterableStream(train_data, dataset, seed)
+            return _ReplayStream(train_data, seed)
+        if len(dataset) == 0:
+            raise ValueError("train_data is empty: its dataset has length 0")
+        stream: TrainStream = _LoaderStream(train_data, seed)
+        if stream.batches_per_epoch == 0:
+            raise ValueError(
+                f"train_data yields no batches: {len(dataset)} samples with batch_size="
+                f"{train_data.batch_size} and drop_last=True"
+            )
+        return stream
+    if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
+            and hasattr(train_data, "load_state_dict"):
+        return _StatefulIterableStream(train_data, train_data, seed)
+    if isinstance(train_data, Sequence):
+        if len(train_data) == 0:
+            raise ValueError("train_data is empty: a sequence of length 0")
+        return _SequenceStream(train_data, seed)
+    if isinstance(train_data, Sized) and len(train_data) == 0:
+        raise ValueError(f"train_data is empty: a {type(train_data).__name__} of length 0")
+    return _ReplayStream(train_data, seed)

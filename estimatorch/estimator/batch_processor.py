@@ -1,0 +1,63 @@
+"""The step: :class:`BatchProcessor` runs forward and backward for one batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ._data import call_net, split_batch
+
+__all__ = ["BatchProcessor"]
+
+
+class BatchProcessor:
+    """Forward and backward for one training batch, and the forward of one evaluation batch.
+
+    Replace it (``Estimator(..., batch_processor=MyProcessor())``) to change the step, e.g. for
+    several inputs or a custom loss, without subclassing :class:`~estimatorch.Estimator`. A
+    custom ``fit_batch`` fires the forward and backward events with ``estimator.fire(...)`` and
+    uses ``estimator.autocast()`` and ``estimator.backward(loss)`` to keep mixed precision
+    working. It does not step the optimizer: ``GradientUpdateHandler`` does, at ``batch_end``.
+
+    Example:
+        >>> class TwoInputs(BatchProcessor):
+        ...     def fit_batch(self, estimator, batch, batch_axis=0):
+        ...         (a, b), label = batch
+        ...         estimator.fire("forward_begin", batch=batch)
+        ...         with estimator.autocast():
+        ...             pred = estimator.train_net(a, b)
+        ...             loss = estimator.loss(pred, label)
+        ...         estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
+        ...         estimator.fire("backward_begin", batch=batch, loss=loss)
+        ...         estimator.backward(loss)
+        ...         estimator.fire("backward_end", batch=batch)
+        ...         return (a, b), label, pred, loss
+    """
+
+    def fit_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
+        """Forward, loss and backward for one batch (already on the device).
+
+        Returns:
+            ``(data, label, pred, loss)``, which ``batch_end`` handlers receive.
+        """
+        data, label = split_batch(batch)
+        estimator.fire("forward_begin", batch=batch)
+        with estimator.autocast():
+            pred = call_net(estimator.train_net, data)
+            loss = estimator.loss(pred, label)
+        estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
+        estimator.fire("backward_begin", batch=batch, loss=loss)
+        estimator.backward(loss)
+        estimator.fire("backward_end", batch=batch)
+        return data, label, pred, loss
+
+    def evaluate_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
+        """The forward of one evaluation batch; ``evaluate`` runs it under ``torch.no_grad()``.
+
+        Returns:
+            ``(data, label, pred, loss)``.
+        """
+        data, label = split_batch(batch)
+        with estimator.autocast():
+            pred = call_net(estimator.val_net, data)
+            loss = estimator.val_loss(pred, label)
+        return data, label, pred, loss

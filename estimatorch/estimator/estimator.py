@@ -1,0 +1,725 @@
+"""The :class:`Estimator`: ``fit`` runs the loop and dispatches each event to handler objects."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import dataclasses
+import logging
+import os
+import signal
+import sys
+import threading
+import warnings
+from collections.abc import Iterable, Iterator, Mapping
+from typing import Any, Callable, Optional, Union
+
+import torch
+from torch import nn
+
+from .. import distributed, rng
+from ..metrics import Accuracy, Loss
+from ..metrics.base import is_metric, metric_name, split_loss_metrics, update_metrics
+from ._data import TrainStream, make_train_stream, to_device
+from ._dispatch import Dispatch, check_handlers, check_metric_references, handler_name, order_handlers
+from .batch_processor import BatchProcessor
+from .history import History
+
+__all__ = ["Estimator"]
+
+_PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+
+
+class _StdoutHandler(logging.StreamHandler):
+    """Writes to whatever ``sys.stdout`` is at the time (a notebook cell, pytest's capture)."""
+
+    @property  # type: ignore[override]
+    def stream(self) -> Any:
+        return sys.stdout
+
+    @stream.setter
+    def stream(self, value: Any) -> None:
+        pass
+
+
+def _default_logger() -> logging.Logger:
+    """The ``estimatorch`` logger: INFO to stdout, only on global rank 0, set up once."""
+    logger = logging.getLogger("estimatorch")
+    if not any(getattr(h, "_estimatorch_default", False) for h in logger.handlers):
+        handler = _StdoutHandler()
+        handler.setFormatter(logging.Formatter("%(message)s"))
+        handler.addFilter(MainProcessFilter())
+        handler._estimatorch_default = True  # type: ignore[attr-defined]
+        logger.addHandler(handler)
+        logger.setLevel(logging.INFO)
+        logger.propagate = False
+    return logger
+
+
+class MainProcessFilter(logging.Filter):
+    """Drop log records on every rank but global rank 0 (the one place logs are rank-gated)."""
+
+    def filter(self, record: logging.LogRecord) -> bool:
+        return distributed.is_main_process()
+
+
+@dataclasses.dataclass
+class Position:
+    """Where the loop stands, at a boundary between events.
+
+    ``phase`` is ``"start"`` before the first batch, ``"batch_end"`` after a batch and all its
+    ``batch_end`` handlers, ``"epoch_end"`` after an epoch and all its ``epoch_end`` handlers
+    (then ``epoch`` is already the next epoch). ``stop`` records a stop requested there.
+    """
+
+    epoch: int = 0
+    batch: int = 0
+    step: int = 0
+    phase: str = "start"
+    stop: bool = False
+
+
+class _Run:
+    """The state of one ``fit`` call that is not a handler's: the loop's own bookkeeping."""
+
+    def __init__(self, dispatch: Dispatch, stream: TrainStream, plan: dict[str, Optional[int]],
+                 batch_axis: int):
+        self.dispatch = dispatch
+        self.stream = stream
+        self.plan = plan
+        self.batch_axis = batch_axis
+        self.pos = Position()
+        self.history = History()
+        self.pending: Optional[dict[str, Any]] = None
+        self.boundary_actions: list[Callable[[], None]] = []
+        self.at_boundary = True
+        self.interrupted = False
+        self.evaluated = False
+
+
+def _check_bool(value: Any, arg: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {value!r}")
+    return value
+
+
+def _check_count(value: Any, arg: str) -> Optional[int]:
+    if value is None:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+        raise ValueError(f"{arg} must be a positive int, got {value!r}")
+    return value
+
+
+def _check_iterable(value: Any, arg: str) -> None:
+    if isinstance(value, (torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{arg} must be an iterable of batches (a DataLoader, a list...), got {type(value).__name__}")
+
+
+def _resolve_device(device: Any) -> torch.device:
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", distributed.get_local_rank() % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch.device, a device string or None, got {device!r}") from err
+    if resolved.type == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available on this machine")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+    return resolved
+
+
+def _as_metric_list(metrics: Any, arg: str) -> list[Any]:
+    if metrics is None:
+        return []
+    items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
+    for m in items:
+        if not is_metric(m):
+            raise TypeError(f"{arg} must hold metrics (objects with update/compute/reset), got {m!r}")
+    return items
+
+
+def _rename(metric: Any, prefix: str) -> Any:
+    name = metric_name(metric)
+    if not name.startswith(prefix):
+        base = name.split("_", 1)[1] if name.startswith(("train_", "val_")) else name
+        metric.name = prefix + base
+    return metric
+
+
+def _interactive() -> bool:
+    """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
+    if "ipykernel" in sys.modules:
+        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+        if shell is not None and getattr(shell, "kernel", None) is not None:
+            return True
+    stream = sys.stderr
+    return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+
+
+class Estimator:
+    """Train and evaluate a PyTorch model with a loop that dispatches events to handlers.
+
+    Args:
+        net: the model (moved to ``device``).
+        loss: a callable ``loss(pred, label)``, e.g. ``nn.CrossEntropyLoss()``.
+        train_metrics: a metric or list of metrics. Defaults to a ``Loss`` metric, plus
+            ``Accuracy`` when ``loss`` is ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``. A ``Loss``
+            metric is always present. Names get a ``train_`` prefix.
+        val_metrics: Defaults to deep copies of the train metrics. Names get a ``val_`` prefix.
+        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning.
+        device: Defaults to CUDA (this process's local rank) when available, else the CPU.
+        val_net: the network ``evaluate`` runs. Defaults to ``net``.
+        val_loss: the loss ``evaluate`` computes. Defaults to ``loss``.
+        batch_processor: the step (see :class:`BatchProcessor`). Defaults to ``BatchProcessor()``.
+        lr_scheduler: a torch LR scheduler of ``optimizer``, stepped every epoch by a default
+            ``LRSchedulerHandler``. Defaults to None.
+        seed: seeds every generator at the start of ``fit`` and the data order. Defaults to
+            :data:`estimatorch.rng.DEFAULT_SEED`, so runs are reproducible unless you choose.
+        precision: ``"32"``, ``"16-mixed"`` (autocast + gradient scaling) or ``"bf16-mixed"``.
+            Defaults to ``"32"``.
+        deterministic: use deterministic algorithms only during ``fit``. Defaults to False.
+        cudnn_benchmark: let cuDNN pick kernels by timing during ``fit``. Defaults to False.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> from estimatorch import Estimator
+        >>> net = nn.Linear(4, 2)
+        >>> est = Estimator(net, nn.CrossEntropyLoss(),
+        ...                 optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+        >>> data = [(torch.randn(16, 4), torch.randint(0, 2, (16,))) for _ in range(4)]
+        >>> history = est.fit(data, epochs=2)
+        >>> len(history["train_loss"])
+        2
+    """
+
+    def __init__(self, net: nn.Module, loss: Callable[..., torch.Tensor], train_metrics: Any = None,
+                 val_metrics: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
+                 device: Union[str, torch.device, None] = None, val_net: Optional[nn.Module] = None,
+                 val_loss: Optional[Callable[..., torch.Tensor]] = None,
+                 batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
+                 seed: Optional[int] = None, precision: Union[str, int] = "32",
+                 deterministic: bool = False, cudnn_benchmark: bool = False):
+        if not isinstance(net, nn.Module):
+            raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+        if not callable(loss):
+            raise TypeError(f"loss must be callable, e.g. torch.nn.CrossEntropyLoss(), got {loss!r}")
+        if val_net is not None and not isinstance(val_net, nn.Module):
+            raise TypeError(f"val_net must be a torch.nn.Module or None, got {type(val_net).__name__}")
+        if val_loss is not None and not callable(val_loss):
+            raise TypeError(f"val_loss must be callable or None, got {val_loss!r}")
+        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        if batch_processor is not None and not all(
+                callable(getattr(batch_processor, m, None)) for m in ("fit_batch", "evaluate_batch")):
+            raise TypeError(f"batch_processor must have fit_batch and evaluate_batch methods, got {batch_processor!r}")
+        precision = str(precision)
+        if precision not in _PRECISIONS:
+            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
+        _check_bool(deterministic, "deterministic")
+        _check_bool(cudnn_benchmark, "cudnn_benchmark")
+        if deterministic and cudnn_benchmark:
+            raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
+
+        self.device = _resolve_device(device)
+        self.net = net.to(self.device)
+        self.loss = loss
+        self.val_net = val_net.to(self.device) if val_net is not None else self.net
+        self.val_loss = val_loss if val_loss is not None else loss
+        self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        self.precision = precision
+        self.deterministic = deterministic
+        self.cudnn_benchmark = cudnn_benchmark
+        self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
+        self.logger = _default_logger()
+
+        self.train_metrics = self._train_metric_list(train_metrics)
+        self.val_metrics = self._val_metric_list(val_metrics)
+        names = [metric_name(m) for m in self.train_metrics + self.val_metrics]
+        duplicated = sorted({n for n in names if names.count(n) > 1})
+        if duplicated:
+            raise ValueError(f"metric names must be unique, got {duplicated[0]!r} more than once")
+        for metric in self.train_metrics + self.val_metrics:
+            if callable(getattr(metric, "to", None)):
+                metric.to(self.device)
+
+        if optimizer is None:
+            params = [p for p in net.parameters() if p.requires_grad]
+            if params:
+                warnings.warn("no optimizer given: using torch.optim.SGD(net.parameters(), lr=0.01)", stacklevel=2)
+                optimizer = torch.optim.SGD(params, lr=0.01)
+        self.optimizer = optimizer
+        if lr_scheduler is not None:
+            if not (callable(getattr(lr_scheduler, "step", None)) and callable(getattr(lr_scheduler, "state_dict", None))):
+                raise TypeError(f"lr_scheduler must be a torch LR scheduler, got {lr_scheduler!r}")
+            if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
+                raise ValueError("lr_scheduler must schedule this estimator's optimizer")
+        self.lr_scheduler = lr_scheduler
+        amp_dtype = _PRECISIONS[precision]
+        self._amp_dtype = amp_dtype
+        self.grad_scaler: Optional[torch.amp.GradScaler] = (
+            torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)
+
+        self.max_epoch: Optional[int] = None
+        self.max_batch: Optional[int] = None
+        self.batch_axis = 0
+        self._dispatch = Dispatch([])
+        self._run: Optional[_Run] = None
+        self._fitting = False
+        self._last: Optional[dict[str, Any]] = None
+        self._ddp: Optional[nn.Module] = None
+        self._eval_count = 0
+
+    # -- metrics ---------------------------------------------------------------------------
+    def _train_metric_list(self, train_metrics: Any) -> list[Any]:
+        metrics = _as_metric_list(train_metrics, "train_metrics")
+        if train_metrics is None and isinstance(self.loss, (nn.CrossEntropyLoss, nn.NLLLoss)):
+            metrics.append(Accuracy())
+        if not any(isinstance(m, Loss) for m in metrics):
+            metrics.insert(0, Loss())
+        return [_rename(m, "train_") for m in metrics]
+
+    def _val_metric_list(self, val_metrics: Any) -> list[Any]:
+        if val_metrics is None:
+            return [_rename(copy.deepcopy(m), "val_") for m in self.train_metrics]
+        metrics = _as_metric_list(val_metrics, "val_metrics")
+        if not any(isinstance(m, Loss) for m in metrics):
+            metrics.insert(0, Loss())
+        return [_rename(m, "val_") for m in metrics]
+
+    # -- what a step uses ------------------------------------------------------------------
+    @property
+    def train_net(self) -> nn.Module:
+        """The module the training step calls: ``net``, wrapped in DDP under torch.distributed."""
+        return self._ddp if self._ddp is not None else self.net
+
+    def autocast(self) -> contextlib.AbstractContextManager:
+        """The mixed-precision context of ``precision`` (a no-op for ``"32"``)."""
+        if self._amp_dtype is None:
+            return contextlib.nullcontext()
+        return torch.autocast(self.device.type, dtype=self._amp_dtype)
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled under ``"16-mixed"``; a per-sample loss is averaged."""
+        if loss.dim() > 0:
+            loss = loss.mean()
+        if self.grad_scaler is not None:
+            loss = self.grad_scaler.scale(loss)
+        loss.backward()
+
+    def fire(self, event: str, **kwargs: Any) -> bool:
+        """Call the current ``fit``'s handlers of ``event``; True when any asked to stop.
+
+        For custom batch processors (forward/backward events). Outside ``fit`` it does nothing.
+        """
+        return self._dispatch.fire(event, self, **kwargs)
+
+    # -- fit ---------------------------------------------------------------------------------
+    def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
+            epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
+            batch_axis: int = 0, *, resume: bool = False) -> History:
+        """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
+
+        The loop, with every event in place::
+
+            train_begin
+            for epoch:                                  (or until `batches` batches in total)
+                epoch_begin
+                for batch in train_data:
+                    batch_begin
+                    forward_begin  -> pred = net(data); loss = loss_fn(pred, label) -> forward_end
+                    backward_begin -> loss.backward()                               -> backward_end
+                    batch_end    (GradientUpdateHandler steps the optimizer here, rank -2000)
+                    stop if any batch_end returned True (all batch_end handlers still run)
+                epoch_end        (ValidationHandler evaluates here, before checkpoint/early stopping)
+                stop if any epoch_end returned True
+            train_end          (always runs, also when an exception escapes; it then propagates)
+
+        Handlers run in order of ``priority`` (lower first; ties keep the order given, user
+        handlers before defaults). Defaults added when you pass none of their type:
+        ``StoppingHandler``, ``GradientUpdateHandler``, ``MetricHandler``,
+        ``ValidationHandler`` (with ``val_data``), ``LRSchedulerHandler`` (with
+        ``lr_scheduler``), ``LoggingHandler``, and ``ProgressBarHandler`` in a terminal or
+        notebook.
+
+        Ctrl-C during ``fit`` stops at the end of the current step (a second Ctrl-C stops at
+        once); ``fit(..., resume=True)`` then continues exactly where it stopped.
+
+        Args:
+            train_data: an iterable of batches: a ``DataLoader`` (made resumable: see
+                :mod:`estimatorch.samplers`), a list of ``(data, label)`` pairs, or any iterable.
+            val_data: evaluated every epoch by the default ``ValidationHandler``. Defaults to None.
+            epochs: train this many epochs. Exactly one of ``epochs``/``batches``.
+            event_handlers: a handler or list of handlers. Defaults to None (defaults only).
+            batches: train this many batches in total, re-iterating the data as needed.
+            batch_axis: the axis of the batch dimension. Defaults to 0.
+            resume: continue this estimator's previous ``fit`` in this process (interrupted or
+                finished) up to the given ``epochs``/``batches`` in total. Defaults to False.
+        """
+        if (epochs is None) == (batches is None):
+            raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
+        _check_count(epochs, "epochs")
+        _check_count(batches, "batches")
+        if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
+            raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
+        _check_bool(resume, "resume")
+        if val_data is not None:
+            _check_iterable(val_data, "val_data")
+        if self.optimizer is None:
+            raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
+        user = check_handlers(event_handlers)
+        if resume and self._last is None:
+            raise ValueError("resume=True but this estimator has no earlier fit to continue")
+        distributed.init_from_env()
+        stream = make_train_stream(train_data, self.seed)
+
+        self.max_epoch, self.max_batch, self.batch_axis = epochs, batches, batch_axis
+        handlers = order_handlers(user, self._default_handlers(user, val_data))
+        check_metric_references(handlers, self.train_metrics + self.val_metrics)
+        for handler in handlers:
+            check = getattr(handler, "_check_fit", None)
+            if check is not None:
+                check(self)
+        run = _Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis)
+        if resume:
+            run.pending = self._resume_plan(self._last, run, source="the previous fit")
+        return self._fit(run)
+
+    def _default_handlers(self, user: list[Any], val_data: Any) -> list[Any]:
+        from ..event_handlers import (GradientUpdateHandler, LoggingHandler, LRSchedulerHandler,
+                                      MetricHandler, ProgressBarHandler, StoppingHandler,
+                                      ValidationHandler)
+
+        def missing(cls: type) -> bool:
+            return not any(isinstance(h, cls) for h in user)
+
+        defaults: list[Any] = []
+        if missing(StoppingHandler):
+            defaults.append(StoppingHandler())
+        if missing(GradientUpdateHandler):
+            defaults.append(GradientUpdateHandler())
+        if missing(MetricHandler):
+            defaults.append(MetricHandler(self.train_metrics))
+        if val_data is not None and missing(ValidationHandler):
+            defaults.append(ValidationHandler(val_data, self.evaluate))
+        if self.lr_scheduler is not None and missing(LRSchedulerHandler):
+            defaults.append(LRSchedulerHandler())
+        if missing(LoggingHandler):
+            defaults.append(LoggingHandler())
+        if missing(ProgressBarHandler) and _interactive():
+            defaults.append(ProgressBarHandler())
+        return defaults
+
+    def _fit(self, run: _Run) -> History:
+        self._run = run
+        self._dispatch = run.dispatch
+        self._fitting = True
+        if distributed.is_distributed() and self._ddp is None:
+            ids = [self.device.index] if self.device.type == "cuda" else None
+            self._ddp = nn.parallel.DistributedDataParallel(self.net, device_ids=ids)
+        rng.seed_everything(self.seed if distributed.get_world_size() == 1
+                            else rng.derive_seed(self.seed, distributed.get_rank()))
+        failed = False
+        with self._torch_flags(), self._deferred_interrupt(run):
+            try:
+                self.net.train()
+                run.at_boundary = False
+                run.dispatch.fire("train_begin", self)
+                run.at_boundary = True
+                self._loop(run)
+                return run.history
+            except BaseException:
+                failed = True
+                raise
+            finally:
+                self._last = self._snapshot(run, partial=not run.at_boundary)
+                self._train_end(run, failed)
+                self._dispatch = Dispatch([])
+                self._fitting = False
+
+    def _train_end(self, run: _Run, failed: bool) -> None:
+        """Fire train_end to every handler, even when one of them raises."""
+        first: Optional[BaseException] = None
+        for fn in run.dispatch.train_end:
+            try:
+                fn(self)
+            except Exception as err:  # every handler still gets its train_end
+                if first is None:
+                    first = err
+                if failed:
+                    self.logger.exception("train_end of %s failed while another error propagated",
+                                          getattr(fn, "__self__", fn))
+        if first is not None and not failed:
+            raise first
+
+    def _loop(self, run: _Run) -> None:
+        dispatch, pos, stream = run.dispatch, run.pos, run.stream
+        processor, device, axis = self.batch_processor, self.device, run.batch_axis
+        multi = distributed.is_distributed()
+        pending, run.pending = run.pending, None
+        if pending is not None and pending["position"]["phase"] != "batch_end":
+            self._restore(run, pending)
+            pending = None
+            if pos.stop:
+                self.logger.warning("Nothing to resume: the saved run already finished its plan "
+                                    "(%s). Pass a larger epochs= or batches= to train further.",
+                                    _describe_plan(run.plan))
+                return
+        while True:
+            epoch = pos.epoch
+            run.at_boundary = False
+            dispatch.fire("epoch_begin", self)
+            if pending is not None:
+                self._restore(run, pending)
+                pending = None
+            if not pos.stop:
+                batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
+                started = pos.batch
+                for batch in stream.epoch_iter(epoch, pos.batch):
+                    run.at_boundary = False
+                    batch = to_device(batch, device)
+                    for fn in batch_begin:
+                        fn(self, batch=batch)
+                    _, label, pred, loss = processor.fit_batch(self, batch, axis)
+                    stop = False
+                    for fn in batch_end:
+                        if fn(self, batch=batch, pred=pred, label=label, loss=loss):
+                            stop = True
+                    if multi:
+                        stop = distributed.any_rank(stop)
+                    pos.batch += 1
+                    pos.step += 1
+                    pos.phase, pos.stop = "batch_end", stop
+                    run.at_boundary = True
+                    if run.boundary_actions:
+                        self._run_boundary_actions(run)
+                    if run.interrupted:
+                        raise KeyboardInterrupt
+                    if stop:
+                        break
+                if started == 0 and pos.batch == 0:
+                    raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
+                                     "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
+            run.at_boundary = False
+            stop = dispatch.fire("epoch_end", self)
+            self._record_history(run, epoch)
+            if multi:
+                stop = distributed.any_rank(stop)
+            pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
+            pos.stop = pos.stop or stop
+            run.at_boundary = True
+            if run.boundary_actions:
+                self._run_boundary_actions(run)
+            if run.interrupted:
+                raise KeyboardInterrupt
+            if pos.stop:
+                return
+
+    def _run_boundary_actions(self, run: _Run) -> None:
+        actions, run.boundary_actions = run.boundary_actions, []
+        for action in actions:
+            action()
+
+    def at_boundary(self, action: Callable[[], None]) -> None:
+        """Run ``action()`` once the current event has reached every handler.
+
+        A handler that must see the state *between* events (a checkpoint, say) registers its
+        work here from ``batch_end`` or ``epoch_end``.
+        """
+        if not self._fitting:
+            raise RuntimeError("at_boundary() is only available during fit")
+        self._run.boundary_actions.append(action)
+
+    def _record_history(self, run: _Run, epoch: int) -> None:
+        values = {metric_name(m): m.compute() for m in self.train_metrics}
+        if run.evaluated:
+            values.update((metric_name(m), m.compute()) for m in self.val_metrics)
+            run.evaluated = False
+        run.history.record(epoch + 1, values)
+
+    # -- state: snapshots, resume -----------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> Optional[int]:
+        """Batches in a full epoch of the current (or last) fit's data, when known."""
+        return self._run.stream.batches_per_epoch if self._run is not None else None
+
+    @property
+    def position(self) -> Position:
+        """A copy of where the current (or last) fit stands."""
+        return dataclasses.replace(self._run.pos) if self._run is not None else Position()
+
+    def _snapshot(self, run: _Run, partial: bool = False) -> dict[str, Any]:
+        """This rank's state at the current boundary: everything but model and optimizer."""
+        handlers = {name: h.state_dict() for name, h in run.dispatch.by_name.items()
+                    if callable(getattr(h, "state_dict", None))}
+        metrics = {metric_name(m): m.state_dict() for m in self.train_metrics + self.val_metrics
+                   if callable(getattr(m, "state_dict", None))}
+        return {
+            "position": dataclasses.asdict(run.pos),
+            "plan": dict(run.plan),
+            "partial": partial,
+            "handlers": handlers,
+            "metrics": metrics,
+            "history": run.history.state_dict(),
+            "evaluated": run.evaluated,
+            "data": run.stream.state_dict(),
+            "fingerprint": run.stream.fingerprint(),
+            "rng": rng.get_state(),
+        }
+
+    def _resume_plan(self, snapshot: dict[str, Any], run: _Run, source: str) -> dict[str, Any]:
+        """Check a snapshot against this fit (data fingerprint, plan) before any work starts,
+        and decide whether its recorded stop still holds under the new plan."""
+        saved_fp, fp = snapshot["fingerprint"], run.stream.fingerprint()
+        diffs = [f"{k}: saved {saved_fp.get(k)!r}, now {fp.get(k)!r}"
+                 for k in sorted(set(saved_fp) | set(fp)) if saved_fp.get(k) != fp.get(k)]
+        if diffs:
+            raise ValueError(f"cannot resume from {source}: the data stream differs ({'; '.join(diffs)}). "
+                             "Resume with the same data, batch size, drop_last, world size and seed.")
+        pos = snapshot["position"]
+        epochs, batches = run.plan["epochs"], run.plan["batches"]
+        same_plan = snapshot["plan"] == run.plan
+        if batches is not None and pos["step"] > batches or epochs is not None and pos["epoch"] > epochs:
+            raise ValueError(f"cannot resume from {source}: it already trained {pos['step']} batches "
+                             f"in {pos['epoch']} epochs, beyond the plan {_describe_plan(run.plan)}")
+        reached = (batches is not None and pos["step"] >= batches) or \
+                  (epochs is not None and pos["phase"] == "epoch_end" and pos["epoch"] >= epochs)
+        snapshot = dict(snapshot, position=dict(pos, stop=reached or (pos["stop"] and same_plan)))
+        if snapshot["partial"]:
+            warnings.warn(f"{source} was interrupted in the middle of a step or epoch end: resuming "
+                          "restarts it, so results may differ from an uninterrupted run. "
+                          "(Ctrl-C stops at a step boundary and resumes exactly.)", stacklevel=3)
+        return snapshot
+
+    def _restore(self, run: _Run, snapshot: dict[str, Any]) -> None:
+        """Put a snapshot's state into this fit's handlers, metrics, data and generators."""
+        saved = snapshot["handlers"]
+        for name, handler in run.dispatch.by_name.items():
+            if not callable(getattr(handler, "load_state_dict", None)):
+                continue
+            if name in saved:
+                handler.load_state_dict(saved[name])
+            elif handler.state_dict():
+                warnings.warn(f"handler {name!r} has no saved state to resume from; it starts fresh", stacklevel=2)
+        for metric in self.train_metrics + self.val_metrics:
+            name = metric_name(metric)
+            if name in snapshot["metrics"] and callable(getattr(metric, "load_state_dict", None)):
+                metric.load_state_dict(snapshot["metrics"][name])
+        run.history.load_state_dict(snapshot["history"])
+        run.evaluated = snapshot["evaluated"]
+        run.stream.load_state_dict(snapshot["data"])
+        run.pos = Position(**snapshot["position"])
+        if snapshot["partial"] and self.optimizer is not None:
+            self.optimizer.zero_grad(set_to_none=True)
+        rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step
+
+    def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
+        """Resume the current fit from ``snapshot`` (a CheckpointHandler calls this in
+        ``train_begin``). Validated at once; applied when the loop reaches the saved position."""
+        if not self._fitting:
+            raise RuntimeError("request_resume() is only available during fit")
+        self._run.pending = self._resume_plan(snapshot, self._run, source)
+
+    @property
+    def resume_pending(self) -> bool:
+        """True when the current fit will resume from a snapshot."""
+        return self._fitting and self._run.pending is not None
+
+    # -- evaluate --------------------------------------------------------------------------
+    def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
+        """Run ``val_net`` over ``val_data`` in eval mode without gradients.
+
+        Resets and updates the val metrics, fires ``epoch_begin``, ``batch_begin``,
+        ``batch_end`` and ``epoch_end`` to ``event_handlers``, and restores the network's
+        training mode afterwards.
+
+        Returns:
+            ``{metric name: value}`` for every val metric.
+        """
+        _check_iterable(val_data, "val_data")
+        if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
+            raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
+        handlers = check_handlers(event_handlers)
+        if self._fitting:  # during fit: companions such as the progress bar's
+            for handler in self._run.dispatch.handlers:
+                companions = getattr(handler, "evaluation_handlers", None)
+                if companions is not None:
+                    handlers.extend(companions(val_data))
+        dispatch = Dispatch(order_handlers(handlers, []))
+        loss_metrics, other_metrics = split_loss_metrics(self.val_metrics)
+        for metric in self.val_metrics:
+            metric.reset()
+        net, was_training = self.val_net, self.val_net.training
+        net.eval()
+        try:
+            with torch.no_grad():
+                dispatch.fire("epoch_begin", self)
+                seen = 0
+                for batch in val_data:
+                    batch = to_device(batch, self.device)
+                    dispatch.fire("batch_begin", self, batch=batch)
+                    _, label, pred, loss = self.batch_processor.evaluate_batch(self, batch, batch_axis)
+                    update_metrics(loss_metrics, other_metrics, pred, label, loss)
+                    dispatch.fire("batch_end", self, batch=batch, pred=pred, label=label, loss=loss)
+                    seen += 1
+                if seen == 0:
+                    raise ValueError("val_data yielded no batches")
+                dispatch.fire("epoch_end", self)
+        finally:
+            net.train(was_training)
+        self._eval_count += 1
+        if self._fitting:
+            self._run.evaluated = True
+        return {metric_name(m): float(m.compute()) for m in self.val_metrics}
+
+    # -- process-wide settings during fit ---------------------------------------------------
+    @contextlib.contextmanager
+    def _torch_flags(self) -> Iterator[None]:
+        saved = (torch.are_deterministic_algorithms_enabled(),
+                 torch.is_deterministic_algorithms_warn_only_enabled(),
+                 torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+        if self.deterministic:
+            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+            torch.use_deterministic_algorithms(True)
+            torch.backends.cudnn.deterministic = True
+        torch.backends.cudnn.benchmark = self.cudnn_benchmark
+        try:
+            yield
+        finally:
+            torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+            torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
+
+    @contextlib.contextmanager
+    def _deferred_interrupt(self, run: _Run) -> Iterator[None]:
+        """Turn the first Ctrl-C into a stop at the next step boundary (a second one raises)."""
+        if threading.current_thread() is not threading.main_thread() \
+                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
+            yield
+            return
+
+        def on_interrupt(signum: int, frame: Any) -> None:
+            if run.interrupted or run.at_boundary:
+                signal.signal(signal.SIGINT, signal.default_int_handler)
+                raise KeyboardInterrupt
+            run.interrupted = True
+            self.logger.warning("Interrupted: stopping after the current step (Ctrl-C again to stop now); "
+                                "fit(..., resume=True) continues from there.")
+
+        signal.signal(signal.SIGINT, on_interrupt)
+        try:
+            yield
+        finally:
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+
+    def __repr__(self) -> str:
+        return (f"Estimator(net={type(self.net).__name__}, loss={type(self.loss).__name__}, "
+                f"optimizer={type(self.optimizer).__name__}, device={self.device})")
+
+
+def _describe_plan(plan: dict[str, Optional[int]]) -> str:
+    return f"epochs={plan['epochs']}" if plan["epochs"] is not None else f"batches={plan['batches']}"

@@ -1,0 +1,140 @@
+"""What ``fit`` returns: the per-epoch value of every train and validation metric."""
+
+from __future__ import annotations
+
+import csv
+import math
+import os
+from typing import Any, Optional, Union
+
+from ..event_handlers._base import check_state_keys
+
+__all__ = ["History"]
+
+
+class History:
+    """Per-epoch values of every metric, in the order epochs finished.
+
+    ``history["train_loss"]`` is the list of values, one per recorded epoch; a metric that was
+    not computed in an epoch (validation every other epoch, say) holds ``nan`` there.
+    ``history.epochs`` holds the epoch numbers (1-based).
+
+    Example:
+        >>> h = History()
+        >>> h.record(1, {"train_loss": 0.9, "val_loss": 1.0})
+        >>> h.record(2, {"train_loss": 0.5})
+        >>> h["train_loss"], h.epochs
+        ([0.9, 0.5], [1, 2])
+        >>> math.isnan(h["val_loss"][1])
+        True
+    """
+
+    def __init__(self) -> None:
+        self.epochs: list[int] = []
+        self._values: dict[str, list[float]] = {}
+
+    def record(self, epoch: int, values: dict[str, float]) -> None:
+        """Append one epoch's values; metrics missing from ``values`` get ``nan``."""
+        n = len(self.epochs)
+        self.epochs.append(int(epoch))
+        for name, value in values.items():
+            self._values.setdefault(name, [math.nan] * n).append(float(value))
+        for name, column in self._values.items():
+            if len(column) == n:
+                column.append(math.nan)
+
+    @property
+    def metrics(self) -> list[str]:
+        """The recorded metric names."""
+        return list(self._values)
+
+    def __getitem__(self, name: str) -> list[float]:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise KeyError(f"no metric {name!r} in the history; it has {self.metrics}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __len__(self) -> int:
+        return len(self.epochs)
+
+    def __repr__(self) -> str:
+        last = {k: v[-1] for k, v in self._values.items()} if self.epochs else {}
+        return f"History(epochs={len(self.epochs)}, last={last})"
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """``{"epoch": [...], name: [...], ...}`` with copies of the lists."""
+        return {"epoch": list(self.epochs), **{k: list(v) for k, v in self._values.items()}}
+
+    def to_csv(self, path: Union[str, "os.PathLike[str]"]) -> None:
+        """Write one row per epoch, a column per metric (``nan`` cells left empty).
+
+        Refuses to overwrite an existing file.
+        """
+        path = os.fspath(path)
+        if os.path.exists(path):
+            raise FileExistsError(f"path {path!r} already exists; choose a new file name")
+        table = self.to_dict()
+        with open(path, "x", newline="") as f:
+            writer = csv.writer(f)
+            writer.writerow(list(table))
+            for row in zip(*table.values()):
+                writer.writerow(["" if isinstance(v, float) and math.isnan(v) else v for v in row])
+
+    def plot(self, metrics: Optional[list[str]] = None, *, ax: Any = None) -> Any:
+        """Plot train vs validation curves, one panel per metric (needs matplotlib).
+
+        Args:
+            metrics: base names to plot (``"loss"`` plots ``train_loss`` and ``val_loss``).
+                Defaults to every recorded metric.
+            ax: a list of matplotlib axes to draw on, one per metric. Defaults to a new figure.
+
+        Returns:
+            The matplotlib figure.
+        """
+        try:
+            import matplotlib.pyplot as plt
+        except ImportError as err:
+            raise ImportError(
+                "History.plot() needs matplotlib: pip install 'estimatorch[plot]'"
+            ) from err
+        bases = metrics or _base_names(self.metrics)
+        if not bases:
+            raise ValueError("the history is empty: there is nothing to plot")
+        if ax is None:
+            fig, axes = plt.subplots(1, len(bases), figsize=(4.5 * len(bases), 3.5), squeeze=False)
+            axes = list(axes[0])
+        else:
+            axes = list(ax) if isinstance(ax, (list, tuple)) else [ax]
+            fig = axes[0].figure
+        if len(axes) != len(bases):
+            raise ValueError(f"ax holds {len(axes)} axes for {len(bases)} metrics {bases}")
+        for axis, base in zip(axes, bases):
+            for prefix in ("train_", "val_", ""):
+                name = prefix + base
+                if name in self._values:
+                    axis.plot(self.epochs, self._values[name], marker="o", label=name)
+            axis.set_xlabel("epoch")
+            axis.set_title(base)
+            axis.legend()
+        fig.tight_layout()
+        return fig
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"epochs": list(self.epochs), "values": {k: list(v) for k, v in self._values.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, ("epochs", "values"), "History")
+        self.epochs = list(state["epochs"])
+        self._values = {k: list(v) for k, v in state["values"].items()}
+
+
+def _base_names(names: list[str]) -> list[str]:
+    bases: list[str] = []
+    for name in names:
+        base = name.split("_", 1)[1] if name.startswith(("train_", "val_")) else name
+        if base not in bases:
+            bases.append(base)
+    return bases

@@ -1,0 +1,55 @@
+"""Event mixins and the built-in handlers (one module each).
+
+A handler subscribes to events by inheriting their mixins (see :mod:`.mixins`); ``fit`` sorts
+handlers by ``priority`` (lower first).
+"""
+
+from ._base import StatefulHandler
+from ._schedule import EventFilter
+from .early_stopping import EarlyStoppingHandler
+from .gradient_update import GradientUpdateHandler
+from .lambda_handler import LambdaHandler
+from .logging_handler import LoggingHandler
+from .lr_scheduler import LRSchedulerHandler
+from .metric import MetricHandler
+from .mixins import (
+    EVENTS,
+    BackwardBegin,
+    BackwardEnd,
+    BatchBegin,
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    ForwardBegin,
+    ForwardEnd,
+    TrainBegin,
+    TrainEnd,
+)
+from .progress_bar import ProgressBarHandler
+from .stopping import StoppingHandler
+from .validation import ValidationHandler
+
+__all__ = [
+    "EVENTS",
+    "BackwardBegin",
+    "BackwardEnd",
+    "BatchBegin",
+    "BatchEnd",
+    "EarlyStoppingHandler",
+    "EpochBegin",
+    "EpochEnd",
+    "EventFilter",
+    "ForwardBegin",
+    "ForwardEnd",
+    "GradientUpdateHandler",
+    "LRSchedulerHandler",
+    "LambdaHandler",
+    "LoggingHandler",
+    "MetricHandler",
+    "ProgressBarHandler",
+    "StatefulHandler",
+    "StoppingHandler",
+    "TrainBegin",
+    "TrainEnd",
+    "ValidationHandler",
+]

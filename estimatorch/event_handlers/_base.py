@@ -1,0 +1,70 @@
+"""What the built-in handlers share: a name, a priority, and checked ``state_dict`` round-trips."""
+
+from __future__ import annotations
+
+import copy
+from collections.abc import Iterable
+from typing import Any, ClassVar
+
+import torch
+
+__all__ = ["StatefulHandler", "check_state_keys", "check_positive_int"]
+
+
+def check_state_keys(state: Any, keys: Iterable[str], owner: str) -> None:
+    """Raise ``ValueError`` naming the first of ``keys`` missing from ``state``."""
+    if not isinstance(state, dict):
+        raise TypeError(f"state of {owner} must be a dict, got {type(state).__name__}")
+    for key in keys:
+        if key not in state:
+            raise ValueError(f"state of {owner} is missing the key {key!r}")
+
+
+def check_positive_int(value: Any, arg: str, *, allow_none: bool = False, minimum: int = 1) -> Any:
+    """Validate an int argument, naming it and the value in the error."""
+    if value is None and allow_none:
+        return None
+    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        raise ValueError(f"{arg} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+class StatefulHandler:
+    """Base of the built-in handlers.
+
+    Subclasses list the attributes that make up their state in ``_state_attrs``;
+    :meth:`state_dict` copies them and :meth:`load_state_dict` checks that each is present.
+    Counters are reset in ``train_begin`` so one instance can serve many ``fit`` calls.
+    """
+
+    #: Dispatch rank: lower runs first. Ties keep the order handlers were given in.
+    priority: float = 0
+    _state_attrs: ClassVar[tuple[str, ...]] = ()
+
+    @property
+    def name(self) -> str:
+        """The key this handler's state is saved under. Defaults to the class name."""
+        return self.__dict__.get("_name") or type(self).__name__
+
+    @name.setter
+    def name(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"name must be a non-empty str, got {value!r}")
+        self._name = value
+
+    def state_dict(self) -> dict[str, Any]:
+        """This handler's counters, as tensors and plain python values."""
+        return {attr: _copy(getattr(self, attr)) for attr in self._state_attrs}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; raises ``ValueError`` naming a missing key."""
+        check_state_keys(state, self._state_attrs, self.name)
+        for attr in self._state_attrs:
+            setattr(self, attr, _copy(state[attr]))
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)

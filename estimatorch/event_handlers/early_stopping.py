@@ -1,0 +1,115 @@
+"""EarlyStoppingHandler: stop when a monitored metric stops improving."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from typing import Any, Optional
+
+import torch
+
+from ..metrics.base import is_metric, metric_name
+from ._base import StatefulHandler, check_positive_int
+from .mixins import EpochEnd, TrainBegin, TrainEnd
+
+__all__ = ["EarlyStoppingHandler", "resolve_mode"]
+
+
+def resolve_mode(mode: str, monitor: Any, owner: str) -> str:
+    """``"min"`` or ``"max"``; ``"auto"`` follows the monitor's ``higher_is_better``."""
+    if mode not in ("auto", "min", "max"):
+        raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+    if mode != "auto":
+        return mode
+    higher = getattr(monitor, "higher_is_better", None)
+    if not isinstance(higher, bool):
+        raise ValueError(f"{owner}: mode='auto' needs the monitor's higher_is_better, which "
+                         f"{metric_name(monitor)!r} does not declare; pass mode='min' or mode='max'")
+    return "max" if higher else "min"
+
+
+class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
+    """Stop once ``monitor`` has not improved for ``patience`` epochs in a row.
+
+    The monitor's value is read once per epoch (after validation, which runs first). A ``nan``
+    value counts as no improvement, with a warning.
+
+    Args:
+        monitor: a metric the estimator owns, e.g. ``est.val_metrics[0]``.
+        min_delta: the smallest change that counts as an improvement. Defaults to 0.
+        patience: epochs without improvement before stopping (0 and 1 both stop at the first
+            one without improvement). Defaults to 0.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the metric's ``higher_is_better``: min for
+            losses). Defaults to ``"auto"``.
+        baseline: a value the monitor must beat; None starts from the first value. Defaults to None.
+        restore_best_weights: load the best epoch's weights at the end of training (whether or
+            not it stopped early). Defaults to False.
+
+    Example:
+        >>> from estimatorch.metrics import Loss
+        >>> EarlyStoppingHandler(Loss(), patience=2).mode
+        'min'
+    """
+
+    _state_attrs = ("current_epoch", "best", "best_epoch", "wait", "stopped_epoch", "best_weights")
+
+    def __init__(self, monitor: Any, min_delta: float = 0, patience: int = 0, mode: str = "auto",
+                 baseline: Optional[float] = None, restore_best_weights: bool = False):
+        if not is_metric(monitor):
+            raise TypeError(f"monitor must be a metric object the estimator owns (e.g. est.val_metrics[0]), got {monitor!r}")
+        if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not min_delta >= 0:
+            raise ValueError(f"min_delta must be a non-negative number, got {min_delta!r}")
+        check_positive_int(patience, "patience", minimum=0)
+        if baseline is not None and (isinstance(baseline, bool) or not isinstance(baseline, numbers.Real)):
+            raise ValueError(f"baseline must be a number or None, got {baseline!r}")
+        if not isinstance(restore_best_weights, bool):
+            raise TypeError(f"restore_best_weights must be a bool, got {restore_best_weights!r}")
+        self.monitor = monitor
+        self.min_delta = float(min_delta)
+        self.patience = patience
+        self.mode = resolve_mode(mode, monitor, "EarlyStoppingHandler")
+        self.baseline = None if baseline is None else float(baseline)
+        self.restore_best_weights = restore_best_weights
+        self._reset()
+
+    def _reset(self) -> None:
+        self.current_epoch = 0
+        self.best = self.baseline if self.baseline is not None else (math.inf if self.mode == "min" else -math.inf)
+        self.best_epoch = 0
+        self.wait = 0
+        self.stopped_epoch = 0
+        self.best_weights: Optional[dict[str, torch.Tensor]] = None
+
+    def _improved(self, value: float) -> bool:
+        if self.mode == "min":
+            return value < self.best - self.min_delta
+        return value > self.best + self.min_delta
+
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self._reset()
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
+        self.current_epoch += 1
+        value = float(self.monitor.compute())
+        if math.isnan(value):
+            warnings.warn(f"EarlyStoppingHandler: {metric_name(self.monitor)} is nan in epoch "
+                          f"{self.current_epoch}; counted as no improvement", stacklevel=2)
+        elif self._improved(value):
+            self.best, self.best_epoch, self.wait = value, self.current_epoch, 0
+            if self.restore_best_weights:
+                self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in estimator.net.state_dict().items()}
+            return False
+        self.wait += 1
+        if self.wait >= self.patience:
+            self.stopped_epoch = self.current_epoch
+            estimator.logger.info("[Epoch %d] Early stopping: %s has not improved for %d epoch(s) (best %.6g at epoch %d)",
+                                  self.current_epoch, metric_name(self.monitor), self.wait, self.best, self.best_epoch)
+            return True
+        return False
+
+    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        if self.restore_best_weights and self.best_weights is not None:
+            estimator.net.load_state_dict(self.best_weights)
+            estimator.logger.info("Restored the weights of epoch %d (best %s: %.6g)",
+                                  self.best_epoch, metric_name(self.monitor), self.best)

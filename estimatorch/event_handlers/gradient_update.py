@@ -1,0 +1,90 @@
+"""GradientUpdateHandler: step the optimizer, with gradient accumulation and clipping."""
+
+from __future__ import annotations
+
+import numbers
+from typing import Any, Optional
+
+import torch
+
+from ._base import StatefulHandler, check_positive_int, check_state_keys
+from .mixins import BatchEnd, EpochEnd, TrainBegin
+
+__all__ = ["GradientUpdateHandler"]
+
+
+class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+    """Step the optimizer (and the grad scaler under ``"16-mixed"``), then zero the gradients.
+
+    Runs at priority -2000, first in ``batch_end``. With ``accumulation_steps=k`` the gradients
+    of ``k`` batches are averaged before a step; an epoch's leftover batches are stepped at its
+    end. Accumulated gradients are part of the state, so a resume between steps is exact.
+
+    Args:
+        accumulation_steps: batches per optimizer step. Defaults to 1.
+        clip_grad_norm: clip the gradients' total 2-norm to this value before stepping.
+            Defaults to None (no clipping).
+
+    Example:
+        >>> h = GradientUpdateHandler(accumulation_steps=4, clip_grad_norm=1.0)
+        >>> h.accumulation_steps, h.clip_grad_norm
+        (4, 1.0)
+    """
+
+    priority = -2000
+    _state_attrs = ("pending",)
+
+    def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
+        self.accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
+        if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real)
+                                           or not clip_grad_norm > 0):
+            raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
+        self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
+        self.pending = 0
+        self._params: list[torch.nn.Parameter] = []
+
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.pending = 0
+        self._params = [p for group in estimator.optimizer.param_groups for p in group["params"]]
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.pending += 1
+        if self.pending >= self.accumulation_steps:
+            self._step(estimator)
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        if self.pending:
+            self._step(estimator)
+
+    def _step(self, estimator: Any) -> None:
+        optimizer, scaler = estimator.optimizer, estimator.grad_scaler
+        if self.pending > 1:
+            for p in self._params:
+                if p.grad is not None:
+                    p.grad.div_(self.pending)
+        if self.clip_grad_norm is not None:
+            if scaler is not None:
+                scaler.unscale_(optimizer)
+            torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+        if scaler is not None:
+            scaler.step(optimizer)
+            scaler.update()
+        else:
+            optimizer.step()
+        optimizer.zero_grad(set_to_none=True)
+        self.pending = 0
+
+    def state_dict(self) -> dict[str, Any]:
+        grads = [p.grad.detach().clone() if p.grad is not None else None for p in self._params] \
+            if self.pending else None
+        return {"pending": self.pending, "grads": grads}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, ("pending", "grads"), self.name)
+        self.pending = state["pending"]
+        if state["grads"] is not None:
+            if len(state["grads"]) != len(self._params):
+                raise ValueError(f"state of {self.name} holds {len(state['grads'])} gradients for "
+                                 f"{len(self._params)} parameters")
+            for p, g in zip(self._params, state["grads"]):
+                p.grad = None if g is None else g.to(p.device).clone()

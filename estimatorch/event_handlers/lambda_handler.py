@@ -1,0 +1,104 @@
+"""LambdaHandler: plain functions as handlers, with ``every`` / ``once`` / ... filters."""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional
+
+from ._base import StatefulHandler
+from ._schedule import EventFilter
+from .mixins import EVENTS, TrainBegin
+
+__all__ = ["LambdaHandler"]
+
+_BATCH_EVENTS = {"batch_begin", "forward_begin", "forward_end", "backward_begin", "backward_end", "batch_end"}
+_CLASSES: dict[frozenset, type] = {}
+
+
+def _event_method(event: str) -> Callable[..., Any]:
+    def method(self: "LambdaHandler", estimator: Any, **kwargs: Any) -> Any:
+        count = self.counts[event] = self.counts[event] + 1
+        if self._filter(count):
+            return self._fns[event](estimator, **kwargs)
+        return None
+
+    method.__name__ = event
+    return method
+
+
+def _train_begin(self: "LambdaHandler", estimator: Any, **kwargs: Any) -> None:
+    self.counts = dict.fromkeys(self._fns, 0)
+    fn = self._fns.get("train_begin")
+    if fn is not None and self._filter(1):
+        fn(estimator, **kwargs)
+
+
+def _handler_class(events: frozenset) -> type:
+    """A LambdaHandler subclass inheriting exactly the mixins of ``events`` (and TrainBegin,
+    which resets the counts), so it is called for nothing else."""
+    cls = _CLASSES.get(events)
+    if cls is None:
+        mixins = [EVENTS[e] for e in EVENTS if e in events and e != "train_begin"]
+        body: dict[str, Any] = {e: _event_method(e) for e in events if e != "train_begin"}
+        body["train_begin"] = _train_begin
+        name = f"LambdaHandler[{','.join(e for e in EVENTS if e in events)}]"
+        cls = _CLASSES[events] = type(name, (LambdaHandler, TrainBegin, *mixins), body)
+    return cls
+
+
+class LambdaHandler(StatefulHandler):
+    """Run plain functions on events: ``LambdaHandler(batch_end=fn, every=100)``.
+
+    Each function is called as ``fn(estimator, **kwargs)`` with the event's keywords; a
+    ``batch_end``/``epoch_end`` function may return True to stop. The handler subscribes only to
+    the events given. Filters count each event's occurrences from 1: batches for batch-level
+    events, epochs for epoch-level events.
+
+    Args:
+        train_begin, epoch_begin, batch_begin, forward_begin, forward_end, backward_begin,
+            backward_end, batch_end, epoch_end, train_end: functions. At least one is required.
+        every: fire on every ``every``-th occurrence. Defaults to None.
+        once: fire only on this occurrence (or these). Defaults to None.
+        before: fire only on occurrences < ``before``. Defaults to None.
+        after: fire only on occurrences > ``after``. Defaults to None.
+        predicate: fire only when ``predicate(count)`` is true. Defaults to None.
+        priority: Defaults to 0.
+
+    Example:
+        >>> seen = []
+        >>> h = LambdaHandler(batch_end=lambda est, **kw: seen.append(kw["loss"]), every=2)
+        >>> h.train_begin(None)
+        >>> for i in range(5):
+        ...     _ = h.batch_end(None, batch=None, pred=None, label=None, loss=i)
+        >>> seen
+        [1, 3]
+    """
+
+    _state_attrs = ("counts",)
+
+    def __new__(cls, **kwargs: Any) -> "LambdaHandler":
+        events = frozenset(e for e in EVENTS if kwargs.get(e) is not None)
+        if not events:
+            raise ValueError(f"LambdaHandler needs at least one event function, one of {list(EVENTS)}")
+        return super().__new__(_handler_class(events))
+
+    def __init__(self, *, every: Optional[int] = None, once: Any = None, before: Optional[int] = None,
+                 after: Optional[int] = None, predicate: Optional[Callable[[int], bool]] = None,
+                 priority: float = 0, **functions: Optional[Callable[..., Any]]):
+        unknown = sorted(set(functions) - set(EVENTS))
+        if unknown:
+            raise TypeError(f"LambdaHandler got an unknown event {unknown[0]!r}; events are {list(EVENTS)}")
+        self._fns = {e: fn for e, fn in functions.items() if fn is not None}
+        for event, fn in self._fns.items():
+            if not callable(fn):
+                raise TypeError(f"{event} must be callable, got {fn!r}")
+        self._filter = EventFilter(every=every, once=once, before=before, after=after, predicate=predicate)
+        self.priority = priority
+        self.counts = dict.fromkeys(self._fns, 0)
+
+    def __reduce__(self) -> Any:  # dynamic classes pickle through the base
+        raise TypeError("LambdaHandler holds plain functions and cannot be pickled")
+
+    def __deepcopy__(self, memo: dict) -> "LambdaHandler":
+        new = object.__new__(type(self))
+        new.__dict__.update({k: (dict(v) if k == "counts" else v) for k, v in self.__dict__.items()})
+        return new

@@ -1,0 +1,167 @@
+"""LoggingHandler: training progress through ``est.logger`` and, optionally, a log file."""
+
+from __future__ import annotations
+
+import logging
+import os
+import shutil
+import time
+from typing import Any, Optional, Union
+
+from .. import distributed
+from ..metrics.base import metric_name
+from ._base import StatefulHandler, check_positive_int, check_state_keys
+from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
+
+__all__ = ["LoggingHandler", "format_metrics"]
+
+
+def format_metrics(values: dict[str, float]) -> str:
+    """``"train_loss: 0.1234, train_accuracy: 0.9700"``."""
+    return ", ".join(f"{name}: {value:.4f}" for name, value in values.items())
+
+
+class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+    """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
+
+    Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
+    Metric values are read from the device only on the lines that show them. Runs last
+    (priority +inf), after validation and checkpoints.
+
+    Args:
+        log_interval: ``"epoch"`` for a line per epoch, or an int for a line every that many
+            batches as well. Defaults to ``"epoch"``.
+        metrics: the metrics to show. Defaults to every train and val metric of the estimator.
+        log_dir: also write the lines to ``<log_dir>/<run_name>_<MonthDay_H-M-S>.log`` (created
+            if missing). A run resumed from a checkpoint keeps writing to its first file.
+            Defaults to None (no file).
+        run_name: the log file's prefix. Defaults to ``"train"``.
+
+    Example:
+        >>> LoggingHandler(log_interval=50).log_interval
+        50
+    """
+
+    priority = float("inf")
+    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "total_batches", "log_file")
+
+    def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
+                 log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
+        if log_interval != "epoch":
+            check_positive_int(log_interval, "log_interval")
+        if not isinstance(run_name, str) or not run_name or os.sep in run_name:
+            raise ValueError(f"run_name must be a non-empty file-name prefix, got {run_name!r}")
+        self.log_interval = log_interval
+        self.metrics = None if metrics is None else (list(metrics) if isinstance(metrics, (list, tuple)) else [metrics])
+        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.run_name = run_name
+        self.current_epoch = 0
+        self.batch_in_epoch = 0
+        self.samples_in_epoch = 0
+        self.total_batches = 0
+        self.log_file: Optional[str] = None
+        self._file_handler: Optional[logging.FileHandler] = None
+        self._logger: Optional[logging.Logger] = None
+        self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
+
+    # -- helpers ---------------------------------------------------------------------------
+    def _shown(self, estimator: Any, train_only: bool = False) -> list[Any]:
+        metrics = self.metrics if self.metrics is not None else estimator.train_metrics + estimator.val_metrics
+        if train_only:
+            val = {id(m) for m in estimator.val_metrics}
+            metrics = [m for m in metrics if id(m) not in val]
+        return metrics
+
+    def _values(self, metrics: list[Any]) -> dict[str, float]:
+        return {metric_name(m): float(m.compute()) for m in metrics}
+
+    def _epoch_label(self, estimator: Any) -> str:
+        total = f"/{estimator.max_epoch}" if estimator.max_epoch else ""
+        return f"[Epoch {self.current_epoch + 1}{total}]"
+
+    def _open_file(self, logger: logging.Logger, path: str, mode: str) -> None:
+        handler = logging.FileHandler(path, mode=mode, encoding="utf-8")
+        handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
+        logger.addHandler(handler)
+        self._file_handler = handler
+
+    def _close_file(self) -> None:
+        if self._file_handler is not None and self._logger is not None:
+            self._logger.removeHandler(self._file_handler)
+            self._file_handler.close()
+        self._file_handler = None
+
+    # -- events ----------------------------------------------------------------------------
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_epoch = self.batch_in_epoch = self.samples_in_epoch = self.total_batches = 0
+        self._train_start = time.perf_counter()
+        self._logger = estimator.logger
+        self._close_file()
+        self.log_file = None
+        if self.log_dir is not None and distributed.is_main_process():
+            os.makedirs(self.log_dir, exist_ok=True)
+            stamp = time.strftime("%b%d_%H-%M-%S")
+            path = os.path.join(self.log_dir, f"{self.run_name}_{stamp}.log")
+            n = 1
+            while os.path.exists(path):  # never append to another run's file
+                n += 1
+                path = os.path.join(self.log_dir, f"{self.run_name}_{stamp}_{n}.log")
+            self.log_file = path
+            self._open_file(estimator.logger, path, "w")
+        optimizer = estimator.optimizer
+        lrs = ", ".join(f"{g['lr']:.6g}" for g in optimizer.param_groups)
+        plan = f"{estimator.max_epoch} epochs" if estimator.max_epoch else f"{estimator.max_batch} batches"
+        estimator.logger.info("Training begin: %s (lr %s) on %s, %s, seed %d, %d process%s",
+                              type(optimizer).__name__, lrs, estimator.device, plan, estimator.seed,
+                              distributed.get_world_size(), "es" if distributed.get_world_size() > 1 else "")
+
+    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.batch_in_epoch = self.samples_in_epoch = 0
+        self._epoch_start = self._interval_start = time.perf_counter()
+
+    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+        from ..estimator._data import batch_size_of
+
+        self.batch_in_epoch += 1
+        self.total_batches += 1
+        self.samples_in_epoch += batch_size_of(label, estimator.batch_axis)
+        if self.log_interval == "epoch" or self.batch_in_epoch % self.log_interval:
+            return
+        now = time.perf_counter()
+        values = self._values(self._shown(estimator, train_only=True))
+        estimator.logger.info("%s[Batch %d][Samples %d] %.3fs/%d batches, %s", self._epoch_label(estimator),
+                              self.batch_in_epoch, self.samples_in_epoch, now - self._interval_start,
+                              self.log_interval, format_metrics(values))
+        self._interval_start = now
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        elapsed = time.perf_counter() - self._epoch_start
+        values = self._values(self._shown(estimator))
+        estimator.logger.info("%s Finished in %.3fs, %d batches: %s", self._epoch_label(estimator),
+                              elapsed, self.batch_in_epoch, format_metrics(values))
+        self.current_epoch += 1
+
+    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        elapsed = time.perf_counter() - self._train_start
+        values = self._values(self._shown(estimator))
+        estimator.logger.info("Train finished in %.3fs: %d epochs, %d batches. %s", elapsed,
+                              self.current_epoch, self.total_batches, format_metrics(values))
+        self._close_file()
+
+    # -- state -----------------------------------------------------------------------------
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, self._state_attrs, self.name)
+        saved_file, current = state["log_file"], self.log_file
+        for attr in self._state_attrs:
+            if attr != "log_file":
+                setattr(self, attr, state[attr])
+        if saved_file and current and saved_file != current and os.path.exists(saved_file):
+            # A resumed run continues its first file: move this run's opening lines there.
+            logger = self._logger
+            self._close_file()
+            with open(current, encoding="utf-8") as src, open(saved_file, "a", encoding="utf-8") as dst:
+                shutil.copyfileobj(src, dst)
+            os.remove(current)
+            self.log_file = saved_file
+            if logger is not None:
+                self._open_file(logger, saved_file, "a")

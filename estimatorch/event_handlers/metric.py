@@ -1,0 +1,49 @@
+"""MetricHandler: update the train metrics after every batch."""
+
+from __future__ import annotations
+
+from typing import Any
+
+from ..metrics.base import is_metric, split_loss_metrics, update_metrics
+from ._base import StatefulHandler
+from .mixins import BatchEnd, EpochBegin
+
+__all__ = ["MetricHandler"]
+
+
+class MetricHandler(StatefulHandler, EpochBegin, BatchEnd):
+    """Reset the metrics at each epoch's start and update them after every batch.
+
+    Loss metrics are updated with the batch loss, the others with ``(pred, label)``; the values
+    stay on the device (no host sync per step). Runs at priority -1000, before handlers that
+    read the metrics. The metrics' accumulators are saved with the estimator's metrics.
+
+    Args:
+        metrics: the metric objects to update, normally ``est.train_metrics``.
+
+    Example:
+        >>> import torch
+        >>> from estimatorch.metrics import Loss
+        >>> m = Loss()
+        >>> h = MetricHandler([m])
+        >>> h.batch_end(None, batch=None, pred=None, label=torch.zeros(4), loss=torch.tensor(0.5))
+        >>> m.compute()
+        0.5
+    """
+
+    priority = -1000
+
+    def __init__(self, metrics: Any):
+        items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
+        for m in items:
+            if not is_metric(m):
+                raise TypeError(f"metrics must hold metrics (update/compute/reset), got {m!r}")
+        self.metrics = items
+        self._loss_metrics, self._other_metrics = split_loss_metrics(items)
+
+    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        for metric in self.metrics:
+            metric.reset()
+
+    def batch_end(self, estimator: Any, *, pred: Any, label: Any, loss: Any, **kwargs: Any) -> None:
+        update_metrics(self._loss_metrics, self._other_metrics, pred, label, loss)

@@ -1,0 +1,53 @@
+"""StoppingHandler: stop after a number of epochs or batches."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from ._base import StatefulHandler, check_positive_int
+from .mixins import BatchEnd, EpochEnd, TrainBegin
+
+__all__ = ["StoppingHandler"]
+
+
+class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+    """Stop training after ``max_epoch`` epochs or ``max_batch`` batches in total.
+
+    Limits left at None are read from the estimator's plan (``fit(epochs=...)`` /
+    ``fit(batches=...)``) at ``train_begin``. ``fit`` adds one when you pass none.
+
+    Args:
+        max_epoch: Defaults to None (the plan's ``epochs``).
+        max_batch: Defaults to None (the plan's ``batches``).
+
+    Example:
+        >>> h = StoppingHandler(max_batch=2)
+        >>> class Est: max_epoch, max_batch = None, None
+        >>> h.train_begin(Est())
+        >>> [h.batch_end(Est(), batch=None, pred=None, label=None, loss=None) for _ in range(2)]
+        [False, True]
+    """
+
+    _state_attrs = ("current_epoch", "current_batch")
+
+    def __init__(self, max_epoch: Optional[int] = None, max_batch: Optional[int] = None):
+        self.max_epoch = check_positive_int(max_epoch, "max_epoch", allow_none=True)
+        self.max_batch = check_positive_int(max_batch, "max_batch", allow_none=True)
+        self.current_epoch = 0
+        self.current_batch = 0
+        self._max_epoch = max_epoch
+        self._max_batch = max_batch
+
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_epoch = 0
+        self.current_batch = 0
+        self._max_epoch = self.max_epoch if self.max_epoch is not None else estimator.max_epoch
+        self._max_batch = self.max_batch if self.max_batch is not None else estimator.max_batch
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> bool:
+        self.current_batch += 1
+        return self._max_batch is not None and self.current_batch >= self._max_batch
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
+        self.current_epoch += 1
+        return self._max_epoch is not None and self.current_epoch >= self._max_epoch

@@ -1,0 +1,75 @@
+"""ValidationHandler: evaluate every few epochs and/or batches."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Callable, Optional
+
+from ._base import StatefulHandler, check_positive_int
+from ._schedule import EventFilter
+from .mixins import BatchEnd, EpochEnd, TrainBegin
+
+__all__ = ["ValidationHandler"]
+
+
+class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+    """Call ``eval_fn(val_data, batch_axis=..., event_handlers=...)`` on a schedule.
+
+    Runs at priority -1000: after the optimizer step and metric updates, before checkpoints and
+    early stopping, which then see fresh validation values.
+
+    Args:
+        val_data: the validation batches.
+        eval_fn: normally ``est.evaluate``.
+        epoch_period: evaluate every this many epochs; None for never. Defaults to 1.
+        batch_period: evaluate every this many batches (counted over the run). Defaults to None.
+        event_handlers: handlers ``eval_fn`` passes its events to. Defaults to None.
+
+    Example:
+        >>> calls = []
+        >>> h = ValidationHandler([1], lambda data, **kw: calls.append(len(data)), epoch_period=2)
+        >>> class Est: batch_axis = 0
+        >>> h.train_begin(Est())
+        >>> for _ in range(4):
+        ...     _ = h.epoch_end(Est())
+        >>> calls
+        [1, 1]
+    """
+
+    priority = -1000
+    _state_attrs = ("current_epoch", "current_batch")
+
+    def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,
+                 batch_period: Optional[int] = None, event_handlers: Any = None):
+        from ..estimator._dispatch import check_handlers
+
+        if not isinstance(val_data, Iterable) or isinstance(val_data, (str, bytes)):
+            raise TypeError(f"val_data must be an iterable of batches, got {type(val_data).__name__}")
+        if not callable(eval_fn):
+            raise TypeError(f"eval_fn must be callable (e.g. est.evaluate), got {eval_fn!r}")
+        self.val_data = val_data
+        self.eval_fn = eval_fn
+        self.epoch_period = check_positive_int(epoch_period, "epoch_period", allow_none=True)
+        self.batch_period = check_positive_int(batch_period, "batch_period", allow_none=True)
+        self.event_handlers = check_handlers(event_handlers, "event_handlers")
+        self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
+        self._batch_filter = EventFilter(every=batch_period) if batch_period else None
+        self.current_epoch = 0
+        self.current_batch = 0
+
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_epoch = 0
+        self.current_batch = 0
+
+    def _evaluate(self, estimator: Any) -> None:
+        self.eval_fn(self.val_data, batch_axis=estimator.batch_axis, event_handlers=self.event_handlers)
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_batch += 1
+        if self._batch_filter is not None and self._batch_filter(self.current_batch):
+            self._evaluate(estimator)
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_epoch += 1
+        if self._epoch_filter is not None and self._epoch_filter(self.current_epoch):
+            self._evaluate(estimator)

@@ -1,0 +1,21 @@
+"""Metrics that accumulate on the device and reduce across ranks inside ``compute()``.
+
+Any object with the same duck type (``update(preds, target)``, ``compute()``, ``reset()``), such
+as a torchmetrics metric, is accepted wherever a metric is.
+"""
+
+from .accuracy import Accuracy, TopKAccuracy
+from .base import Metric, is_metric, metric_name
+from .loss import Loss
+from .regression import MeanAbsoluteError, MeanSquaredError
+
+__all__ = [
+    "Accuracy",
+    "Loss",
+    "MeanAbsoluteError",
+    "MeanSquaredError",
+    "Metric",
+    "TopKAccuracy",
+    "is_metric",
+    "metric_name",
+]

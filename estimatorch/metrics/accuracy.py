@@ -1,0 +1,102 @@
+"""Classification metrics: :class:`Accuracy` and :class:`TopKAccuracy`."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .base import Metric, _ratio
+
+__all__ = ["Accuracy", "TopKAccuracy"]
+
+
+class Accuracy(Metric):
+    """Fraction of samples whose predicted class equals the target.
+
+    ``preds`` may be scores with a class dimension at axis 1 (``(N, C, ...)``, argmax is taken),
+    class indices of the target's shape, or probabilities of the target's shape for binary
+    problems (thresholded at ``threshold``).
+
+    Args:
+        name: Defaults to ``"accuracy"``.
+        threshold: for binary probabilities. Defaults to 0.5.
+        device: Defaults to the CPU.
+
+    Example:
+        >>> import torch
+        >>> m = Accuracy()
+        >>> m.update(torch.tensor([[2.0, 1.0], [0.0, 3.0]]), torch.tensor([0, 0]))
+        >>> m.compute()
+        0.5
+    """
+
+    default_name = "accuracy"
+    higher_is_better = True
+
+    def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, device: Any = None):
+        super().__init__(name, device=device)
+        if not 0.0 < float(threshold) < 1.0:
+            raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
+        self.threshold = float(threshold)
+        self.add_state("correct", torch.zeros((), dtype=torch.int64))
+        self.add_state("count", 0)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        preds = preds.detach()
+        if preds.dim() == target.dim() + 1:
+            labels = preds.argmax(dim=1)
+        elif preds.shape == target.shape:
+            labels = preds >= self.threshold if preds.is_floating_point() else preds
+        else:
+            raise ValueError(
+                f"{self.name}: preds of shape {tuple(preds.shape)} do not match target of shape "
+                f"{tuple(target.shape)}; expected (N, C, ...) scores or the target's shape"
+            )
+        self.correct.add_((labels == target).sum())
+        self.count += target.numel()
+
+    def _value(self, states: dict[str, Any]) -> torch.Tensor:
+        return _ratio(states["correct"].double(), states["count"])
+
+
+class TopKAccuracy(Metric):
+    """Fraction of samples whose target is among the ``top_k`` highest scores (axis 1).
+
+    Args:
+        top_k: how many classes count as a hit. Defaults to 5.
+        name: Defaults to ``"top{k}_accuracy"``.
+        device: Defaults to the CPU.
+
+    Example:
+        >>> import torch
+        >>> m = TopKAccuracy(top_k=2)
+        >>> m.update(torch.tensor([[0.5, 0.3, 0.2], [0.5, 0.3, 0.2]]), torch.tensor([1, 2]))
+        >>> m.compute()
+        0.5
+    """
+
+    higher_is_better = True
+
+    def __init__(self, top_k: int = 5, name: Optional[str] = None, *, device: Any = None):
+        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+            raise ValueError(f"top_k must be a positive int, got {top_k!r}")
+        self.top_k = top_k
+        super().__init__(name or f"top{top_k}_accuracy", device=device)
+        self.add_state("correct", torch.zeros((), dtype=torch.int64))
+        self.add_state("count", 0)
+
+    def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
+        preds = preds.detach()
+        if preds.dim() != target.dim() + 1:
+            raise ValueError(
+                f"{self.name}: preds must be (N, C, ...) scores for a target of shape "
+                f"{tuple(target.shape)}, got {tuple(preds.shape)}"
+            )
+        k = min(self.top_k, preds.shape[1])
+        top = preds.topk(k, dim=1).indices
+        self.correct.add_((top == target.unsqueeze(1)).any(dim=1).sum())
+        self.count += target.numel()
+
+    def _value(self, states: dict[str, Any]) -> torch.Tensor:
+        return _ratio(states["correct"].double(), states["count"])

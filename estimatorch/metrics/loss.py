@@ -1,0 +1,53 @@
+"""The :class:`Loss` metric: the running mean of a loss over samples."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .base import Metric, _ratio
+
+__all__ = ["Loss"]
+
+
+class Loss(Metric):
+    """Running mean of a loss, weighted by the number of samples in each batch.
+
+    ``update(loss, target)`` takes the loss the step computed: a scalar (a batch mean, weighted
+    by ``len(target)``) or one value per sample (averaged over all of them). The accumulator
+    stays on the loss's device in float64.
+
+    Args:
+        name: Defaults to ``"loss"``.
+        device: Defaults to the CPU.
+
+    Example:
+        >>> import torch
+        >>> m = Loss()
+        >>> m.update(torch.tensor(1.0), torch.zeros(2))
+        >>> m.update(torch.tensor(4.0), torch.zeros(1))
+        >>> m.compute()
+        2.0
+    """
+
+    default_name = "loss"
+    higher_is_better = False
+
+    def __init__(self, name: Optional[str] = None, *, device: Any = None):
+        super().__init__(name, device=device)
+        self.add_state("total", torch.zeros((), dtype=torch.float64))
+        self.add_state("count", 0)
+
+    def update(self, preds: torch.Tensor, target: Any = None) -> None:
+        loss = preds.detach()
+        if loss.dim() == 0:
+            n = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() > 0 else 1
+            self.total.add_(loss, alpha=n)
+        else:
+            n = loss.numel()
+            self.total.add_(loss.sum())
+        self.count += n
+
+    def _value(self, states: dict[str, Any]) -> torch.Tensor:
+        return _ratio(states["total"], states["count"])

@@ -1,0 +1,219 @@
+"""Seeding, capture and restore of every random number generator estimatorch knows about.
+
+The generators are python's ``random``, torch's CPU generator, every CUDA device's generator and
+the library's numpy :class:`numpy.random.Generator` (:func:`default_numpy_rng`). numpy's legacy
+global ``np.random.*`` state is never touched: code that wants reproducible numpy draws uses
+``default_numpy_rng()``.
+
+This module is the only place in estimatorch that reads or writes RNG state.
+
+Example:
+    >>> from estimatorch import rng
+    >>> _ = rng.seed_everything(7)
+    >>> a = rng.default_numpy_rng().random()
+    >>> with rng.keep_random_state():
+    ...     _ = rng.seed_everything(123)
+    >>> _ = rng.seed_everything(7)
+    >>> rng.default_numpy_rng().random() == a
+    True
+"""
+
+from __future__ import annotations
+
+import contextlib
+import random
+from collections.abc import Iterator
+from typing import Any, Optional
+
+import numpy as np
+import torch
+
+__all__ = [
+    "DEFAULT_SEED",
+    "default_numpy_rng",
+    "derive_seed",
+    "get_state",
+    "keep_random_state",
+    "sample_seeding",
+    "seed_everything",
+    "seed_worker",
+    "set_state",
+]
+
+#: The seed used when none is given (``seed_everything()``, ``Estimator(seed=None)``).
+DEFAULT_SEED = 0
+
+_MASK64 = (1 << 64) - 1
+_MASK128 = (1 << 128) - 1
+_NUMPY_RNG = np.random.Generator(np.random.PCG64(DEFAULT_SEED))
+_REQUIRED_KEYS = ("python", "torch", "numpy")
+
+
+def default_numpy_rng() -> np.random.Generator:
+    """Return the library's numpy generator, seeded by :func:`seed_everything`.
+
+    The object is the same for the life of the process (it is reseeded in place), so holding a
+    reference to it is safe.
+    """
+    return _NUMPY_RNG
+
+
+def _check_seed(seed: Any, arg: str = "seed") -> int:
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
+        raise ValueError(f"{arg} must be a non-negative int, got {seed!r}")
+    return int(seed)
+
+
+def _splitmix64(x: int) -> int:
+    x = (x + 0x9E3779B97F4A7C15) & _MASK64
+    x = ((x ^ (x >> 30)) * 0xBF58476D1CE4E5B9) & _MASK64
+    x = ((x ^ (x >> 27)) * 0x94D049BB133111EB) & _MASK64
+    return x ^ (x >> 31)
+
+
+def derive_seed(*parts: int) -> int:
+    """Hash integers (seed, epoch, index, rank, ...) into one well-mixed 63-bit seed.
+
+    A pure function: the same parts give the same seed on every machine and process. Used to make
+    randomness a function of position, e.g. ``derive_seed(seed, epoch, sample_index)``.
+    """
+    h = 0x6A09E667F3BCC908
+    for part in parts:
+        h = _splitmix64(h ^ (int(part) & _MASK64))
+    return h >> 1
+
+
+def seed_everything(seed: Optional[int] = None) -> int:
+    """Seed python ``random``, torch (CPU and every CUDA device) and :func:`default_numpy_rng`.
+
+    Args:
+        seed: a non-negative int. Defaults to :data:`DEFAULT_SEED` (0).
+
+    Returns:
+        The seed used.
+    """
+    seed = DEFAULT_SEED if seed is None else _check_seed(seed)
+    random.seed(seed)
+    torch.manual_seed(seed)  # also seeds every CUDA device (lazily where not initialised)
+    _NUMPY_RNG.bit_generator.state = np.random.PCG64(seed).state
+    return seed
+
+
+def get_state() -> dict[str, Any]:
+    """Capture the state of every generator, as plain tensors and python values.
+
+    The result can be saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``.
+    """
+    state: dict[str, Any] = {
+        "python": random.getstate(),
+        "torch": torch.get_rng_state(),
+        "numpy": _NUMPY_RNG.bit_generator.state,
+    }
+    if torch.cuda.is_available():
+        state["cuda"] = torch.cuda.get_rng_state_all()
+    return state
+
+
+def set_state(state: dict[str, Any]) -> None:
+    """Restore a state captured by :func:`get_state`.
+
+    Raises:
+        ValueError: when a required key is missing, a key is unknown, or the saved CUDA states do
+            not match this machine's device count. Nothing is restored in that case.
+    """
+    if not isinstance(state, dict):
+        raise TypeError(f"state must be a dict from rng.get_state(), got {type(state).__name__}")
+    missing = [k for k in _REQUIRED_KEYS if k not in state]
+    if missing:
+        raise ValueError(f"RNG state is missing the key {missing[0]!r} (has {sorted(state)})")
+    unknown = sorted(set(state) - set(_REQUIRED_KEYS) - {"cuda"})
+    if unknown:
+        raise ValueError(f"RNG state has unknown key {unknown[0]!r}")
+    cuda_states = state.get("cuda")
+    if cuda_states is not None:
+        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+        if len(cuda_states) != have:
+            raise ValueError(
+                f"RNG state holds {len(cuda_states)} CUDA generator states but this process "
+                f"sees {have} CUDA devices"
+            )
+    numpy_state = state["numpy"]
+    if numpy_state.get("bit_generator") != type(_NUMPY_RNG.bit_generator).__name__:
+        raise ValueError(
+            f"RNG state's numpy bit generator is {numpy_state.get('bit_generator')!r}, "
+            f"expected {type(_NUMPY_RNG.bit_generator).__name__!r}"
+        )
+    random.setstate(_as_python_state(state["python"]))
+    torch.set_rng_state(state["torch"])
+    _NUMPY_RNG.bit_generator.state = numpy_state
+    if cuda_states is not None:
+        torch.cuda.set_rng_state_all(cuda_states)
+
+
+def _as_python_state(value: Any) -> tuple:
+    # torch.save keeps tuples, other serialisers turn them into lists: accept both.
+    version, internal, gauss = value
+    return (version, tuple(internal), gauss)
+
+
+class keep_random_state(contextlib.ContextDecorator):
+    """Shield a block or a function: every generator is restored on exit, also on exceptions.
+
+    Use it as ``with keep_random_state(): ...`` or as a decorator ``@keep_random_state()``.
+    """
+
+    def __enter__(self) -> "keep_random_state":
+        self._saved = get_state()
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        set_state(self._saved)
+
+
+def seed_worker(worker_id: int) -> None:
+    """``worker_init_fn`` for a :class:`torch.utils.data.DataLoader` of your own.
+
+    Seeds python ``random`` and :func:`default_numpy_rng` in each worker from the worker's torch
+    seed (which the DataLoader derives from its ``generator``), as PyTorch's reproducibility notes
+    recommend. ``fit`` does more for the loaders it manages: every sample gets its own seed.
+    """
+    worker_seed = torch.initial_seed() % 2**32
+    random.seed(worker_seed)
+    _NUMPY_RNG.bit_generator.state = np.random.PCG64(worker_seed).state
+
+
+def _reseed_fast(seed: int) -> None:
+    """Reseed every CPU-side generator from one 63-bit seed, in a few microseconds."""
+    torch.default_generator.manual_seed(seed)
+    random.seed(seed)
+    hi = _splitmix64(seed)
+    lo = _splitmix64(hi)
+    inc = _splitmix64(lo)
+    _NUMPY_RNG.bit_generator.state = {
+        "bit_generator": "PCG64",
+        "state": {"state": ((hi << 64) | lo) & _MASK128, "inc": ((inc << 1) | 1) & _MASK128},
+        "has_uint32": 0,
+        "uinteger": 0,
+    }
+
+
+@contextlib.contextmanager
+def sample_seeding(seed: int, epoch: int, restore: bool) -> Iterator[Any]:
+    """Make data-loading randomness a function of ``(seed, epoch, sample index)``.
+
+    Yields a function ``seed_sample(index, salt=0)`` that reseeds the CPU generators for one
+    sample. With ``restore=True`` (data loaded in the main process) the caller's generator states
+    are put back on exit, so loading data never shifts the model's random stream.
+    """
+    saved = (torch.get_rng_state(), random.getstate(), _NUMPY_RNG.bit_generator.state) if restore else None
+
+    def seed_sample(index: int, salt: int = 0) -> None:
+        _reseed_fast(derive_seed(seed, epoch, index, salt))
+
+    try:
+        yield seed_sample
+    finally:
+        if saved is not None:
+            torch.set_rng_state(saved[0])
+            random.setstate(saved[1])
+            _NUMPY_RNG.bit_generator.state = saved[2]
