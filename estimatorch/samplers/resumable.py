@@ -96,10 +96,11 @@ class ResumableSampler(Sampler[int]):
         raise NotImplementedError
 
     def __iter__(self) -> Iterator[int]:
+        # A generator: the start is taken when iteration begins, not when iter() is called, so an
+        # iterator created and dropped unused (DataLoader does so with workers) does not spend it.
         start, self._start_index, self.start_iter = self._start_index, 0, 0
-        if start >= self.num_samples:
-            return iter(())
-        return _iterate(self.epoch_indices(self.epoch)[start:])
+        if start < self.num_samples:
+            yield from _iterate(self.epoch_indices(self.epoch)[start:])
 
     def __len__(self) -> int:
         """Samples the next iteration yields (a full epoch minus the start)."""
