@@ -51,7 +51,8 @@ def _default_logger() -> logging.Logger:
         handler.addFilter(MainProcessFilter())
         handler._estimatorch_default = True  # type: ignore[attr-defined]
         logger.addHandler(handler)
-        logger.setLevel(logging.INFO)
+        if logger.level == logging.NOTSET:  # keep a level the user chose
+            logger.setLevel(logging.INFO)
         logger.propagate = False
     return logger
 
@@ -470,6 +471,8 @@ class Estimator:
                                     "(%s). Pass a larger epochs= or batches= to train further.",
                                     _describe_plan(run.plan))
                 return
+        if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
+            pos.epoch = pending["position"]["epoch"]
         while True:
             epoch = pos.epoch
             run.at_boundary = False
@@ -613,7 +616,8 @@ class Estimator:
         run.history.load_state_dict(snapshot["history"])
         run.evaluated = snapshot["evaluated"]
         run.stream.load_state_dict(snapshot["data"])
-        run.pos = Position(**snapshot["position"])
+        for key, value in snapshot["position"].items():  # in place: the loop holds run.pos
+            setattr(run.pos, key, value)
         if snapshot["partial"] and self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
         rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step

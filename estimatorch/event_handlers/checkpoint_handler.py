@@ -1,0 +1,210 @@
+"""CheckpointHandler: periodic, best and resumable checkpoints."""
+
+from __future__ import annotations
+
+import math
+import os
+import warnings
+from typing import Any, Optional, Union
+
+from .. import distributed
+from ..metrics.base import is_metric, metric_name
+from ._base import StatefulHandler, check_positive_int
+from ._schedule import EventFilter
+from .early_stopping import resolve_mode
+from .mixins import BatchEnd, EpochEnd, TrainBegin
+
+__all__ = ["CheckpointHandler"]
+
+
+def _checkpoint() -> Any:
+    """``estimatorch.checkpoint``, imported on first use: importing it with the package would
+    make ``python -m estimatorch.checkpoint`` run a second copy of the module (runpy warns)."""
+    from .. import checkpoint
+
+    return checkpoint
+
+
+class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+    """Save everything needed to resume, every few epochs and/or batches; resume from the newest.
+
+    A checkpoint holds the model, optimizer, LR scheduler, grad scaler, every handler's state,
+    the metric accumulators, every rank's RNG states, the data position and a fingerprint of the
+    data stream (see :mod:`estimatorch.checkpoint`). It is written when the event that triggered
+    it has reached every handler, so its state is the same whatever the handlers' priorities, to
+    ``{model_prefix}-epoch{E}batch{B}.pt`` (E epochs completed and B batches trained), atomically,
+    then the ``{model_prefix}-latest`` pointer. Only global rank 0 writes.
+
+    With ``resume_from_checkpoint=True``, ``fit`` loads the newest checkpoint of ``model_prefix``
+    in ``model_dir`` that loads and validates, and continues its plan exactly where it stopped
+    (starting fresh when there is none). Without it, ``fit`` refuses to start in a directory that
+    already holds checkpoints of that prefix, so nothing saved is ever overwritten.
+
+    Args:
+        model_dir: the directory (created if missing).
+        model_prefix: file name prefix. Defaults to ``"model"``.
+        monitor: a metric the estimator owns, for ``save_best``. Defaults to None.
+        verbose: 1 logs every save. Defaults to 0.
+        save_best: also keep ``{model_prefix}-best.pt``, the checkpoint where ``monitor`` was
+            best, checked at every periodic save. Defaults to False.
+        mode: ``"min"``, ``"max"`` or ``"auto"`` (from the monitor's ``higher_is_better``).
+            Defaults to ``"auto"``.
+        epoch_period: save every this many epochs; None for never. Defaults to 1.
+        batch_period: save every this many batches (over the run); None for never. Defaults to None.
+        max_checkpoints: periodic files kept (the oldest are deleted, also ones from before a
+            resume); None keeps all. Defaults to 5.
+        resume_from_checkpoint: Defaults to False.
+
+    Example:
+        >>> import tempfile
+        >>> handler = CheckpointHandler(tempfile.mkdtemp(), batch_period=100, max_checkpoints=3)
+        >>> handler.batch_period, handler.max_checkpoints
+        (100, 3)
+    """
+
+    _state_attrs = ("current_epoch", "current_batch", "best")
+
+    def __init__(self, model_dir: Union[str, os.PathLike], model_prefix: str = "model", monitor: Any = None,
+                 verbose: int = 0, save_best: bool = False, mode: str = "auto", epoch_period: Optional[int] = 1,
+                 batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
+                 resume_from_checkpoint: bool = False):
+        if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
+            raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
+        if not isinstance(model_prefix, str) or not model_prefix or os.sep in model_prefix \
+                or (os.altsep and os.altsep in model_prefix):
+            raise ValueError(f"model_prefix must be a non-empty file-name prefix, got {model_prefix!r}")
+        if monitor is not None and not is_metric(monitor):
+            raise TypeError(f"monitor must be a metric the estimator owns, got {monitor!r}")
+        if verbose not in (0, 1):
+            raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
+        for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint)):
+            if not isinstance(value, bool):
+                raise TypeError(f"{arg} must be a bool, got {value!r}")
+        if mode not in ("auto", "min", "max"):
+            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
+        if save_best and monitor is None:
+            raise ValueError("save_best=True needs monitor= (a metric, e.g. est.val_metrics[0])")
+        self.epoch_period = check_positive_int(epoch_period, "epoch_period", allow_none=True)
+        self.batch_period = check_positive_int(batch_period, "batch_period", allow_none=True)
+        if epoch_period is None and batch_period is None:
+            raise ValueError("epoch_period and batch_period are both None: nothing would be saved")
+        self.max_checkpoints = check_positive_int(max_checkpoints, "max_checkpoints", allow_none=True)
+        self.model_dir = os.fspath(model_dir)
+        self.model_prefix = model_prefix
+        self.monitor = monitor
+        self.verbose = verbose
+        self.save_best = save_best
+        self.mode = resolve_mode(mode, monitor, "CheckpointHandler") if monitor is not None else mode
+        self.resume_from_checkpoint = resume_from_checkpoint
+        self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
+        self._batch_filter = EventFilter(every=batch_period) if batch_period else None
+        self._reset()
+
+    def _reset(self) -> None:
+        self.current_epoch = 0
+        self.current_batch = 0
+        self.best = math.inf if self.mode == "min" else -math.inf
+        self.saved: list[str] = []
+
+    def _existing(self) -> list[str]:
+        """The names of this prefix's checkpoints already in ``model_dir`` (periodic and best)."""
+        names = [os.path.basename(p) for _, _, p in _checkpoint().list_checkpoints(self.model_dir, self.model_prefix)]
+        if os.path.exists(os.path.join(self.model_dir, f"{self.model_prefix}-best.pt")):
+            names.append(f"{self.model_prefix}-best.pt")
+        return names
+
+    def _refuse_existing(self, names: list[str]) -> None:
+        raise FileExistsError(
+            f"model_dir {self.model_dir!r} already holds checkpoints of prefix {self.model_prefix!r} "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); pass "
+            "resume_from_checkpoint=True to continue that run, or choose another model_dir or model_prefix"
+        )
+
+    def _check_fit(self, estimator: Any) -> None:
+        """Before any work: never overwrite checkpoints of another run.
+
+        ``fit(..., resume=True)`` continues this estimator's own run, which may have written
+        them; whether this fit resumes is known only in ``train_begin``, which checks again.
+        """
+        if self.resume_from_checkpoint or getattr(estimator, "_last", None) is not None:
+            return
+        names = self._existing()
+        if names:
+            self._refuse_existing(names)
+
+    # -- events ----------------------------------------------------------------------------
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self._reset()
+        if distributed.is_main_process():
+            os.makedirs(self.model_dir, exist_ok=True)
+        checkpoint = _checkpoint()
+        in_process_resume = estimator.resume_pending  # fit(..., resume=True)
+        if not self.resume_from_checkpoint and not in_process_resume:
+            names = self._existing()
+            if names:
+                self._refuse_existing(names)
+        # Files from before a resume count towards max_checkpoints.
+        self.saved = [path for _, _, path in checkpoint.list_checkpoints(self.model_dir, self.model_prefix)]
+        if not self.resume_from_checkpoint or in_process_resume:
+            return
+        found = checkpoint.find_latest(self.model_dir, self.model_prefix)
+        if found is None:
+            estimator.logger.info("No checkpoint of prefix %r in %s: starting a new run", self.model_prefix, self.model_dir)
+            return
+        path, payload = found
+        if payload["world_size"] != distributed.get_world_size():
+            raise checkpoint.CheckpointError(
+                f"{path} was written by {payload['world_size']} processes; this run has "
+                f"{distributed.get_world_size()}: resume with the same world size")
+        estimator.request_resume(payload["ranks"][distributed.get_rank()], source=path)
+        checkpoint.restore_training_state(estimator, payload)
+        pos = payload["ranks"][0]["position"]
+        estimator.logger.info("Resuming from %s: %d epochs and %d batches done", path, pos["epoch"], pos["step"])
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_batch += 1
+        if self._batch_filter is not None and self._batch_filter(self.current_batch):
+            estimator.at_boundary(lambda: self._save(estimator))
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_epoch += 1
+        if self._epoch_filter is not None and self._epoch_filter(self.current_epoch):
+            estimator.at_boundary(lambda: self._save(estimator))
+
+    # -- saving ----------------------------------------------------------------------------
+    def _improved(self, value: float) -> bool:
+        return value < self.best if self.mode == "min" else value > self.best
+
+    def _save(self, estimator: Any) -> None:
+        best_value = float(self.monitor.compute()) if self.save_best else None  # a collective
+        is_best = best_value is not None and not math.isnan(best_value) and self._improved(best_value)
+        if best_value is not None and math.isnan(best_value):
+            warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan; best checkpoint not updated",
+                          stacklevel=2)
+        if is_best:
+            self.best = best_value
+        checkpoint = _checkpoint()
+        payload = checkpoint.build_payload(estimator)  # a collective: every rank contributes
+        if not distributed.is_main_process():
+            return
+        pos = estimator.position
+        path = os.path.join(self.model_dir, checkpoint.checkpoint_name(self.model_prefix, pos.epoch, pos.step))
+        checkpoint.atomic_save(payload, path)
+        if path in self.saved:
+            self.saved.remove(path)
+        self.saved.append(path)
+        if is_best:
+            checkpoint.atomic_save(payload, os.path.join(self.model_dir, f"{self.model_prefix}-best.pt"))
+        self._prune()
+        checkpoint.write_latest(self.model_dir, self.model_prefix, path)
+        if self.verbose:
+            estimator.logger.info("Saved checkpoint %s%s", path,
+                                  f" (best {metric_name(self.monitor)}: {best_value:.6g})" if is_best else "")
+
+    def _prune(self) -> None:
+        if self.max_checkpoints is None:
+            return
+        while len(self.saved) > self.max_checkpoints:
+            old = self.saved.pop(0)
+            if os.path.exists(old):
+                os.remove(old)

@@ -1,0 +1,163 @@
+"""Two gloo processes on this machine: DDP keeps ranks in step, metrics reduce across ranks, a stop
+decided on one rank stops all, data is sharded, and a 2-rank run resumes bit-identically."""
+
+from __future__ import annotations
+
+import os
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from estimatorch import CheckpointHandler, Estimator, distributed
+from estimatorch.event_handlers import BatchEnd
+
+pytestmark = [pytest.mark.distributed, pytest.mark.slow]
+
+
+class Record(BatchEnd):
+    priority = float("inf")
+
+    def __init__(self):
+        self.losses, self.labels = [], []
+
+    def batch_end(self, est, *, loss, label, **kw):
+        self.losses.append(float(loss.detach()).hex())
+        self.labels.extend(label.tolist())
+
+
+class StopOnRank(BatchEnd):
+    """Asks to stop at ``step`` on ``rank`` only."""
+
+    def __init__(self, rank, step):
+        self.rank, self.step, self.seen = rank, step, 0
+
+    def batch_end(self, est, **kw):
+        self.seen += 1
+        return distributed.get_rank() == self.rank and self.seen == self.step
+
+
+def _setup():
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=11)
+    g = torch.Generator().manual_seed(5)
+    # 43 samples: the label is the sample's index, so each rank's share can be checked.
+    dataset = torch.utils.data.TensorDataset(torch.randn(43, 4, generator=g), torch.arange(43) % 3,
+                                             torch.arange(43))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=5, shuffle=True)
+    return est, loader
+
+
+class Processor:
+    """Batches are (x, y, index): train on (x, y), report the index as the label for checks."""
+
+    def fit_batch(self, est, batch, batch_axis=0):
+        from estimatorch import BatchProcessor
+
+        x, y, index = batch
+        data, label, pred, loss = BatchProcessor().fit_batch(est, (x, y), batch_axis)
+        est._last_index = index
+        return data, label, pred, loss
+
+    def evaluate_batch(self, est, batch, batch_axis=0):
+        from estimatorch import BatchProcessor
+
+        x, y, _ = batch
+        return BatchProcessor().evaluate_batch(est, (x, y), batch_axis)
+
+
+class RecordIndex(BatchEnd):
+    priority = float("inf")
+
+    def __init__(self):
+        self.indices = []
+
+    def batch_end(self, est, **kw):
+        self.indices.extend(est._last_index.tolist())
+
+
+def _train(out_dir, mode, ckpt_dir=None):
+    est, loader = _setup()
+    est.batch_processor = Processor()
+    rank = distributed.get_rank()
+    record, indices = Record(), RecordIndex()
+    handlers = [record, indices]
+    if mode == "stop":
+        handlers.append(StopOnRank(rank=1, step=3))
+    if ckpt_dir is not None:
+        handlers.append(CheckpointHandler(ckpt_dir, batch_period=1, epoch_period=None, max_checkpoints=None,
+                                          resume_from_checkpoint=mode == "resume"))
+    history = est.fit(loader, epochs=2, event_handlers=handlers)
+    torch.save({"losses": record.losses, "indices": indices.indices, "history": history.to_dict(),
+                "model": est.net.state_dict(), "optimizer": est.optimizer.state_dict(),
+                "step": est.position.step, "world": distributed.get_world_size(),
+                "metric": est.train_metrics[0].compute(), "local": est.train_metrics[0].compute(sync=False)},
+               os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
+
+
+def _results(out_dir, mode):
+    return [torch.load(os.path.join(out_dir, f"{mode}-rank{r}.pt"), weights_only=True) for r in range(2)]
+
+
+def test_two_ranks_train_in_step_on_disjoint_shards(tmp_path):
+    distributed.spawn(_train, 2, str(tmp_path), "full", backend="gloo")
+    r0, r1 = _results(tmp_path, "full")
+    assert r0["world"] == r1["world"] == 2
+    for key in r0["model"]:
+        assert torch.equal(r0["model"][key], r1["model"][key])  # DDP averaged the gradients
+    per_epoch = [set(r["indices"][:len(r["indices"]) // 2]) for r in (r0, r1)]
+    assert per_epoch[0] | per_epoch[1] == set(range(43))  # the epoch is covered (one index padded)
+    assert len(per_epoch[0] & per_epoch[1]) <= 1
+    assert r0["losses"] != r1["losses"]  # different data and different dropout masks per rank
+    # compute() reduces across ranks: both ranks report the same global value, which differs
+    # from the local one
+    assert r0["metric"] == r1["metric"]
+    assert r0["history"] == r1["history"]
+    assert r0["local"] != r1["local"]
+
+
+def test_a_stop_decided_on_one_rank_stops_every_rank(tmp_path):
+    distributed.spawn(_train, 2, str(tmp_path), "stop", backend="gloo")
+    r0, r1 = _results(tmp_path, "stop")
+    assert r0["step"] == r1["step"] == 3
+    assert len(r0["losses"]) == len(r1["losses"]) == 3
+
+
+def test_two_ranks_resume_bit_identically(tmp_path):
+    full_dir = tmp_path / "ckpt"
+    distributed.spawn(_train, 2, str(tmp_path), "full", str(full_dir), backend="gloo")
+    reference = _results(tmp_path, "full")
+    names = sorted(os.listdir(full_dir))
+    assert not [n for n in names if n.endswith(".tmp")]
+    resume_dir = tmp_path / "resume-from"
+    resume_dir.mkdir()
+    k = 7  # mid second epoch (22 samples per rank: 5 batches per epoch)
+    shutil.copy(full_dir / f"model-epoch1batch{k}.pt", resume_dir)
+    distributed.spawn(_train, 2, str(tmp_path), "resume", str(resume_dir), backend="gloo")
+    resumed = _results(tmp_path, "resume")
+    for want, got in zip(reference, resumed):
+        assert got["losses"] == want["losses"][k:]
+        for key in want["model"]:
+            assert torch.equal(want["model"][key], got["model"][key])
+        assert got["history"] == want["history"]
+
+
+def _resume_with_one_process(ckpt_dir, out):
+    est, loader = _setup()
+    est.batch_processor = Processor()
+    try:
+        est.fit(loader, epochs=2, event_handlers=[CheckpointHandler(ckpt_dir, resume_from_checkpoint=True)])
+    except ValueError as err:
+        with open(out, "w") as f:
+            f.write(str(err))
+
+
+def test_resuming_with_another_world_size_is_refused(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    distributed.spawn(_train, 2, str(tmp_path), "full", str(ckpt), backend="gloo")
+    out = tmp_path / "error.txt"
+    _resume_with_one_process(str(ckpt), str(out))
+    assert "2 processes" in out.read_text() or "world_size" in out.read_text()
