@@ -1,0 +1,84 @@
+"""CUDA: the step path makes no host-device synchronisation, batches move non-blocking, and a run
+resumes bit-identically on the GPU. Skipped cleanly where there is no CUDA device."""
+
+from __future__ import annotations
+
+import shutil
+
+import pytest
+import torch
+from torch import nn
+
+from estimatorch import CheckpointHandler, Estimator, LoggingHandler, ProgressBarHandler
+from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd, TrainEnd
+
+pytestmark = [pytest.mark.cuda,
+              pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
+
+
+def _estimator(**kwargs):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(32, 64), nn.ReLU(), nn.Dropout(0.1), nn.Linear(64, 10))
+    return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=1e-3),
+                     device="cuda", **kwargs)
+
+
+def _loader(pin_memory=True):
+    g = torch.Generator().manual_seed(0)
+    data = torch.utils.data.TensorDataset(torch.randn(640, 32, generator=g), torch.randint(0, 10, (640,), generator=g))
+    return torch.utils.data.DataLoader(data, batch_size=32, shuffle=True, pin_memory=pin_memory)
+
+
+class SyncGuard(BatchBegin, EpochEnd, TrainEnd):
+    """Makes any synchronising CUDA call raise from the first batch_begin of each epoch until
+    epoch_end, where values are legitimately read (validation, logging, the History)."""
+
+    priority = -float("inf")
+
+    def batch_begin(self, est, **kw):
+        torch.cuda.set_sync_debug_mode("error")
+
+    def epoch_end(self, est, **kw):
+        torch.cuda.set_sync_debug_mode("default")
+
+    def train_end(self, est, **kw):
+        torch.cuda.set_sync_debug_mode("default")
+
+
+def test_the_default_set_makes_no_sync_on_the_step_path():
+    est = _estimator()
+    handlers = [SyncGuard(), LoggingHandler(log_interval="epoch"), ProgressBarHandler(refresh_interval=1e9)]
+    history = est.fit(_loader(), val_data=_loader(), epochs=2, event_handlers=handlers)
+    assert len(history["train_loss"]) == 2
+
+
+def test_batches_arrive_on_the_device():
+    seen = []
+
+    class Probe(BatchEnd):
+        def batch_end(self, est, *, batch, pred, **kw):
+            seen.append((batch[0].device.type, pred.device.type))
+
+    _estimator().fit(_loader(), epochs=1, event_handlers=[Probe()])
+    assert set(seen) == {("cuda", "cuda")}
+
+
+def test_metrics_accumulate_on_the_device():
+    est = _estimator()
+    est.fit(_loader(), epochs=1, event_handlers=[])
+    assert all(m.total.device.type == "cuda" for m in est.train_metrics if hasattr(m, "total"))
+
+
+def test_resume_on_the_gpu_is_bit_identical(tmp_path):
+    reference = _estimator(deterministic=True)
+    full = tmp_path / "full"
+    reference.fit(_loader(), epochs=2, event_handlers=[
+        CheckpointHandler(full, batch_period=7, epoch_period=None, max_checkpoints=None)])
+    start = tmp_path / "start"
+    start.mkdir()
+    shutil.copy(full / "model-epoch1batch28.pt", start)
+    resumed = _estimator(deterministic=True)
+    resumed.fit(_loader(), epochs=2, event_handlers=[CheckpointHandler(start, batch_period=7, epoch_period=None,
+                                                                       resume_from_checkpoint=True)])
+    for key, value in reference.net.state_dict().items():
+        assert torch.equal(value, resumed.net.state_dict()[key]), key
