@@ -160,14 +160,18 @@ class keep_random_state(contextlib.ContextDecorator):
     """Shield a block or a function: every generator is restored on exit, also on exceptions.
 
     Use it as ``with keep_random_state(): ...`` or as a decorator ``@keep_random_state()``.
+    Nesting is safe, also a decorated function that calls itself: each entry saves its own state.
     """
 
+    def __init__(self) -> None:
+        self._saved: list[dict[str, Any]] = []
+
     def __enter__(self) -> "keep_random_state":
-        self._saved = get_state()
+        self._saved.append(get_state())
         return self
 
     def __exit__(self, *exc: Any) -> None:
-        set_state(self._saved)
+        set_state(self._saved.pop())
 
 
 def seed_worker(worker_id: int) -> None:

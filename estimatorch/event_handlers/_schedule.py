@@ -40,6 +40,8 @@ class EventFilter:
         self.every = check_positive_int(every, "every", allow_none=True)
         if once is None or isinstance(once, int):
             once_set = None if once is None else frozenset([check_positive_int(once, "once")])
+        elif not isinstance(once, Iterable):
+            raise TypeError(f"once must be a positive int or an iterable of them, got {once!r}")
         else:
             once_set = frozenset(check_positive_int(n, "once") for n in once)
             if not once_set:

@@ -44,7 +44,8 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
             losses). Defaults to ``"auto"``.
         baseline: a value the monitor must beat; None starts from the first value. Defaults to None.
         restore_best_weights: load the best epoch's weights at the end of training (whether or
-            not it stopped early). Defaults to False.
+            not it stopped early). A fit cut short by an exception or Ctrl-C keeps its current
+            weights, so that ``fit(..., resume=True)`` continues exactly. Defaults to False.
 
     Example:
         >>> from estimatorch.metrics import Loss
@@ -109,6 +110,9 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         return False
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        position = getattr(estimator, "position", None)
+        if position is not None and not position.stop:
+            return  # interrupted: the weights must stay those a resume continues from
         if self.restore_best_weights and self.best_weights is not None:
             estimator.net.load_state_dict(self.best_weights)
             estimator.logger.info("Restored the weights of epoch %d (best %s: %.6g)",

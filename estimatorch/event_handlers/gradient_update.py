@@ -46,6 +46,9 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.pending = 0
         self._params = [p for group in estimator.optimizer.param_groups for p in group["params"]]
+        # Gradients left by earlier work (a fit that failed mid-accumulation, a manual backward)
+        # must not leak into this run's first step; a resume loads its saved ones afterwards.
+        estimator.optimizer.zero_grad(set_to_none=True)
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         self.pending += 1

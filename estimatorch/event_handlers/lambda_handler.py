@@ -2,15 +2,15 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Callable, Optional
 
-from ._base import StatefulHandler
+from ._base import StatefulHandler, check_state_keys
 from ._schedule import EventFilter
 from .mixins import EVENTS, TrainBegin
 
 __all__ = ["LambdaHandler"]
 
-_BATCH_EVENTS = {"batch_begin", "forward_begin", "forward_end", "backward_begin", "backward_end", "batch_end"}
 _CLASSES: dict[frozenset, type] = {}
 
 
@@ -26,15 +26,15 @@ def _event_method(event: str) -> Callable[..., Any]:
 
 
 def _train_begin(self: "LambdaHandler", estimator: Any, **kwargs: Any) -> None:
-    self.counts = dict.fromkeys(self._fns, 0)
-    fn = self._fns.get("train_begin")
-    if fn is not None and self._filter(1):
-        fn(estimator, **kwargs)
+    self.counts = dict.fromkeys(self._fns, 0)  # every fit counts afresh
+    if "train_begin" in self._fns:
+        return _event_method("train_begin")(self, estimator, **kwargs)
+    return None
 
 
 def _handler_class(events: frozenset) -> type:
-    """A LambdaHandler subclass inheriting exactly the mixins of ``events`` (and TrainBegin,
-    which resets the counts), so it is called for nothing else."""
+    """A LambdaHandler subclass inheriting the mixins of ``events``, plus TrainBegin (once per
+    fit, to reset the counts): no other event, and nothing per step, calls it."""
     cls = _CLASSES.get(events)
     if cls is None:
         mixins = [EVENTS[e] for e in EVENTS if e in events and e != "train_begin"]
@@ -50,8 +50,9 @@ class LambdaHandler(StatefulHandler):
 
     Each function is called as ``fn(estimator, **kwargs)`` with the event's keywords; a
     ``batch_end``/``epoch_end`` function may return True to stop. The handler subscribes only to
-    the events given. Filters count each event's occurrences from 1: batches for batch-level
-    events, epochs for epoch-level events.
+    the events given, and to ``train_begin`` to start its counts afresh in every ``fit``. Filters
+    count each event's occurrences from 1: batches for batch-level events, epochs for
+    epoch-level events. The counts are the handler's state (restored on resume).
 
     Args:
         train_begin, epoch_begin, batch_begin, forward_begin, forward_end, backward_begin,
@@ -66,7 +67,6 @@ class LambdaHandler(StatefulHandler):
     Example:
         >>> seen = []
         >>> h = LambdaHandler(batch_end=lambda est, **kw: seen.append(kw["loss"]), every=2)
-        >>> h.train_begin(None)
         >>> for i in range(5):
         ...     _ = h.batch_end(None, batch=None, pred=None, label=None, loss=i)
         >>> seen
@@ -92,8 +92,17 @@ class LambdaHandler(StatefulHandler):
             if not callable(fn):
                 raise TypeError(f"{event} must be callable, got {fn!r}")
         self._filter = EventFilter(every=every, once=once, before=before, after=after, predicate=predicate)
+        if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or priority != priority:
+            raise ValueError(f"priority must be a real number, got {priority!r}")
         self.priority = priority
         self.counts = dict.fromkeys(self._fns, 0)
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore the counts; the next events continue from them."""
+        check_state_keys(state, self._state_attrs, self.name)
+        counts = state["counts"]
+        check_state_keys(counts, self._fns, f"{self.name}.counts")
+        self.counts = {event: int(counts[event]) for event in self._fns}
 
     def __reduce__(self) -> Any:  # dynamic classes pickle through the base
         raise TypeError("LambdaHandler holds plain functions and cannot be pickled")

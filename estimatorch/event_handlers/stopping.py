@@ -13,12 +13,16 @@ __all__ = ["StoppingHandler"]
 class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     """Stop training after ``max_epoch`` epochs or ``max_batch`` batches in total.
 
-    Limits left at None are read from the estimator's plan (``fit(epochs=...)`` /
-    ``fit(batches=...)``) at ``train_begin``. ``fit`` adds one when you pass none.
+    The estimator's plan (``fit(epochs=...)`` / ``fit(batches=...)``, read at ``train_begin``)
+    always holds: a limit given here can end training earlier, never later, so a run never goes
+    past the plan that resuming and the history are checked against. ``fit`` adds one when you
+    pass none.
 
     Args:
-        max_epoch: Defaults to None (the plan's ``epochs``).
-        max_batch: Defaults to None (the plan's ``batches``).
+        max_epoch: stop after this many epochs (or the plan's ``epochs``, whichever is smaller).
+            Defaults to None (the plan's ``epochs``).
+        max_batch: stop after this many batches in total (or the plan's ``batches``, whichever
+            is smaller). Defaults to None (the plan's ``batches``).
 
     Example:
         >>> h = StoppingHandler(max_batch=2)
@@ -41,8 +45,8 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.current_epoch = 0
         self.current_batch = 0
-        self._max_epoch = self.max_epoch if self.max_epoch is not None else estimator.max_epoch
-        self._max_batch = self.max_batch if self.max_batch is not None else estimator.max_batch
+        self._max_epoch = _tighter(self.max_epoch, estimator.max_epoch)
+        self._max_batch = _tighter(self.max_batch, estimator.max_batch)
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> bool:
         self.current_batch += 1
@@ -51,3 +55,10 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
         self.current_epoch += 1
         return self._max_epoch is not None and self.current_epoch >= self._max_epoch
+
+
+def _tighter(own: Optional[int], plan: Optional[int]) -> Optional[int]:
+    """The smaller of two optional limits (None: no limit)."""
+    if own is None:
+        return plan
+    return own if plan is None else min(own, plan)

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import numbers
 from typing import Any, Optional
 
 import torch
@@ -16,7 +17,8 @@ class Accuracy(Metric):
 
     ``preds`` may be scores with a class dimension at axis 1 (``(N, C, ...)``, argmax is taken),
     class indices of the target's shape, or probabilities of the target's shape for binary
-    problems (thresholded at ``threshold``).
+    problems (thresholded at ``threshold``). A class dimension of size 1 (``(N, 1)`` for an
+    ``(N,)`` target) holds binary probabilities too.
 
     Args:
         name: Defaults to ``"accuracy"``.
@@ -36,7 +38,7 @@ class Accuracy(Metric):
 
     def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, device: Any = None):
         super().__init__(name, device=device)
-        if not 0.0 < float(threshold) < 1.0:
+        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
         self.threshold = float(threshold)
         self.add_state("correct", torch.zeros((), dtype=torch.int64))
@@ -44,6 +46,8 @@ class Accuracy(Metric):
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         preds = preds.detach()
+        if preds.dim() == target.dim() + 1 and preds.shape[1] == 1:  # one column: binary
+            preds = preds.squeeze(1)
         if preds.dim() == target.dim() + 1:
             labels = preds.argmax(dim=1)
         elif preds.shape == target.shape:

@@ -16,7 +16,7 @@ class Loss(Metric):
 
     ``update(loss, target)`` takes the loss the step computed: a scalar (a batch mean, weighted
     by ``len(target)``) or one value per sample (averaged over all of them). The accumulator
-    stays on the loss's device in float64.
+    stays on the metric's device (the estimator's), in float64.
 
     Args:
         name: Defaults to ``"loss"``.

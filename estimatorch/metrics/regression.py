@@ -12,10 +12,11 @@ __all__ = ["MeanAbsoluteError", "MeanSquaredError"]
 
 
 def _aligned(name: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    """``preds`` in the target's shape; only size-1 dimensions may differ ((N, 1) vs (N,))."""
     preds = preds.detach()
     if preds.shape == target.shape:
         return preds
-    if preds.numel() == target.numel():  # (N, 1) predictions for an (N,) target
+    if [d for d in preds.shape if d != 1] == [d for d in target.shape if d != 1]:
         return preds.reshape(target.shape)
     raise ValueError(
         f"{name}: preds of shape {tuple(preds.shape)} do not match target of shape "

@@ -1,0 +1,207 @@
+"""LRSchedulerHandler: per-epoch and per-batch steps, ReduceLROnPlateau with a monitor, state."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch.optim.lr_scheduler import ExponentialLR, ReduceLROnPlateau, StepLR
+
+from estimatorch import Estimator
+from estimatorch.event_handlers import BatchBegin, EpochEnd, LRSchedulerHandler
+from estimatorch.metrics import Loss, Metric
+from tests.conftest import make_batches, make_estimator
+
+LR = 0.1
+GAMMA = 0.5
+N_BATCHES = 4
+
+
+class LRs(BatchBegin):
+    """The learning rate each batch trained with."""
+
+    def __init__(self):
+        self.lrs = []
+
+    def batch_begin(self, estimator, **kwargs):
+        self.lrs.append(estimator.optimizer.param_groups[0]["lr"])
+
+
+class Scripted(Metric):
+    """Value ``values[e - 1]`` in epoch ``e`` (MetricHandler resets it at each epoch_begin)."""
+
+    default_name = "scripted"
+    higher_is_better = False
+
+    def __init__(self, values):
+        super().__init__()
+        self.values, self.epoch = list(values), 0
+
+    def update(self, preds, target):
+        pass
+
+    def reset(self):
+        self.epoch += 1
+
+    def _value(self, states):
+        return torch.tensor(self.values[self.epoch - 1], dtype=torch.float64)
+
+
+def counting(scheduler):
+    calls = []
+    step = scheduler.step
+
+    def counted(*args, **kwargs):
+        calls.append(args)
+        return step(*args, **kwargs)
+
+    scheduler.step = counted
+    return calls
+
+
+# -- arguments ----------------------------------------------------------------------------------
+def test_bad_step_on():
+    with pytest.raises(ValueError) as info:
+        LRSchedulerHandler(step_on="step")
+    assert "step_on" in str(info.value) and "'step'" in str(info.value)
+
+
+def test_bad_scheduler_and_monitor():
+    with pytest.raises(TypeError, match="scheduler"):
+        LRSchedulerHandler(object())
+    with pytest.raises(TypeError, match="monitor"):
+        LRSchedulerHandler(monitor="val_loss")
+
+
+def test_plateau_needs_a_monitor():
+    est = make_estimator()
+    with pytest.raises(ValueError, match="monitor"):
+        LRSchedulerHandler(ReduceLROnPlateau(est.optimizer))
+
+
+def test_other_schedulers_refuse_a_monitor():
+    est = make_estimator()
+    with pytest.raises(ValueError, match="StepLR"):
+        LRSchedulerHandler(StepLR(est.optimizer, 1), monitor=Loss())
+
+
+def test_fit_refuses_a_handler_without_any_scheduler():
+    est = make_estimator()
+    with pytest.raises(ValueError, match="no scheduler"):
+        est.fit(make_batches(), epochs=1, event_handlers=[LRSchedulerHandler()])
+
+
+def test_fit_checks_the_monitor_against_the_estimators_scheduler():
+    est = make_estimator()
+    est.lr_scheduler = StepLR(est.optimizer, 1)
+    with pytest.raises(ValueError, match="monitor"):
+        est.fit(make_batches(), epochs=1, event_handlers=[LRSchedulerHandler(monitor=est.train_metrics[0])])
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    plateau_est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=ReduceLROnPlateau(opt))
+    with pytest.raises(ValueError, match="monitor"):  # the default handler has none
+        plateau_est.fit(make_batches(), epochs=1)
+
+
+# -- stepping -----------------------------------------------------------------------------------
+def test_steps_every_epoch():
+    est, rec = make_estimator(lr=LR), LRs()
+    sched = StepLR(est.optimizer, step_size=1, gamma=GAMMA)
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[rec, LRSchedulerHandler(sched)])
+    assert rec.lrs == pytest.approx([LR * GAMMA ** (i // N_BATCHES) for i in range(3 * N_BATCHES)])
+    assert est.optimizer.param_groups[0]["lr"] == pytest.approx(LR * GAMMA ** 3)
+
+
+def test_steps_every_batch():
+    est, rec = make_estimator(lr=LR), LRs()
+    sched = ExponentialLR(est.optimizer, gamma=GAMMA)
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[rec, LRSchedulerHandler(sched, step_on="batch")])
+    assert rec.lrs == pytest.approx([LR * GAMMA ** i for i in range(2 * N_BATCHES)])
+
+
+def test_default_handler_for_the_estimators_scheduler():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=StepLR(opt, 1, gamma=GAMMA))
+    calls = counting(est.lr_scheduler)
+    rec = LRs()
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[rec])
+    assert len(calls) == 3
+    assert rec.lrs[::N_BATCHES] == pytest.approx([LR, LR * GAMMA, LR * GAMMA ** 2])
+
+
+def test_a_user_handler_replaces_the_default():
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=StepLR(opt, 1, gamma=GAMMA))
+    calls = counting(est.lr_scheduler)
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[LRSchedulerHandler(step_on="batch")])
+    assert len(calls) == 2 * N_BATCHES  # stepped by the user's handler only
+
+
+def test_plateau_with_a_constant_monitor_reduces_every_epoch():
+    est = make_estimator(lr=LR, train_metrics=[Loss(), Scripted([3.0, 3.0, 3.0])])
+    sched = ReduceLROnPlateau(est.optimizer, mode="min", factor=0.1, patience=0)
+    calls = counting(sched)
+    rec = LRs()
+    est.fit(make_batches(N_BATCHES), epochs=3,
+            event_handlers=[rec, LRSchedulerHandler(sched, monitor=est.train_metrics[1])])
+    assert calls == [(3.0,)] * 3
+    # epoch 1 sets the best; epochs 2 and 3 do not improve with patience 0: a cut each time
+    assert est.optimizer.param_groups[0]["lr"] == pytest.approx(LR * 0.1 ** 2)
+    assert rec.lrs[::N_BATCHES] == pytest.approx([LR, LR, LR * 0.1])
+
+
+def test_plateau_with_an_improving_monitor_keeps_the_rate():
+    est = make_estimator(lr=LR, train_metrics=[Loss(), Scripted([3.0, 2.0, 1.0])])
+    sched = ReduceLROnPlateau(est.optimizer, mode="min", factor=0.1, patience=0)
+    calls = counting(sched)
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LRSchedulerHandler(sched, monitor=est.train_metrics[1])])
+    assert calls == [(3.0,), (2.0,), (1.0,)]
+    assert est.optimizer.param_groups[0]["lr"] == LR
+
+
+def test_plateau_sees_this_epochs_validation():
+    est = make_estimator(lr=LR)
+    sched = ReduceLROnPlateau(est.optimizer)
+    calls = counting(sched)
+    history = est.fit(make_batches(N_BATCHES), val_data=make_batches(2, seed=1), epochs=3,
+                      event_handlers=[LRSchedulerHandler(sched, monitor=est.val_metrics[0])])
+    assert [c[0] for c in calls] == history["val_loss"]
+
+
+# -- state and reuse ----------------------------------------------------------------------------
+def test_state_round_trip_with_its_own_scheduler():
+    est = make_estimator(lr=LR)
+    h = LRSchedulerHandler(StepLR(est.optimizer, step_size=2, gamma=GAMMA))
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[h])
+    state = h.state_dict()
+    assert state["scheduler"]["last_epoch"] == 3
+    other = make_estimator(lr=LR)
+    fresh = LRSchedulerHandler(StepLR(other.optimizer, step_size=2, gamma=GAMMA))
+    fresh.load_state_dict(state)
+    assert fresh.state_dict() == state
+
+
+def test_state_of_the_estimators_scheduler_is_the_estimators():
+    h = LRSchedulerHandler()
+    assert h.state_dict() == {"scheduler": None}
+    h.load_state_dict({"scheduler": None})
+
+
+def test_load_missing_key():
+    with pytest.raises(ValueError, match="'scheduler'"):
+        LRSchedulerHandler().load_state_dict({})
+
+
+def test_one_instance_serves_two_fits():
+    est = make_estimator(lr=LR)
+    sched = StepLR(est.optimizer, step_size=1, gamma=GAMMA)
+    calls = counting(sched)
+    h = LRSchedulerHandler(sched)
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[h])
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[h])
+    assert len(calls) == 4  # the schedule itself is the scheduler's state: it goes on
+    assert est.optimizer.param_groups[0]["lr"] == pytest.approx(LR * GAMMA ** 4)

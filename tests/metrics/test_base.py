@@ -1,0 +1,322 @@
+"""The Metric base: device accumulators, no host sync in update, compute, state, duck typing."""
+
+from __future__ import annotations
+
+import contextlib
+import math
+
+import pytest
+import torch
+
+from estimatorch.metrics import (Accuracy, Loss, MeanAbsoluteError, MeanSquaredError, Metric, TopKAccuracy,
+                                 is_metric, metric_name)
+from estimatorch.metrics import base as metric_base
+from estimatorch.metrics.base import split_loss_metrics, update_metrics
+from tests.conftest import make_batches, make_estimator
+
+
+class Sum(Metric):
+    """A minimal subclass: a tensor and a python accumulator."""
+
+    default_name = "sum"
+
+    def __init__(self, name=None, device=None):
+        super().__init__(name, device=device)
+        self.add_state("total", torch.zeros((), dtype=torch.float64))
+        self.add_state("count", 0)
+
+    def update(self, preds, target):
+        self.total.add_(preds.sum())
+        self.count += preds.numel()
+
+    def _value(self, states):
+        return metric_base._ratio(states["total"], states["count"])
+
+
+def inputs(metric_cls, device="cpu"):
+    """A (preds, target) pair each built-in metric accepts."""
+    g = torch.Generator().manual_seed(0)
+    if metric_cls is Loss:
+        return torch.rand((), generator=g).to(device), torch.zeros(4, device=device)
+    if metric_cls in (Accuracy, TopKAccuracy):
+        return torch.randn(4, 3, generator=g).to(device), torch.tensor([0, 1, 2, 1], device=device)
+    return torch.randn(4, 1, generator=g).to(device), torch.randn(4, generator=g).to(device)
+
+
+BUILT_INS = [Loss, Accuracy, TopKAccuracy, MeanSquaredError, MeanAbsoluteError]
+
+
+def make(cls, **kwargs):
+    return cls(2, **kwargs) if cls is TopKAccuracy else cls(**kwargs)
+
+
+# -- construction -------------------------------------------------------------------------------
+@pytest.mark.parametrize("bad", ["", 3])
+def test_bad_name(bad):
+    with pytest.raises(ValueError) as info:
+        Sum(bad)
+    assert "name" in str(info.value) and repr(bad) in str(info.value)
+
+
+def test_names_and_directions():
+    assert [make(c).name for c in BUILT_INS] == ["loss", "accuracy", "top2_accuracy", "mse", "mae"]
+    assert [make(c).higher_is_better for c in BUILT_INS] == [False, True, True, False, False]
+    assert Sum("custom").name == "custom" and Sum().name == "sum"
+    assert repr(Sum()) == "Sum(name='sum')"
+
+
+def test_default_device_is_the_cpu():
+    assert Sum().device == torch.device("cpu")
+    assert Sum().total.device == torch.device("cpu")
+
+
+# -- protocol -----------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", BUILT_INS + [Sum])
+def test_compute_before_update_is_nan(cls):
+    assert math.isnan(make(cls).compute())
+
+
+@pytest.mark.parametrize("cls", BUILT_INS)
+def test_reset_clears_and_returns_to_nan(cls):
+    m = make(cls)
+    m.update(*inputs(cls))
+    assert not math.isnan(m.compute())
+    m.reset()
+    assert math.isnan(m.compute())
+    m.update(*inputs(cls))
+    fresh = make(cls)
+    fresh.update(*inputs(cls))
+    assert m.compute() == fresh.compute()
+
+
+@pytest.mark.parametrize("cls", BUILT_INS)
+def test_compute_returns_a_python_float(cls):
+    m = make(cls)
+    m.update(*inputs(cls))
+    assert type(m.compute()) is float
+
+
+def test_reset_gives_fresh_tensors():
+    m = Sum()
+    before = m.total
+    m.update(torch.ones(2), None)
+    m.reset()
+    assert m.total is not before and float(m.total) == 0.0 and m.count == 0
+
+
+# -- state --------------------------------------------------------------------------------------
+@pytest.mark.parametrize("cls", BUILT_INS)
+def test_state_round_trip(cls):
+    m = make(cls)
+    m.update(*inputs(cls))
+    state = m.state_dict()
+    fresh = make(cls)
+    fresh.load_state_dict(state)
+    assert fresh.compute() == m.compute()
+    for key, value in state.items():
+        loaded = fresh.state_dict()[key]
+        assert torch.equal(loaded, value) if isinstance(value, torch.Tensor) else loaded == value
+
+
+def test_state_dict_is_a_copy():
+    m = Sum()
+    m.update(torch.ones(2), None)
+    state = m.state_dict()
+    m.update(torch.ones(2), None)
+    assert float(state["total"]) == 2.0 and state["count"] == 2
+    fresh = Sum()
+    fresh.load_state_dict(state)
+    state["total"].add_(100)
+    assert fresh.compute() == 1.0
+
+
+@pytest.mark.parametrize("key", ["total", "count"])
+def test_load_missing_key_names_it(key):
+    state = Sum().state_dict()
+    del state[key]
+    with pytest.raises(ValueError) as info:
+        Sum().load_state_dict(state)
+    assert repr(key) in str(info.value) and "'sum'" in str(info.value)
+
+
+def test_load_casts_to_the_accumulators_dtype_and_device():
+    m = Sum(device="meta")
+    m.load_state_dict({"total": torch.tensor(3.0, dtype=torch.float32), "count": 2})
+    assert m.total.dtype == torch.float64 and m.total.device.type == "meta"
+    cpu = Sum()
+    cpu.load_state_dict({"total": 3, "count": 2})
+    assert cpu.total.dtype == torch.float64 and cpu.compute() == 1.5
+
+
+# -- devices and host syncs ---------------------------------------------------------------------
+@pytest.mark.parametrize("cls", BUILT_INS)
+def test_accumulators_stay_on_the_metrics_device(cls):
+    # meta tensors have no data: any read of a value on the host would raise
+    m = make(cls, device="meta")
+    m.update(*inputs(cls, device="meta"))
+    m.update(*inputs(cls, device="meta"))
+    tensors = [v for v in m.state_dict().values() if isinstance(v, torch.Tensor)]
+    assert tensors and all(t.device.type == "meta" for t in tensors)
+
+
+def test_to_moves_accumulators():
+    m = Sum()
+    assert m.to("meta") is m
+    assert m.device.type == "meta" and m.total.device.type == "meta"
+    m.reset()
+    assert m.total.device.type == "meta"  # fresh accumulators on the new device
+
+
+SYNCS = ("item", "tolist", "cpu", "numpy", "__bool__", "__float__", "__int__", "__index__")
+
+
+@contextlib.contextmanager
+def count_host_reads(monkeypatch):
+    calls = []
+    for name in SYNCS:
+        original = getattr(torch.Tensor, name)
+
+        def wrapper(self, *args, _original=original, _name=name, **kwargs):
+            calls.append(_name)
+            return _original(self, *args, **kwargs)
+
+        monkeypatch.setattr(torch.Tensor, name, wrapper)
+    try:
+        yield calls
+    finally:
+        monkeypatch.undo()
+
+
+def test_the_host_read_counter_works(monkeypatch):
+    with count_host_reads(monkeypatch) as calls:
+        torch.ones(1).item()
+        bool(torch.ones(1))
+    assert calls == ["item", "__bool__"]
+
+
+@pytest.mark.parametrize("cls", BUILT_INS)
+def test_update_reads_nothing_on_the_host(cls, monkeypatch):
+    m = make(cls)
+    preds, target = inputs(cls)
+    with count_host_reads(monkeypatch) as calls:
+        for _ in range(3):
+            m.update(preds, target)
+    assert calls == []
+
+
+def test_loss_per_sample_and_accuracy_variants_read_nothing_on_the_host(monkeypatch):
+    cases = [
+        (Loss(), torch.rand(4), torch.zeros(4)),
+        (Accuracy(), torch.rand(4), torch.tensor([0, 1, 1, 0])),  # binary probabilities
+        (Accuracy(), torch.rand(4, 1), torch.tensor([0, 1, 1, 0])),
+        (Accuracy(), torch.tensor([0, 2, 1, 1]), torch.tensor([0, 1, 1, 0])),  # class indices
+        (Accuracy(), torch.randn(2, 3, 4, 4), torch.randint(0, 3, (2, 4, 4))),
+    ]
+    with count_host_reads(monkeypatch) as calls:
+        for m, preds, target in cases:
+            m.update(preds, target)
+    assert calls == []
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+@pytest.mark.parametrize("cls", BUILT_INS)
+def test_cuda_accumulators_and_no_host_reads(cls, monkeypatch):
+    m = make(cls, device="cuda")
+    preds, target = inputs(cls, device="cuda")
+    with count_host_reads(monkeypatch) as calls:
+        m.update(preds, target)
+    assert calls == []
+    assert all(v.device.type == "cuda" for v in m.state_dict().values() if isinstance(v, torch.Tensor))
+    cpu = make(cls)
+    cpu.update(*inputs(cls))
+    assert m.compute() == pytest.approx(cpu.compute(), rel=1e-6)
+
+
+# -- compute(sync) ------------------------------------------------------------------------------
+def test_compute_sync_reduces_over_ranks_and_sync_false_does_not(monkeypatch):
+    other_rank = {"total": 10.0, "count": 2}
+    calls = []
+
+    def fake_all_reduce_sum(values, device=None):
+        calls.append(sorted(values))
+        return {k: torch.as_tensor(values[k], dtype=torch.float64) + other_rank[k] for k in values}
+
+    monkeypatch.setattr(metric_base.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(metric_base.distributed, "all_reduce_sum", fake_all_reduce_sum)
+    m = Loss()
+    m.update(torch.tensor(1.0), torch.zeros(2))  # this rank: total 2 over 2 samples
+    assert m.compute(sync=False) == 1.0
+    assert calls == []
+    assert m.compute() == (2.0 + 10.0) / (2 + 2)
+    assert calls == [["count", "total"]]
+    assert m.compute(sync=False) == 1.0  # the reduction did not change the local accumulators
+
+
+def test_compute_sync_with_no_samples_anywhere_is_nan(monkeypatch):
+    monkeypatch.setattr(metric_base.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(metric_base.distributed, "all_reduce_sum",
+                        lambda values, device=None: {k: torch.as_tensor(v, dtype=torch.float64) for k, v in values.items()})
+    assert math.isnan(Accuracy().compute())
+
+
+# -- duck typing --------------------------------------------------------------------------------
+class Duck:
+    """Not a Metric, but it quacks like one (as a torchmetrics metric does)."""
+
+    higher_is_better = True
+
+    def __init__(self):
+        self.updates = []
+
+    def update(self, preds, target):
+        self.updates.append((preds.shape, target.shape))
+
+    def compute(self):
+        return float(len(self.updates))
+
+    def reset(self):
+        self.updates = []
+
+
+def test_is_metric():
+    assert is_metric(Loss()) and is_metric(Duck())
+    assert not is_metric(Duck)  # a class, not an instance
+    assert not is_metric(object())
+
+    class NoReset:
+        def update(self, p, t): pass
+        def compute(self): return 0.0
+
+    assert not is_metric(NoReset())
+
+
+def test_metric_name():
+    assert metric_name(Loss()) == "loss"
+    assert metric_name(Duck()) == "duck"
+    d = Duck()
+    d.name = "quack"
+    assert metric_name(d) == "quack"
+
+
+def test_a_duck_metric_is_accepted_by_the_estimator():
+    duck = Duck()
+    est = make_estimator(train_metrics=[duck])
+    assert est.train_metrics[-1] is duck and duck.name == "train_duck"
+    history = est.fit(make_batches(4), epochs=2)
+    assert history["train_duck"] == [4.0, 4.0]  # reset each epoch, updated once per batch
+    assert duck.updates[0] == (torch.Size([8, 3]), torch.Size([8]))
+
+
+def test_split_and_update():
+    class LossLike(Duck):
+        is_loss_metric = True
+
+    loss, acc, duck, loss_like = Loss(), Accuracy(), Duck(), LossLike()
+    losses, others = split_loss_metrics([loss, acc, duck, loss_like])
+    assert losses == [loss, loss_like] and others == [acc, duck]
+    pred, label = torch.tensor([[1.0, 0.0], [0.0, 1.0]]), torch.tensor([0, 0])
+    update_metrics(losses, others, pred, label, torch.tensor(0.5))
+    assert loss.compute() == 0.5 and acc.compute() == 0.5
+    assert loss_like.updates == [(torch.Size([]), torch.Size([2]))]
+    assert duck.updates == [(torch.Size([2, 2]), torch.Size([2]))]
