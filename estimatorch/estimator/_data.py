@@ -141,6 +141,14 @@ def _identity(batch: Any) -> Any:
     return batch
 
 
+def _length(data: Any) -> Optional[int]:
+    """``len(data)``, or None when it has none (a DataLoader over an IterableDataset raises)."""
+    try:
+        return len(data)
+    except TypeError:
+        return None
+
+
 def _draws_no_randomness(dataset: Any) -> bool:
     flag = getattr(dataset, "estimatorch_sample_seeding", None)
     if flag is not None:
@@ -349,7 +357,6 @@ class _StatefulIterableStream(TrainStream):
         super().__init__(seed)
         self.data = data
         self.dataset = dataset
-        self._restored = False
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "dataset": type(self.dataset).__name__}
@@ -359,11 +366,9 @@ class _StatefulIterableStream(TrainStream):
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self.dataset.load_state_dict(state["dataset"])
-        self._restored = True
 
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
-        # A restored dataset already sits at the saved position; otherwise start must be 0.
-        self._restored = False
+        # The dataset's own state holds the position: after load_state_dict it resumes there.
         return iter(self.data)
 
 
@@ -375,7 +380,7 @@ class _ReplayStream(TrainStream):
     def __init__(self, data: Iterable[Any], seed: int):
         super().__init__(seed)
         self.data = data
-        self.batches_per_epoch = len(data) if isinstance(data, Sized) else None
+        self.batches_per_epoch = _length(data)
 
     def fingerprint(self) -> dict[str, Any]:
         fp = {**super().fingerprint(), "data": type(self.data).__name__}
@@ -424,6 +429,6 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         if len(train_data) == 0:
             raise ValueError("train_data is empty: a sequence of length 0")
         return _SequenceStream(train_data, seed)
-    if isinstance(train_data, Sized) and len(train_data) == 0:
+    if _length(train_data) == 0:
         raise ValueError(f"train_data is empty: a {type(train_data).__name__} of length 0")
     return _ReplayStream(train_data, seed)

@@ -345,8 +345,8 @@ class Estimator:
         handlers before defaults). Defaults added when you pass none of their type:
         ``StoppingHandler``, ``GradientUpdateHandler``, ``MetricHandler``,
         ``ValidationHandler`` (with ``val_data``), ``LRSchedulerHandler`` (with
-        ``lr_scheduler``), ``LoggingHandler``, and ``ProgressBarHandler`` in a terminal or
-        notebook.
+        ``lr_scheduler``, unless one of yours steps it), ``LoggingHandler``, and
+        ``ProgressBarHandler`` in a terminal or notebook.
 
         Ctrl-C during ``fit`` stops at the end of the current step (a second Ctrl-C stops at
         once); ``fit(..., resume=True)`` then continues exactly where it stopped.
@@ -360,7 +360,10 @@ class Estimator:
             batches: train this many batches in total, re-iterating the data as needed.
             batch_axis: the axis of the batch dimension. Defaults to 0.
             resume: continue this estimator's previous ``fit`` in this process (interrupted or
-                finished) up to the given ``epochs``/``batches`` in total. Defaults to False.
+                finished) up to the given ``epochs``/``batches`` in total. A ``batches`` plan
+                that ended mid-epoch already ran that epoch's ``epoch_end``: extending it
+                continues with the next epoch (resume from a ``batch_period`` checkpoint to
+                continue mid-epoch). Defaults to False.
         """
         if (epochs is None) == (batches is None):
             raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
@@ -386,6 +389,11 @@ class Estimator:
             check = getattr(handler, "_check_fit", None)
             if check is not None:
                 check(self)
+        if not stream.exact and (resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)):
+            warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
+                          "(load and discard) the batches before the saved position, and random draws made while "
+                          "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
+                          "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=2)
         run = _Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis)
         if resume:
             run.pending = self._resume_plan(self._last, run, source="the previous fit")
@@ -408,8 +416,9 @@ class Estimator:
             defaults.append(MetricHandler(self.train_metrics))
         if val_data is not None and missing(ValidationHandler):
             defaults.append(ValidationHandler(val_data, self.evaluate))
-        if self.lr_scheduler is not None and missing(LRSchedulerHandler):
-            defaults.append(LRSchedulerHandler())
+        if self.lr_scheduler is not None and not any(
+                isinstance(h, LRSchedulerHandler) and h.scheduler in (None, self.lr_scheduler) for h in user):
+            defaults.append(LRSchedulerHandler())  # unless one of yours already steps it
         if missing(LoggingHandler):
             defaults.append(LoggingHandler())
         if missing(ProgressBarHandler) and _interactive():

@@ -416,6 +416,19 @@ def test_default_set_and_its_order(monkeypatch):
                      LRSchedulerHandler, LoggingHandler, ProgressBarHandler]
 
 
+def test_the_estimators_scheduler_is_stepped_even_beside_another_scheduler_handler(monkeypatch):
+    monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
+    net = nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=1.0)
+    own = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
+    other = torch.optim.lr_scheduler.StepLR(torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=1.0), 1)
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=own)
+    est.fit(make_batches(), epochs=2, event_handlers=[LRSchedulerHandler(other)])
+    assert opt.param_groups[0]["lr"] == 0.25 and other.last_epoch == 2
+    est.fit(make_batches(), epochs=1, event_handlers=[LRSchedulerHandler(own, step_on="batch")])
+    assert opt.param_groups[0]["lr"] == 0.25 * 0.5 ** 4  # stepped by the user's handler only
+
+
 def test_no_progress_bar_outside_a_terminal_or_notebook(monkeypatch):
     monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
     types = default_types(make_estimator(), epochs=1)

@@ -1,0 +1,184 @@
+"""Batches and training streams: the (data, label) convention, device moves, and data that can
+start any epoch at any batch."""
+
+from __future__ import annotations
+
+import collections
+import warnings
+
+import pytest
+import torch
+from torch import nn
+
+from estimatorch import CheckpointHandler
+from estimatorch.estimator._data import (
+    batch_size_of,
+    call_net,
+    make_train_stream,
+    split_batch,
+    to_device,
+)
+from estimatorch.event_handlers import BatchEnd
+from tests.conftest import make_batches, make_estimator
+
+
+def test_split_batch_conventions():
+    x, y, z = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    assert split_batch((x, y)) == (x, y)
+    assert split_batch([x, y]) == (x, y)
+    data, label = split_batch((x, y, z))
+    assert data == (x, y) and label is z
+    data, label = split_batch({"a": x, "label": y})
+    assert data == {"a": x} and label is y
+    data, label = split_batch({"a": x, "labels": y})
+    assert label is y
+    with pytest.raises(ValueError, match="'label'"):
+        split_batch({"a": x})
+    with pytest.raises(TypeError, match="BatchProcessor"):
+        split_batch(x)
+    with pytest.raises(TypeError, match="length 1"):
+        split_batch((x,))
+
+
+def test_call_net_unpacks_tuples_and_dicts():
+    assert call_net(lambda a, b: a + b, (1, 2)) == 3
+    assert call_net(lambda a, b: a - b, {"a": 5, "b": 2}) == 3
+    assert call_net(lambda a: a * 2, 4) == 8
+
+
+def test_to_device_keeps_structure_and_namedtuples():
+    Pair = collections.namedtuple("Pair", "x y")
+    batch = {"p": Pair(torch.zeros(1), [torch.ones(1), "s"]), "n": 3}
+    moved = to_device(batch, torch.device("cpu"))
+    assert isinstance(moved["p"], Pair) and moved["p"].y[1] == "s" and moved["n"] == 3
+    assert moved["p"].x is batch["p"].x  # already there: not copied
+
+
+def test_batch_size_of_reads_shapes():
+    assert batch_size_of(torch.zeros(7, 3)) == 7
+    assert batch_size_of(torch.zeros(3, 7), batch_axis=1) == 7
+    assert batch_size_of((torch.zeros(5), torch.zeros(5))) == 5
+    assert batch_size_of({"a": torch.zeros(4, 2)}) == 4
+
+
+def test_streams_by_kind():
+    loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(10, 2), torch.zeros(10)), batch_size=4)
+    stream = make_train_stream(loader, seed=0)
+    assert stream.batches_per_epoch == 3 and stream.exact
+    assert stream.fingerprint() == {"world_size": 1, "seed": 0, "dataset_len": 10, "batch_size": 4,
+                                    "drop_last": False, "sampler": "ResumableSequentialSampler"}
+    assert [len(b[0]) for b in stream.epoch_iter(0, 1)] == [4, 2]
+    assert list(stream.epoch_iter(0, 3)) == []
+    batches = make_batches(n_batches=3)
+    seq = make_train_stream(batches, seed=0)
+    assert [b[0] is batches[i][0] for i, b in zip((1, 2), seq.epoch_iter(5, 1))] == [True, True]
+
+
+def test_a_shuffled_loader_is_positioned_without_loading_skipped_batches():
+    class Counting(torch.utils.data.Dataset):
+        def __init__(self):
+            self.fetched = []
+
+        def __len__(self):
+            return 40
+
+        def __getitem__(self, i):
+            self.fetched.append(i)
+            return torch.tensor([float(i)]), i % 2
+
+    dataset = Counting()
+    stream = make_train_stream(torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True), seed=3)
+    full = [b[0].flatten().tolist() for b in stream.epoch_iter(2, 0)]
+    dataset.fetched.clear()
+    tail = [b[0].flatten().tolist() for b in stream.epoch_iter(2, 7)]
+    assert tail == full[7:]
+    assert len(dataset.fetched) == 3 * 4  # only the three remaining batches were loaded
+    assert [b[0].flatten().tolist() for b in stream.epoch_iter(3, 0)] != full  # a new order each epoch
+
+
+class CountingIterable(torch.utils.data.IterableDataset):
+    """An iterable dataset that saves its position."""
+
+    def __init__(self, n=12):
+        self.n, self.pos = n, 0
+
+    def __iter__(self):
+        while self.pos < self.n:
+            i = self.pos
+            self.pos += 1
+            yield torch.full((4,), float(i)), torch.tensor(i % 3)
+        self.pos = 0
+
+    def state_dict(self):
+        return {"pos": self.pos}
+
+    def load_state_dict(self, state):
+        self.pos = state["pos"]
+
+
+def _losses():
+    seen = []
+
+    class Rec(BatchEnd):
+        def batch_end(self, est, *, loss, **kw):
+            seen.append(float(loss.detach()).hex())
+
+    return seen, Rec()
+
+
+def test_an_iterable_dataset_with_state_resumes_from_its_own_state(tmp_path):
+    full, rec = _losses()
+    make_estimator().fit(torch.utils.data.DataLoader(CountingIterable(), batch_size=3), epochs=2, event_handlers=[rec])
+    est = make_estimator()
+    part, rec = _losses()
+
+    class Stop(BatchEnd):
+        n = 0
+
+        def batch_end(self, est, **kw):
+            Stop.n += 1
+            if Stop.n == 5:
+                est.at_boundary(lambda: (_ for _ in ()).throw(KeyboardInterrupt))
+
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(torch.utils.data.DataLoader(CountingIterable(), batch_size=3), epochs=2,
+                event_handlers=[rec, CheckpointHandler(tmp_path, batch_period=1, epoch_period=None), Stop()])
+    rest, rec = _losses()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # exact: no replay warning
+        make_estimator().fit(torch.utils.data.DataLoader(CountingIterable(), batch_size=3), epochs=2, event_handlers=[
+            rec, CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
+    assert part[:5] + rest == full
+
+
+def test_an_iterable_without_state_warns_that_it_will_be_replayed(tmp_path):
+    class Plain(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(6):
+                yield torch.full((4,), float(i)), torch.tensor(i % 3)
+
+    with pytest.warns(UserWarning, match="replay"):
+        make_estimator().fit(torch.utils.data.DataLoader(Plain(), batch_size=2), epochs=1,
+                             event_handlers=[CheckpointHandler(tmp_path)])
+
+
+def test_a_replayed_iterable_resumes_at_the_right_batch(tmp_path):
+    class Plain(torch.utils.data.IterableDataset):
+        def __iter__(self):
+            for i in range(8):
+                yield torch.full((4,), float(i)), torch.tensor(i % 3)
+
+    def loader():
+        return torch.utils.data.DataLoader(Plain(), batch_size=2)
+
+    full, rec = _losses()
+    make_estimator().fit(loader(), epochs=2, event_handlers=[rec])
+    est = make_estimator()
+    with pytest.warns(UserWarning):
+        est.fit(loader(), batches=3, event_handlers=[CheckpointHandler(tmp_path, batch_period=1, epoch_period=None)])
+    rest, rec = _losses()
+    with pytest.warns(UserWarning, match="replaying 3 batches"):
+        make_estimator().fit(loader(), epochs=2, event_handlers=[
+            rec, CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
+    # the plan differs (batches=3 vs epochs=2): the stream and position still line up
+    assert rest == full[3:]
