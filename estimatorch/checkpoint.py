@@ -27,9 +27,9 @@ import argparse
 import logging
 import os
 import re
+import secrets
 import shutil
 import sys
-import tempfile
 from collections import OrderedDict
 from typing import Any, Callable, Optional, Union
 
@@ -104,6 +104,19 @@ def _fsync_dir(path: str) -> None:
         os.close(fd)
 
 
+def _create_temporary(directory: str, name: str) -> tuple[int, str]:
+    """Create ``.{name}.<random>.tmp`` in ``directory`` with the permissions ``open()`` would
+    give (``tempfile.mkstemp`` makes files readable by their owner only)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name for {name!r} in {directory!r}")
+
+
 def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] = torch.save) -> None:
     """Write ``obj`` to ``path`` so that ``path`` is either the old file or the complete new one.
 
@@ -113,7 +126,7 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
     """
     path = os.fspath(path)
     directory = os.path.dirname(os.path.abspath(path))
-    fd, tmp = tempfile.mkstemp(prefix=f".{os.path.basename(path)}.", suffix=".tmp", dir=directory)
+    fd, tmp = _create_temporary(directory, os.path.basename(path))
     try:
         with os.fdopen(fd, "wb") as f:
             writer(obj, f)
@@ -261,25 +274,13 @@ def load(path: PathLike) -> dict[str, Any]:
 
 
 def find_latest(model_dir: PathLike, prefix: str) -> Optional[tuple[str, dict[str, Any]]]:
-    """The newest checkpoint of ``prefix`` that loads and validates, as ``(path, payload)``.
+    """The newest checkpoint of ``prefix`` (most epochs, then batches) that loads and validates,
+    as ``(path, payload)``; a file that fails is skipped with a warning. None when there is none.
 
-    Tries the ``latest`` pointer first, then every periodic file from newest to oldest; a file
-    that fails is skipped with a warning. None when there is none.
+    The ``{prefix}-latest`` pointer is not needed to choose: a crash between writing a checkpoint
+    and its pointer must not hide that checkpoint.
     """
-    model_dir = os.fspath(model_dir)
-    candidates = [path for _, _, path in reversed(list_checkpoints(model_dir, prefix))]
-    pointer = os.path.join(model_dir, prefix + _LATEST_SUFFIX)
-    if os.path.exists(pointer):
-        try:
-            with open(pointer, encoding="utf-8") as f:
-                target = os.path.join(model_dir, f.read().strip())
-        except (OSError, UnicodeDecodeError) as err:  # the pointer only orders the candidates
-            logger.warning("Ignoring the unreadable pointer %s: %s", pointer, err)
-            target = None
-        if target in candidates:
-            candidates.remove(target)
-            candidates.insert(0, target)
-    for path in candidates:
+    for _, _, path in reversed(list_checkpoints(model_dir, prefix)):
         try:
             return path, load(path)
         except (CheckpointError, OSError) as err:

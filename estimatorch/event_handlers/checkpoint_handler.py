@@ -120,13 +120,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
             "resume_from_checkpoint=True to continue that run, or choose another model_dir or model_prefix"
         )
 
-    def _check_fit(self, estimator: Any) -> None:
-        """Before any work: never overwrite checkpoints of another run.
-
-        ``fit(..., resume=True)`` continues this estimator's own run, which may have written
-        them; whether this fit resumes is known only in ``train_begin``, which checks again.
-        """
-        if self.resume_from_checkpoint or getattr(estimator, "_last", None) is not None:
+    def _check_fit(self, estimator: Any, resume: bool) -> None:
+        """Before any work: never overwrite checkpoints of another run (``fit(..., resume=True)``
+        continues this estimator's own run, which may have written them)."""
+        if self.resume_from_checkpoint or resume:
             return
         names = self._existing()
         if names:
@@ -138,14 +135,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         if distributed.is_main_process():
             os.makedirs(self.model_dir, exist_ok=True)
         checkpoint = _checkpoint()
-        in_process_resume = estimator.resume_pending  # fit(..., resume=True)
-        if not self.resume_from_checkpoint and not in_process_resume:
-            names = self._existing()
-            if names:
-                self._refuse_existing(names)
         # Files from before a resume count towards max_checkpoints.
         self.saved = [path for _, _, path in checkpoint.list_checkpoints(self.model_dir, self.model_prefix)]
-        if not self.resume_from_checkpoint or in_process_resume:
+        if not self.resume_from_checkpoint or estimator.resume_pending:  # pending: fit(..., resume=True)
             return
         found = checkpoint.find_latest(self.model_dir, self.model_prefix)
         if found is None:
@@ -158,8 +150,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
                 f"{distributed.get_world_size()}: resume with the same world size")
         estimator.request_resume(payload["ranks"][distributed.get_rank()], source=path)
         checkpoint.restore_training_state(estimator, payload)
-        pos = payload["ranks"][0]["position"]
-        estimator.logger.info("Resuming from %s: %d epochs and %d batches done", path, pos["epoch"], pos["step"])
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         self.current_batch += 1
