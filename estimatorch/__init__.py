@@ -8,6 +8,7 @@ __version__ = "0.1.0"
 from . import distributed, metrics, rng, samplers  # noqa: E402
 from .estimator import BatchProcessor, Estimator, History  # noqa: E402
 from .event_handlers import (  # noqa: E402
+    CheckpointHandler,
     EarlyStoppingHandler,
     GradientUpdateHandler,
     LambdaHandler,
@@ -19,8 +20,12 @@ from .event_handlers import (  # noqa: E402
     ValidationHandler,
 )
 
+from . import statistics  # noqa: E402
+from .event_handlers import MeterHandler, TensorBoardHandler, TerminateOnNaNHandler  # noqa: E402
+
 __all__ = [
     "BatchProcessor",
+    "CheckpointHandler",
     "EarlyStoppingHandler",
     "Estimator",
     "GradientUpdateHandler",
@@ -37,4 +42,8 @@ __all__ = [
     "metrics",
     "rng",
     "samplers",
+    "MeterHandler",
+    "TensorBoardHandler",
+    "TerminateOnNaNHandler",
+    "statistics",
 ]

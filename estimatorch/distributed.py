@@ -16,7 +16,7 @@ from __future__ import annotations
 import os
 import socket
 from collections.abc import Mapping
-from typing import Any, Callable, Optional, Union
+from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
@@ -34,6 +34,8 @@ __all__ = [
     "init_from_env",
     "is_distributed",
     "is_main_process",
+    "NullWriter",
+    "rank_zero_writer",
     "spawn",
     "torchrun_env",
 ]
@@ -203,3 +205,46 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: Optional[str
     import torch.multiprocessing as mp
 
     mp.spawn(_spawn_entry, args=(fn, nprocs, _free_port(), backend, args), nprocs=nprocs, join=True)
+
+
+_W = TypeVar("_W")
+
+
+def _ignore(*args: Any, **kwargs: Any) -> None:
+    return None
+
+
+class NullWriter:
+    """A writer that does nothing: what :func:`rank_zero_writer` gives every rank but 0.
+
+    Every method call (``add_scalar``, ``add_histogram``, ``flush``, ``close``...) is accepted
+    and ignored, so code that writes runs unchanged on every rank (QuantLab's *writer stub*).
+
+    Example:
+        >>> NullWriter().add_scalar("loss", 0.5, 1) is None
+        True
+    """
+
+    def __getattr__(self, name: str) -> Callable[..., None]:
+        if name.startswith("__"):
+            raise AttributeError(name)
+        return _ignore
+
+    def __repr__(self) -> str:
+        return "NullWriter()"
+
+
+def rank_zero_writer(factory: Callable[[], _W]) -> Union[_W, NullWriter]:
+    """``factory()`` on global rank 0, a :class:`NullWriter` on every other rank.
+
+    The one place where writers (TensorBoard event files, ...) are gated by rank: other ranks
+    never call ``factory``, so they create no file, and their writes do nothing.
+
+    Args:
+        factory: creates the real writer, e.g. ``lambda: SummaryWriter(log_dir)``.
+
+    Example:
+        >>> rank_zero_writer(lambda: "a real writer")  # rank 0 of a single process
+        'a real writer'
+    """
+    return factory() if is_main_process() else NullWriter()

@@ -388,7 +388,7 @@ class Estimator:
         for handler in handlers:
             check = getattr(handler, "_check_fit", None)
             if check is not None:
-                check(self)
+                check(self, resume=resume)
         if not stream.exact and (resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)):
             warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
                           "(load and discard) the batches before the saved position, and random draws made while "
@@ -561,6 +561,12 @@ class Estimator:
         return self._run.stream.batches_per_epoch if self._run is not None else None
 
     @property
+    def validated(self) -> bool:
+        """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
+        ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""
+        return self._fitting and self._run.evaluated
+
+    @property
     def position(self) -> Position:
         """A copy of where the current (or last) fit stands."""
         return dataclasses.replace(self._run.pos) if self._run is not None else Position()
@@ -601,7 +607,7 @@ class Estimator:
                              f"in {pos['epoch']} epochs, beyond the plan {_describe_plan(run.plan)}")
         reached = (batches is not None and pos["step"] >= batches) or \
                   (epochs is not None and pos["phase"] == "epoch_end" and pos["epoch"] >= epochs)
-        snapshot = dict(snapshot, position=dict(pos, stop=reached or (pos["stop"] and same_plan)))
+        snapshot = dict(snapshot, position=dict(pos, stop=reached or (pos["stop"] and same_plan)), source=source)
         if snapshot["partial"]:
             warnings.warn(f"{source} was interrupted in the middle of a step or epoch end: resuming "
                           "restarts it, so results may differ from an uninterrupted run. "
@@ -610,6 +616,8 @@ class Estimator:
 
     def _restore(self, run: _Run, snapshot: dict[str, Any]) -> None:
         """Put a snapshot's state into this fit's handlers, metrics, data and generators."""
+        pos = snapshot["position"]
+        self.logger.info("Resuming from %s: %d epochs and %d batches done", snapshot["source"], pos["epoch"], pos["step"])
         saved = snapshot["handlers"]
         for name, handler in run.dispatch.by_name.items():
             if not callable(getattr(handler, "load_state_dict", None)):

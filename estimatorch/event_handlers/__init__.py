@@ -6,6 +6,7 @@ handlers by ``priority`` (lower first).
 
 from ._base import StatefulHandler
 from ._schedule import EventFilter
+from .checkpoint_handler import CheckpointHandler
 from .early_stopping import EarlyStoppingHandler
 from .gradient_update import GradientUpdateHandler
 from .lambda_handler import LambdaHandler
@@ -28,6 +29,9 @@ from .mixins import (
 from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler
 from .validation import ValidationHandler
+from .tensorboard import TensorBoardHandler
+from .terminate_on_nan import TerminateOnNaNHandler
+from .meter import MeterHandler
 
 __all__ = [
     "EVENTS",
@@ -35,6 +39,7 @@ __all__ = [
     "BackwardEnd",
     "BatchBegin",
     "BatchEnd",
+    "CheckpointHandler",
     "EarlyStoppingHandler",
     "EpochBegin",
     "EpochEnd",
@@ -52,4 +57,7 @@ __all__ = [
     "TrainBegin",
     "TrainEnd",
     "ValidationHandler",
+    "MeterHandler",
+    "TensorBoardHandler",
+    "TerminateOnNaNHandler",
 ]

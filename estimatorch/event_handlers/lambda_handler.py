@@ -7,11 +7,10 @@ from typing import Any, Callable, Optional
 
 from ._base import StatefulHandler, check_state_keys
 from ._schedule import EventFilter
+from ._subscribe import with_events
 from .mixins import EVENTS, TrainBegin
 
 __all__ = ["LambdaHandler"]
-
-_CLASSES: dict[frozenset, type] = {}
 
 
 def _event_method(event: str) -> Callable[..., Any]:
@@ -25,27 +24,7 @@ def _event_method(event: str) -> Callable[..., Any]:
     return method
 
 
-def _train_begin(self: "LambdaHandler", estimator: Any, **kwargs: Any) -> None:
-    self.counts = dict.fromkeys(self._fns, 0)  # every fit counts afresh
-    if "train_begin" in self._fns:
-        return _event_method("train_begin")(self, estimator, **kwargs)
-    return None
-
-
-def _handler_class(events: frozenset) -> type:
-    """A LambdaHandler subclass inheriting the mixins of ``events``, plus TrainBegin (once per
-    fit, to reset the counts): no other event, and nothing per step, calls it."""
-    cls = _CLASSES.get(events)
-    if cls is None:
-        mixins = [EVENTS[e] for e in EVENTS if e in events and e != "train_begin"]
-        body: dict[str, Any] = {e: _event_method(e) for e in events if e != "train_begin"}
-        body["train_begin"] = _train_begin
-        name = f"LambdaHandler[{','.join(e for e in EVENTS if e in events)}]"
-        cls = _CLASSES[events] = type(name, (LambdaHandler, TrainBegin, *mixins), body)
-    return cls
-
-
-class LambdaHandler(StatefulHandler):
+class LambdaHandler(StatefulHandler, TrainBegin):
     """Run plain functions on events: ``LambdaHandler(batch_end=fn, every=100)``.
 
     Each function is called as ``fn(estimator, **kwargs)`` with the event's keywords; a
@@ -76,10 +55,10 @@ class LambdaHandler(StatefulHandler):
     _state_attrs = ("counts",)
 
     def __new__(cls, **kwargs: Any) -> "LambdaHandler":
-        events = frozenset(e for e in EVENTS if kwargs.get(e) is not None)
+        events = [e for e in EVENTS if kwargs.get(e) is not None]
         if not events:
             raise ValueError(f"LambdaHandler needs at least one event function, one of {list(EVENTS)}")
-        return super().__new__(_handler_class(events))
+        return super().__new__(with_events(cls, events))  # subscribed to exactly these events
 
     def __init__(self, *, every: Optional[int] = None, once: Any = None, before: Optional[int] = None,
                  after: Optional[int] = None, predicate: Optional[Callable[[int], bool]] = None,
@@ -111,3 +90,14 @@ class LambdaHandler(StatefulHandler):
         new = object.__new__(type(self))
         new.__dict__.update({k: (dict(v) if k == "counts" else v) for k, v in self.__dict__.items()})
         return new
+
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.counts = dict.fromkeys(self._fns, 0)  # every fit counts afresh
+        if "train_begin" in self._fns:
+            _fire_train_begin(self, estimator, **kwargs)
+
+
+_fire_train_begin = _event_method("train_begin")
+for _event in EVENTS:  # one method per event; only the given events' mixins subscribe them
+    if _event != "train_begin":
+        setattr(LambdaHandler, _event, _event_method(_event))

@@ -9,8 +9,10 @@ import time
 from typing import Any, Optional, Union
 
 from .. import distributed
-from ..metrics.base import metric_name
-from ._base import StatefulHandler, check_positive_int, check_state_keys
+from ..estimator._data import batch_size_of
+from ..metrics.base import is_metric, metric_name
+from ._base import StatefulHandler, check_state_keys
+from ._schedule import EventFilter
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["LoggingHandler", "format_metrics"]
@@ -25,8 +27,15 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
-    Metric values are read from the device only on the lines that show them. Runs last
-    (priority +inf), after validation and checkpoints.
+    Metric values are read from the device only on the lines that show them (a collective under
+    ``torch.distributed``: every rank computes, rank 0 prints); val metrics are shown in the
+    epochs that validated. Runs last (priority +inf), after validation and checkpoints. What a
+    run prints::
+
+        Training begin: SGD (lr 0.1) on cpu, 3 epochs, seed 0, 1 process
+        [Epoch 1/3][Batch 50][Samples 400] 0.120s/50 batches, train_loss: 1.0321, ...
+        [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123
+        Train finished in 0.760s: 3 epochs, 300 batches. train_loss: 0.5012, ...
 
     Args:
         log_interval: ``"epoch"`` for a line per epoch, or an int for a line every that many
@@ -47,12 +56,20 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
 
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
-        if log_interval != "epoch":
-            check_positive_int(log_interval, "log_interval")
-        if not isinstance(run_name, str) or not run_name or os.sep in run_name:
+        if log_interval != "epoch" and (isinstance(log_interval, bool) or not isinstance(log_interval, int)
+                                        or log_interval < 1):
+            raise ValueError(f"log_interval must be 'epoch' or a positive int, got {log_interval!r}")
+        if not isinstance(run_name, str) or not run_name or os.sep in run_name \
+                or (os.altsep and os.altsep in run_name):
             raise ValueError(f"run_name must be a non-empty file-name prefix, got {run_name!r}")
+        if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir)):
+            raise TypeError(f"log_dir must be a directory path or None, got {log_dir!r}")
         self.log_interval = log_interval
         self.metrics = None if metrics is None else (list(metrics) if isinstance(metrics, (list, tuple)) else [metrics])
+        for m in self.metrics or []:
+            if not is_metric(m):
+                raise TypeError(f"metrics must hold metrics the estimator owns, got {m!r}")
+        self._filter = None if log_interval == "epoch" else EventFilter(every=log_interval)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.run_name = run_name
         self.current_epoch = 0
@@ -63,11 +80,12 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._file_handler: Optional[logging.FileHandler] = None
         self._logger: Optional[logging.Logger] = None
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
+        self._validated = False
 
     # -- helpers ---------------------------------------------------------------------------
-    def _shown(self, estimator: Any, train_only: bool = False) -> list[Any]:
+    def _shown(self, estimator: Any, with_val: bool) -> list[Any]:
         metrics = self.metrics if self.metrics is not None else estimator.train_metrics + estimator.val_metrics
-        if train_only:
+        if not with_val:  # val metrics hold a value only after a validation
             val = {id(m) for m in estimator.val_metrics}
             metrics = [m for m in metrics if id(m) not in val]
         return metrics
@@ -94,6 +112,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.current_epoch = self.batch_in_epoch = self.samples_in_epoch = self.total_batches = 0
+        self._validated = False  # any validation in this fit: the final line shows val metrics
         self._train_start = time.perf_counter()
         self._logger = estimator.logger
         self._close_file()
@@ -120,15 +139,13 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._epoch_start = self._interval_start = time.perf_counter()
 
     def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
-        from ..estimator._data import batch_size_of
-
         self.batch_in_epoch += 1
         self.total_batches += 1
         self.samples_in_epoch += batch_size_of(label, estimator.batch_axis)
-        if self.log_interval == "epoch" or self.batch_in_epoch % self.log_interval:
+        if self._filter is None or not self._filter(self.batch_in_epoch):
             return
         now = time.perf_counter()
-        values = self._values(self._shown(estimator, train_only=True))
+        values = self._values(self._shown(estimator, with_val=False))
         estimator.logger.info("%s[Batch %d][Samples %d] %.3fs/%d batches, %s", self._epoch_label(estimator),
                               self.batch_in_epoch, self.samples_in_epoch, now - self._interval_start,
                               self.log_interval, format_metrics(values))
@@ -136,17 +153,23 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
         elapsed = time.perf_counter() - self._epoch_start
-        values = self._values(self._shown(estimator))
+        self._validated = self._validated or estimator.validated
+        values = self._values(self._shown(estimator, with_val=estimator.validated))
         estimator.logger.info("%s Finished in %.3fs, %d batches: %s", self._epoch_label(estimator),
                               elapsed, self.batch_in_epoch, format_metrics(values))
         self.current_epoch += 1
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
-        elapsed = time.perf_counter() - self._train_start
-        values = self._values(self._shown(estimator))
-        estimator.logger.info("Train finished in %.3fs: %d epochs, %d batches. %s", elapsed,
-                              self.current_epoch, self.total_batches, format_metrics(values))
-        self._close_file()
+        try:
+            elapsed = time.perf_counter() - self._train_start
+            if estimator.position.stop or not distributed.is_distributed():
+                values = format_metrics(self._values(self._shown(estimator, with_val=self._validated)))
+            else:  # stopped by an error or an interrupt: other ranks may not be here to reduce
+                values = "(stopped early; values not reduced across processes)"
+            estimator.logger.info("Train finished in %.3fs: %d epochs, %d batches. %s", elapsed,
+                                  self.current_epoch, self.total_batches, values)
+        finally:
+            self._close_file()
 
     # -- state -----------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:

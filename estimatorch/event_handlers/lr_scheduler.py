@@ -56,7 +56,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         if not _is_plateau(scheduler) and monitor is not None:
             raise ValueError(f"monitor= only applies to ReduceLROnPlateau, not {type(scheduler).__name__}")
 
-    def _check_fit(self, estimator: Any) -> None:
+    def _check_fit(self, estimator: Any, resume: bool) -> None:
         scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         if scheduler is None:
             raise ValueError("LRSchedulerHandler has no scheduler: pass one, or Estimator(lr_scheduler=...)")

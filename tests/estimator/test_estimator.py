@@ -416,6 +416,7 @@ def test_default_set_and_its_order(monkeypatch):
                      LRSchedulerHandler, LoggingHandler, ProgressBarHandler]
 
 
+@pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # `other` never steps
 def test_the_estimators_scheduler_is_stepped_even_beside_another_scheduler_handler(monkeypatch):
     monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
     net = nn.Linear(4, 3)

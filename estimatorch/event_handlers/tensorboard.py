@@ -1,0 +1,220 @@
+"""TensorBoardHandler: metrics, learning rates, throughput and histograms as TensorBoard events."""
+
+from __future__ import annotations
+
+import os
+import time
+from typing import Any, Optional, Union
+
+from .. import distributed
+from ..estimator._data import batch_size_of
+from ..metrics.base import metric_name
+from ._base import StatefulHandler, check_positive_int, check_state_keys
+from ._event_files import carry_over_events, event_files
+from ._schedule import EventFilter
+from ._subscribe import with_events
+from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
+
+__all__ = ["TensorBoardHandler"]
+
+#: Tags on the epoch axis start with this; every other tag's step is the global batch count.
+EPOCH_PREFIX = "epoch/"
+
+
+def _fresh_run_dir(log_dir: str, run_name: str) -> str:
+    """Create and return ``<log_dir>/<run_name>_<MonthDay_H-M-S>`` (``_2``... if taken)."""
+    stamp = time.strftime("%b%d_%H-%M-%S")
+    base = os.path.join(log_dir, f"{run_name}_{stamp}")
+    path, n = base, 1
+    while True:
+        try:
+            os.makedirs(path)
+            return path
+        except FileExistsError:
+            n += 1
+            path = f"{base}_{n}"
+
+
+class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+    """Write training curves to TensorBoard with ``torch.utils.tensorboard.SummaryWriter``.
+
+    Tags and their step axis:
+
+    - ``epoch/<metric>`` (``epoch/train_loss``, ``epoch/val_accuracy``...): every train metric,
+      and every val metric in epochs that validated, at step = epoch number (1, 2, ...): the
+      values ``fit``'s :class:`~estimatorch.History` records.
+    - ``epoch/lr_group<i>``: each param group's learning rate at the epoch's end;
+      ``epoch/samples_per_sec``: the epoch's throughput over all processes.
+    - with ``log_interval=N``, every N batches: ``batch/<train metric>`` (the running value in
+      the epoch), ``batch/lr_group<i>``, ``batch/samples_per_sec``, at step = global batch count
+      (1, 2, ... over the run).
+    - with ``histogram_period=N``, every N batches: ``weights/<parameter>`` (after the optimizer
+      step) and ``gradients/<parameter>`` (after backward), at step = global batch count.
+
+    Events go to ``<log_dir>/<run_name>_<MonthDay_H-M-S>/`` (the directory is part of the state).
+    A resumed run appends to that same directory and first deletes the events written past the
+    resume point (epoch tags past its epoch, the others past its batch), so curves never fork.
+
+    Only global rank 0 writes: the other ranks hold a writer that does nothing
+    (:func:`estimatorch.distributed.rank_zero_writer`) but still take part in the metrics'
+    reductions. Values cross to the host only when they are written. Runs at priority -500:
+    after the optimizer step, the metric updates and validation, before handlers at 0 (an LR
+    scheduler), so the learning rate written is the one the batch or epoch used. The event file
+    is opened at the first write. Pass it to :class:`MeterHandler` as ``writer=`` to put
+    statistics in the same run.
+
+    Args:
+        log_dir: the directory that holds the runs (created if missing).
+        run_name: the run directory's prefix. Defaults to ``"train"``.
+        log_interval: also write batch-level scalars every this many batches. Defaults to None
+            (epoch-level only).
+        histogram_period: write weight and gradient histograms every this many batches.
+            Defaults to None (none).
+        flush_secs: how often the writer flushes to disk, in seconds. Defaults to 120.
+
+    Example:
+        >>> import tempfile
+        >>> h = TensorBoardHandler(tempfile.mkdtemp(), run_name="mnist", log_interval=50)
+        >>> h.log_interval, h.run_dir is None
+        (50, True)
+    """
+
+    priority = -500
+    _state_attrs = ("run_dir", "current_epoch", "total_batches")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "TensorBoardHandler":
+        if kwargs.get("histogram_period") is not None:  # gradients are read at backward_end
+            cls = with_events(cls, {"backward_end"})
+        return super().__new__(cls)
+
+    def __init__(self, log_dir: Union[str, os.PathLike], *, run_name: str = "train",
+                 log_interval: Optional[int] = None, histogram_period: Optional[int] = None,
+                 flush_secs: int = 120):
+        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
+            raise TypeError(f"log_dir must be a directory path, got {log_dir!r}")
+        if not isinstance(run_name, str) or not run_name or os.sep in run_name \
+                or (os.altsep and os.altsep in run_name):
+            raise ValueError(f"run_name must be a non-empty directory-name prefix, got {run_name!r}")
+        self.log_dir = os.fspath(log_dir)
+        self.run_name = run_name
+        self.log_interval = check_positive_int(log_interval, "log_interval", allow_none=True)
+        self.histogram_period = check_positive_int(histogram_period, "histogram_period", allow_none=True)
+        self.flush_secs = check_positive_int(flush_secs, "flush_secs")
+        self._batch_filter = EventFilter(every=log_interval) if log_interval else None
+        self._histogram_filter = EventFilter(every=histogram_period) if histogram_period else None
+        self.run_dir: Optional[str] = None
+        self.current_epoch = 0
+        self.total_batches = 0
+        self._writer: Any = None
+        self._resume_at: Optional[tuple[int, int]] = None
+        self._reset_counters()
+
+    # -- the writer ------------------------------------------------------------------------
+    @property
+    def writer(self) -> Any:
+        """The ``SummaryWriter`` of this run (opened at first use), or a writer that does nothing
+        on ranks other than 0. Epoch-level tags you add must start with ``"epoch/"``."""
+        if self._writer is None:
+            self._writer = distributed.rank_zero_writer(self._open)
+        return self._writer
+
+    def _open(self) -> Any:
+        from torch.utils.tensorboard import SummaryWriter
+
+        if self.run_dir is None:
+            self.run_dir = _fresh_run_dir(self.log_dir, self.run_name)
+        stale = event_files(self.run_dir) if self._resume_at is not None else []
+        writer = SummaryWriter(self.run_dir, flush_secs=self.flush_secs)
+        if stale:
+            epoch, batch = self._resume_at  # type: ignore[misc]
+            carry_over_events(stale, lambda tag, step: step <= (epoch if tag.startswith(EPOCH_PREFIX) else batch),
+                              writer.file_writer)
+        self._resume_at = None
+        return writer
+
+    def _close(self) -> None:
+        if self._writer is not None:
+            self._writer.close()
+        self._writer = None
+
+    # -- counters --------------------------------------------------------------------------
+    def _reset_counters(self) -> None:
+        now = time.perf_counter()
+        self._epoch_start = self._interval_start = now
+        self._epoch_samples = self._interval_samples = 0
+
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self._close()
+        self.run_dir = None
+        self.current_epoch = self.total_batches = 0
+        self._resume_at = None
+        self._reset_counters()
+
+    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self._reset_counters()
+
+    # -- writes ----------------------------------------------------------------------------
+    def _samples_per_sec(self, samples: int, since: float) -> float:
+        if distributed.is_distributed():
+            samples = int(distributed.all_reduce_sum({"samples": samples})["samples"])
+        elapsed = time.perf_counter() - since
+        return samples / elapsed if elapsed > 0 else float("nan")
+
+    def _write_lrs(self, estimator: Any, prefix: str, step: int) -> None:
+        for i, group in enumerate(estimator.optimizer.param_groups):
+            self.writer.add_scalar(f"{prefix}lr_group{i}", float(group["lr"]), step)
+
+    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+        """Gradient histograms (subscribed only with ``histogram_period``)."""
+        step = self.total_batches + 1
+        if self._histogram_filter is None or not self._histogram_filter(step):
+            return
+        writer = self.writer
+        for name, param in estimator.net.named_parameters():
+            if param.grad is not None:
+                writer.add_histogram(f"gradients/{name}", param.grad.detach(), step)
+
+    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+        self.total_batches += 1
+        samples = batch_size_of(label, estimator.batch_axis)
+        self._epoch_samples += samples
+        self._interval_samples += samples
+        step = self.total_batches
+        if self._histogram_filter is not None and self._histogram_filter(step):
+            for name, param in estimator.net.named_parameters():
+                self.writer.add_histogram(f"weights/{name}", param.detach(), step)
+        if self._batch_filter is None or not self._batch_filter(step):
+            return
+        writer = self.writer
+        for metric in estimator.train_metrics:
+            writer.add_scalar(f"batch/{metric_name(metric)}", float(metric.compute()), step)
+        self._write_lrs(estimator, "batch/", step)
+        writer.add_scalar("batch/samples_per_sec",
+                          self._samples_per_sec(self._interval_samples, self._interval_start), step)
+        self._interval_samples, self._interval_start = 0, time.perf_counter()
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.current_epoch += 1
+        step, writer = self.current_epoch, self.writer
+        metrics = list(estimator.train_metrics) + (list(estimator.val_metrics) if estimator.validated else [])
+        for metric in metrics:
+            writer.add_scalar(f"{EPOCH_PREFIX}{metric_name(metric)}", float(metric.compute()), step)
+        self._write_lrs(estimator, EPOCH_PREFIX, step)
+        writer.add_scalar(f"{EPOCH_PREFIX}samples_per_sec",
+                          self._samples_per_sec(self._epoch_samples, self._epoch_start), step)
+        writer.flush()  # the epoch's curves show up now, not at the next timed flush
+
+    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        self._close()
+
+    # -- state -----------------------------------------------------------------------------
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Continue the saved run: same directory, events past the saved point deleted at the
+        next write."""
+        check_state_keys(state, self._state_attrs, self.name)
+        self._close()
+        self.run_dir = state["run_dir"]
+        self.current_epoch = int(state["current_epoch"])
+        self.total_batches = int(state["total_batches"])
+        self._resume_at = (self.current_epoch, self.total_batches)
+        self._reset_counters()

@@ -1,0 +1,142 @@
+"""TerminateOnNaNHandler: stop when the loss or a monitored metric is not finite."""
+
+from __future__ import annotations
+
+import math
+from typing import Any, Optional
+
+import torch
+
+from .. import distributed
+from ..metrics.base import is_metric, metric_name
+from ._base import StatefulHandler, check_positive_int, check_state_keys
+from ._schedule import EventFilter
+from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
+
+__all__ = ["TerminateOnNaNHandler"]
+
+
+class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, EpochEnd):
+    """Stop training when the loss, or a monitored metric, is nan or infinite.
+
+    Every batch folds ``isfinite(loss)`` into a tally that stays on the loss's device (tensor
+    ops, no host sync); the tally is read on the host every ``check_every`` batches and at every
+    epoch's end, and tells which batch was the first with a non-finite loss. Monitored metrics
+    are computed at the same checks (val metrics at the end of epochs that validated). On a
+    non-finite value the handler logs which value and the batch, and stops training (after that
+    batch, or that epoch when found at its end).
+
+    Under ``torch.distributed`` every rank checks at the same batches and a non-finite loss on
+    any rank stops every rank; only rank 0 logs.
+
+    Args:
+        check_every: read the tally every this many batches; 1 checks every batch at the cost
+            of one host-device sync per step. Defaults to 100.
+        monitor: a metric the estimator owns, or a list of them (e.g. ``est.val_metrics[0]``).
+            Defaults to None (the loss only).
+
+    Attributes:
+        stopped_batch: the batch (counted over the run, from 1) with the first non-finite value
+            found, or None.
+        reason: which value was not finite (``"loss"`` or a metric's name), or None.
+
+    Example:
+        >>> import logging, torch
+        >>> class Est:  # what the handler reads from an Estimator
+        ...     logger, val_metrics = logging.getLogger("example"), []
+        >>> h = TerminateOnNaNHandler(check_every=2)
+        >>> h.train_begin(Est())
+        >>> [h.batch_end(Est(), batch=None, pred=None, label=None, loss=torch.tensor(v))
+        ...  for v in (1.0, float("nan"), 2.0, 3.0)]
+        [False, True, False, False]
+        >>> h.stopped_batch, h.reason
+        (2, 'loss')
+    """
+
+    _state_attrs = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
+
+    def __init__(self, check_every: int = 100, monitor: Any = None):
+        self.check_every = check_positive_int(check_every, "check_every")
+        items = [] if monitor is None else (list(monitor) if isinstance(monitor, (list, tuple)) else [monitor])
+        for m in items:
+            if not is_metric(m):
+                raise TypeError(f"monitor must be a metric the estimator owns or a list of them, got {m!r}")
+        self.monitor = items
+        self._filter = EventFilter(every=check_every)
+        self._val_ids: set[int] = set()
+        self._reset()
+
+    def _reset(self) -> None:
+        self.total_batches = 0
+        self.batch_in_epoch = 0
+        self.checked = 0  # total_batches at the last check
+        self.finite: Optional[torch.Tensor] = None  # all losses finite since the last check
+        self.good: Optional[torch.Tensor] = None  # leading batches with a finite loss since then
+        self.stopped_batch: Optional[int] = None
+        self.reason: Optional[str] = None
+
+    # -- events ----------------------------------------------------------------------------
+    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self._reset()
+        self._val_ids = {id(m) for m in estimator.val_metrics}
+
+    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.batch_in_epoch = 0
+
+    def batch_end(self, estimator: Any, *, loss: Any, **kwargs: Any) -> bool:
+        self.total_batches += 1
+        self.batch_in_epoch += 1
+        if isinstance(loss, torch.Tensor):
+            if self.finite is None or self.finite.device != loss.device:
+                self._new_tally(loss.device)
+            finite = torch.isfinite(loss.detach())
+            self.finite.logical_and_(finite.all() if finite.dim() else finite)
+            self.good.add_(self.finite)
+        if self.reason is not None or not self._filter(self.total_batches):
+            return False
+        return self._check(estimator, at_epoch_end=False)
+
+    def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
+        if self.reason is not None:
+            return True
+        return self._check(estimator, at_epoch_end=True)
+
+    # -- checks ----------------------------------------------------------------------------
+    def _new_tally(self, device: torch.device) -> None:
+        finite = self.finite.to(device) if self.finite is not None else torch.ones((), dtype=torch.bool, device=device)
+        good = self.good.to(device) if self.good is not None else torch.zeros((), dtype=torch.int64, device=device)
+        self.finite, self.good = finite, good
+
+    def _check(self, estimator: Any, at_epoch_end: bool) -> bool:
+        since = self.total_batches - self.checked
+        if since and self.good is not None:
+            good = int(self.good)
+            if distributed.is_distributed():
+                good = min(distributed.gather_objects(good))
+            self.finite.fill_(True)
+            self.good.zero_()
+            self.checked = self.total_batches
+            if good < since:
+                bad = self.total_batches - since + good + 1
+                return self._stop(estimator, "loss", math.nan, bad, self.batch_in_epoch - (self.total_batches - bad))
+        for metric in self.monitor:
+            if id(metric) in self._val_ids and not (at_epoch_end and estimator.validated):
+                continue  # a val metric holds a value only after validation
+            value = float(metric.compute())
+            if not math.isfinite(value):
+                return self._stop(estimator, metric_name(metric), value, self.total_batches, self.batch_in_epoch)
+        return False
+
+    def _stop(self, estimator: Any, what: str, value: float, batch: int, batch_in_epoch: int) -> bool:
+        self.reason, self.stopped_batch = what, batch
+        shown = "the loss is not finite (nan or inf)" if what == "loss" else f"{what} is {value}"
+        found = "" if batch == self.total_batches else f", found at the check after batch {self.total_batches}"
+        estimator.logger.error("Terminating: %s at batch %d (batch %d of the epoch)%s",
+                               shown, batch, batch_in_epoch, found)
+        return True
+
+    # -- state -----------------------------------------------------------------------------
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, self._state_attrs, self.name)
+        super().load_state_dict(state)
+        self.reason = self.stopped_batch = None

@@ -1,0 +1,60 @@
+"""GradientNorm: the 2-norm of each parameter's gradient (instantaneous, callback-free)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .base import InstantaneousStatistic, Value, check_names, select_parameters
+
+__all__ = ["GradientNorm"]
+
+
+class GradientNorm(InstantaneousStatistic):
+    """``||dL/dW||`` of each parameter right after backward (before the optimizer step and any
+    clipping), as ``gradient_norm/<parameter>``, and their total as ``gradient_norm/total``.
+
+    Parameters without a gradient are left out.
+
+    Args:
+        params: parameter names (as in ``net.named_parameters()``). Defaults to every
+            trainable parameter.
+        period: fire every this many steps. Defaults to 100.
+        start: the first step that may fire. Defaults to 1.
+        name: Defaults to ``"gradient_norm"``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Est: net = nn.Linear(2, 1, bias=False)
+        >>> Est.net.weight.grad = torch.tensor([[3.0, 4.0]])
+        >>> s = GradientNorm(period=1)
+        >>> s.setup(Est()); s.backward_end(Est())
+        >>> {k: float(v) for k, v in s.scalars().items()}
+        {'weight': 5.0, 'total': 5.0}
+    """
+
+    default_name = "gradient_norm"
+    events = frozenset({"backward_end"})
+
+    def __init__(self, params: Optional[list[str]] = None, *, period: int = 100, start: int = 1,
+                 name: Optional[str] = None):
+        super().__init__(period=period, start=start, name=name)
+        self.params = check_names(params, "params")
+
+    def setup(self, estimator: Any) -> None:
+        self._params = select_parameters(estimator.net, self.params, type(self).__name__)
+        super().setup(estimator)
+
+    def reset(self) -> None:
+        self._values: dict[str, Value] = {}
+
+    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+        norms = {n: torch.linalg.vector_norm(p.grad.detach()) for n, p in self._params if p.grad is not None}
+        if norms:
+            norms["total"] = torch.linalg.vector_norm(torch.stack([v.float() for v in norms.values()]))
+        self._values = norms
+
+    def scalars(self) -> dict[str, Value]:
+        return dict(self._values)

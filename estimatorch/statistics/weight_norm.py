@@ -1,0 +1,53 @@
+"""WeightNorm: the 2-norm of each parameter (instantaneous, callback-free)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+import torch
+
+from .base import InstantaneousStatistic, Value, check_names, select_parameters
+
+__all__ = ["WeightNorm"]
+
+
+class WeightNorm(InstantaneousStatistic):
+    """``||W||`` of each parameter after the optimizer step, as ``weight_norm/<parameter>``.
+
+    Args:
+        params: parameter names (as in ``net.named_parameters()``). Defaults to every
+            trainable parameter.
+        period: fire every this many steps. Defaults to 100.
+        start: the first step that may fire. Defaults to 1.
+        name: Defaults to ``"weight_norm"``.
+
+    Example:
+        >>> import torch
+        >>> from torch import nn
+        >>> class Est: net = nn.Linear(3, 1, bias=False)
+        >>> _ = nn.init.constant_(Est.net.weight, 2.0)
+        >>> s = WeightNorm(period=1)
+        >>> s.setup(Est()); s.batch_end(Est())
+        >>> round(float(s.scalars()["weight"]), 4)  # sqrt(3 * 2**2)
+        3.4641
+    """
+
+    default_name = "weight_norm"
+
+    def __init__(self, params: Optional[list[str]] = None, *, period: int = 100, start: int = 1,
+                 name: Optional[str] = None):
+        super().__init__(period=period, start=start, name=name)
+        self.params = check_names(params, "params")
+
+    def setup(self, estimator: Any) -> None:
+        self._params = select_parameters(estimator.net, self.params, type(self).__name__)
+        super().setup(estimator)
+
+    def reset(self) -> None:
+        self._values: dict[str, Value] = {}
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self._values = {n: torch.linalg.vector_norm(p.detach()) for n, p in self._params}
+
+    def scalars(self) -> dict[str, Value]:
+        return dict(self._values)
