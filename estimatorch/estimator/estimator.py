@@ -21,7 +21,7 @@ from .. import distributed, rng
 from ..metrics import Accuracy, Loss
 from ..metrics.base import is_metric, metric_name, split_loss_metrics, update_metrics
 from ._data import TrainStream, make_train_stream, to_device
-from ._dispatch import Dispatch, check_handlers, check_metric_references, handler_name, order_handlers
+from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from .batch_processor import BatchProcessor
 from .history import History
 

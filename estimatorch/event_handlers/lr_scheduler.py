@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 from ..metrics.base import is_metric
 from ._base import StatefulHandler, check_state_keys

@@ -20,7 +20,7 @@ Two axes:
 """
 
 from .activations import ActivationStatistics
-from .base import InstantaneousStatistic, RunningStatistic, Statistic
+from .base import InstantaneousStatistic, ParameterStatistic, RunningStatistic, Statistic
 from .callback import CallbackStatistic
 from .epoch_gradient_norm import EpochGradientNorm
 from .gradient_flow import GradientFlow
@@ -38,6 +38,7 @@ __all__ = [
     "GradientNorm",
     "InstantaneousStatistic",
     "LearningRate",
+    "ParameterStatistic",
     "RunningStatistic",
     "Statistic",
     "Throughput",

@@ -134,6 +134,40 @@ class InstantaneousStatistic(Statistic):
         return self._filter(step)
 
 
+class ParameterStatistic(InstantaneousStatistic):
+    """An instantaneous statistic with one value per selected parameter.
+
+    Subclasses fill ``self._values`` (name -> 0-dim tensor) on firing steps from
+    ``self._params``, the ``(name, parameter)`` pairs chosen at setup.
+
+    Args:
+        params: parameter names (as in ``net.named_parameters()``). Defaults to every
+            trainable parameter.
+        period: fire every this many steps. Defaults to 100.
+        start: the first step that may fire. Defaults to 1.
+        name: Defaults to the class's ``default_name``.
+
+    Example:
+        >>> ParameterStatistic(["0.weight"], period=5).params
+        ['0.weight']
+    """
+
+    def __init__(self, params: Optional[list[str]] = None, *, period: int = 100, start: int = 1,
+                 name: Optional[str] = None):
+        super().__init__(period=period, start=start, name=name)
+        self.params = check_names(params, "params")
+
+    def setup(self, estimator: Any) -> None:
+        self._params = select_parameters(estimator.net, self.params, type(self).__name__)
+        super().setup(estimator)
+
+    def reset(self) -> None:
+        self._values: dict[str, Value] = {}
+
+    def scalars(self) -> dict[str, Value]:
+        return dict(self._values)
+
+
 class RunningStatistic(Statistic):
     """A statistic accumulated over every step of an epoch and written at the epoch's end.
 

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from .base import InstantaneousStatistic, Value, check_names, select_parameters
+from .base import ParameterStatistic
 
 __all__ = ["GradientNorm"]
 
 
-class GradientNorm(InstantaneousStatistic):
+class GradientNorm(ParameterStatistic):
     """``||dL/dW||`` of each parameter right after backward (before the optimizer step and any
     clipping), as ``gradient_norm/<parameter>``, and their total as ``gradient_norm/total``.
 
@@ -38,23 +38,8 @@ class GradientNorm(InstantaneousStatistic):
     default_name = "gradient_norm"
     events = frozenset({"backward_end"})
 
-    def __init__(self, params: Optional[list[str]] = None, *, period: int = 100, start: int = 1,
-                 name: Optional[str] = None):
-        super().__init__(period=period, start=start, name=name)
-        self.params = check_names(params, "params")
-
-    def setup(self, estimator: Any) -> None:
-        self._params = select_parameters(estimator.net, self.params, type(self).__name__)
-        super().setup(estimator)
-
-    def reset(self) -> None:
-        self._values: dict[str, Value] = {}
-
     def backward_end(self, estimator: Any, **kwargs: Any) -> None:
         norms = {n: torch.linalg.vector_norm(p.grad.detach()) for n, p in self._params if p.grad is not None}
         if norms:
             norms["total"] = torch.linalg.vector_norm(torch.stack([v.float() for v in norms.values()]))
         self._values = norms
-
-    def scalars(self) -> dict[str, Value]:
-        return dict(self._values)

@@ -6,12 +6,12 @@ from typing import Any, Optional
 
 import torch
 
-from .base import InstantaneousStatistic, Value, check_names, select_parameters
+from .base import ParameterStatistic, Value
 
 __all__ = ["UpdateToWeightRatio"]
 
 
-class UpdateToWeightRatio(InstantaneousStatistic):
+class UpdateToWeightRatio(ParameterStatistic):
     """How much the optimizer step moved each parameter relative to its size:
     ``||W_after - W_before|| / ||W_before||``, as ``update_ratio/<parameter>``.
 
@@ -42,18 +42,9 @@ class UpdateToWeightRatio(InstantaneousStatistic):
     default_name = "update_ratio"
     events = frozenset({"batch_begin"})
 
-    def __init__(self, params: Optional[list[str]] = None, *, period: int = 100, start: int = 1,
-                 name: Optional[str] = None):
-        super().__init__(period=period, start=start, name=name)
-        self.params = check_names(params, "params")
-
-    def setup(self, estimator: Any) -> None:
-        self._params = select_parameters(estimator.net, self.params, type(self).__name__)
-        super().setup(estimator)
-
     def reset(self) -> None:
+        super().reset()
         self._before: Optional[list[torch.Tensor]] = None
-        self._values: dict[str, Value] = {}
 
     def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
         self._before = [p.detach().clone() for _, p in self._params]
@@ -65,6 +56,3 @@ class UpdateToWeightRatio(InstantaneousStatistic):
         for (name, param), before in zip(self._params, self._before):
             values[name] = torch.linalg.vector_norm(param.detach() - before) / torch.linalg.vector_norm(before)
         self._values, self._before = values, None
-
-    def scalars(self) -> dict[str, Value]:
-        return dict(self._values)

@@ -2,16 +2,16 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any
 
 import torch
 
-from .base import InstantaneousStatistic, Value, check_names, select_parameters
+from .base import ParameterStatistic
 
 __all__ = ["WeightNorm"]
 
 
-class WeightNorm(InstantaneousStatistic):
+class WeightNorm(ParameterStatistic):
     """``||W||`` of each parameter after the optimizer step, as ``weight_norm/<parameter>``.
 
     Args:
@@ -34,20 +34,5 @@ class WeightNorm(InstantaneousStatistic):
 
     default_name = "weight_norm"
 
-    def __init__(self, params: Optional[list[str]] = None, *, period: int = 100, start: int = 1,
-                 name: Optional[str] = None):
-        super().__init__(period=period, start=start, name=name)
-        self.params = check_names(params, "params")
-
-    def setup(self, estimator: Any) -> None:
-        self._params = select_parameters(estimator.net, self.params, type(self).__name__)
-        super().setup(estimator)
-
-    def reset(self) -> None:
-        self._values: dict[str, Value] = {}
-
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         self._values = {n: torch.linalg.vector_norm(p.detach()) for n, p in self._params}
-
-    def scalars(self) -> dict[str, Value]:
-        return dict(self._values)

@@ -8,7 +8,6 @@ import warnings
 
 import pytest
 import torch
-from torch import nn
 
 from estimatorch import CheckpointHandler
 from estimatorch.estimator._data import (

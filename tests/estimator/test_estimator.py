@@ -4,9 +4,7 @@ metrics by reference, evaluate, and in-process resume."""
 from __future__ import annotations
 
 import copy
-import os
 import signal
-import warnings
 
 import pytest
 import torch

@@ -7,7 +7,7 @@ import torch
 from torch.optim.lr_scheduler import ExponentialLR, ReduceLROnPlateau, StepLR
 
 from estimatorch import Estimator
-from estimatorch.event_handlers import BatchBegin, EpochEnd, LRSchedulerHandler
+from estimatorch.event_handlers import BatchBegin, LRSchedulerHandler
 from estimatorch.metrics import Loss, Metric
 from tests.conftest import make_batches, make_estimator
 
