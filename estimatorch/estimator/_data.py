@@ -54,6 +54,11 @@ def to_device(obj: Any, device: torch.device) -> Any:
         if obj.device == device:
             return obj
         return obj.to(device, non_blocking=device.type != "cpu")
+    if type(obj) is list and len(obj) == 2:  # the common collated (data, label) batch
+        data, label = obj
+        if type(data) is torch.Tensor and type(label) is torch.Tensor and data.device == device \
+                and label.device == device:
+            return obj
     if isinstance(obj, tuple):
         moved = [to_device(x, device) for x in obj]
         return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)

@@ -40,14 +40,19 @@ class BatchProcessor:
             ``(data, label, pred, loss)``, which ``batch_end`` handlers receive.
         """
         data, label = split_batch(batch)
-        estimator.fire("forward_begin", batch=batch)
+        listeners = estimator._dispatch  # events nobody listens to are not fired at all
+        if listeners.forward_begin:
+            estimator.fire("forward_begin", batch=batch)
         with estimator.autocast():
             pred = call_net(estimator.train_net, data)
             loss = estimator.loss(pred, label)
-        estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
-        estimator.fire("backward_begin", batch=batch, loss=loss)
+        if listeners.forward_end:
+            estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
+        if listeners.backward_begin:
+            estimator.fire("backward_begin", batch=batch, loss=loss)
         estimator.backward(loss)
-        estimator.fire("backward_end", batch=batch)
+        if listeners.backward_end:
+            estimator.fire("backward_end", batch=batch)
         return data, label, pred, loss
 
     def evaluate_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:

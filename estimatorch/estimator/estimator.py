@@ -28,6 +28,7 @@ from .history import History
 __all__ = ["Estimator"]
 
 _PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
 class _StdoutHandler(logging.StreamHandler):
@@ -194,7 +195,11 @@ class Estimator:
         >>> est = Estimator(net, nn.CrossEntropyLoss(),
         ...                 optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
         >>> data = [(torch.randn(16, 4), torch.randint(0, 2, (16,))) for _ in range(4)]
-        >>> history = est.fit(data, epochs=2)
+        >>> history = est.fit(data, epochs=2)  # doctest: +ELLIPSIS
+        Training begin: SGD (lr 0.1) on cpu, 2 epochs, seed 0, 1 process
+        [Epoch 1/2] Finished in ...s, 4 batches: train_loss: ..., train_accuracy: ...
+        [Epoch 2/2] Finished in ...s, 4 batches: train_loss: ..., train_accuracy: ...
+        Train finished in ...s: 2 epochs, 8 batches. train_loss: ..., train_accuracy: ...
         >>> len(history["train_loss"])
         2
     """
@@ -302,7 +307,7 @@ class Estimator:
     def autocast(self) -> contextlib.AbstractContextManager:
         """The mixed-precision context of ``precision`` (a no-op for ``"32"``)."""
         if self._amp_dtype is None:
-            return contextlib.nullcontext()
+            return _NO_AUTOCAST
         return torch.autocast(self.device.type, dtype=self._amp_dtype)
 
     def backward(self, loss: torch.Tensor) -> None:

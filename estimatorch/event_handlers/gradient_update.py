@@ -42,6 +42,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.pending = 0
         self._params: list[torch.nn.Parameter] = []
+        self._plain_optimizer: Any = None
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.pending = 0
@@ -49,8 +50,15 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         # Gradients left by earlier work (a fit that failed mid-accumulation, a manual backward)
         # must not leak into this run's first step; a resume loads its saved ones afterwards.
         estimator.optimizer.zero_grad(set_to_none=True)
+        plain = self.accumulation_steps == 1 and self.clip_grad_norm is None and estimator.grad_scaler is None
+        self._plain_optimizer = estimator.optimizer if plain else None
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        optimizer = self._plain_optimizer
+        if optimizer is not None:  # the common case, kept short: it runs every step
+            optimizer.step()
+            optimizer.zero_grad(set_to_none=True)
+            return
         self.pending += 1
         if self.pending >= self.accumulation_steps:
             self._step(estimator)

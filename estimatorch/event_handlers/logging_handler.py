@@ -13,7 +13,8 @@ from ..estimator._data import batch_size_of
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler, check_state_keys
 from ._schedule import EventFilter
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
+from ._subscribe import with_events
+from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["LoggingHandler", "format_metrics"]
 
@@ -23,7 +24,7 @@ def format_metrics(values: dict[str, float]) -> str:
     return ", ".join(f"{name}: {value:.4f}" for name, value in values.items())
 
 
-class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd):
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
@@ -52,7 +53,11 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     """
 
     priority = float("inf")
-    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "total_batches", "log_file")
+    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "log_file")
+
+    def __new__(cls, log_interval: Union[str, int] = "epoch", *args: Any, **kwargs: Any) -> "LoggingHandler":
+        # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
+        return super().__new__(with_events(cls, [] if log_interval == "epoch" else ["batch_end"]))
 
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
@@ -75,7 +80,6 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self.current_epoch = 0
         self.batch_in_epoch = 0
         self.samples_in_epoch = 0
-        self.total_batches = 0
         self.log_file: Optional[str] = None
         self._file_handler: Optional[logging.FileHandler] = None
         self._logger: Optional[logging.Logger] = None
@@ -111,7 +115,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
 
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_epoch = self.batch_in_epoch = self.samples_in_epoch = self.total_batches = 0
+        self.current_epoch = self.batch_in_epoch = self.samples_in_epoch = 0
         self._validated = False  # any validation in this fit: the final line shows val metrics
         self._train_start = time.perf_counter()
         self._logger = estimator.logger
@@ -139,8 +143,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._epoch_start = self._interval_start = time.perf_counter()
 
     def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+        """Subscribed only with an int ``log_interval``."""
         self.batch_in_epoch += 1
-        self.total_batches += 1
         self.samples_in_epoch += batch_size_of(label, estimator.batch_axis)
         if self._filter is None or not self._filter(self.batch_in_epoch):
             return
@@ -156,7 +160,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._validated = self._validated or estimator.validated
         values = self._values(self._shown(estimator, with_val=estimator.validated))
         estimator.logger.info("%s Finished in %.3fs, %d batches: %s", self._epoch_label(estimator),
-                              elapsed, self.batch_in_epoch, format_metrics(values))
+                              elapsed, estimator.position.batch, format_metrics(values))
         self.current_epoch += 1
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
@@ -167,7 +171,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             else:  # stopped by an error or an interrupt: other ranks may not be here to reduce
                 values = "(stopped early; values not reduced across processes)"
             estimator.logger.info("Train finished in %.3fs: %d epochs, %d batches. %s", elapsed,
-                                  self.current_epoch, self.total_batches, values)
+                                  self.current_epoch, estimator.position.step, values)
         finally:
             self._close_file()
 

@@ -6,12 +6,13 @@ from typing import Any
 
 from ..metrics.base import is_metric, split_loss_metrics, update_metrics
 from ._base import StatefulHandler
-from .mixins import BatchEnd, EpochBegin
+from ._subscribe import with_events
+from .mixins import EpochBegin
 
 __all__ = ["MetricHandler"]
 
 
-class MetricHandler(StatefulHandler, EpochBegin, BatchEnd):
+class MetricHandler(StatefulHandler, EpochBegin):
     """Reset the metrics at each epoch's start and update them after every batch.
 
     Loss metrics are updated with the batch loss, the others with ``(pred, label)``; the values
@@ -32,6 +33,10 @@ class MetricHandler(StatefulHandler, EpochBegin, BatchEnd):
     """
 
     priority = -1000
+
+    def __new__(cls, metrics: Any) -> "MetricHandler":
+        empty = isinstance(metrics, (list, tuple)) and not metrics
+        return super().__new__(with_events(cls, [] if empty else ["batch_end"]))  # nothing to update: no call
 
     def __init__(self, metrics: Any):
         items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]

@@ -7,6 +7,7 @@ import logging
 import numbers
 import sys
 import threading
+import time
 from typing import Any, Callable, Optional
 
 from .. import distributed
@@ -175,6 +176,8 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._shown: list[Any] = []
         self._per_epoch: Optional[int] = None
         self._max_epoch: Optional[int] = None
+        self._unshown = 0  # batches done but not yet passed to the bar
+        self._next_draw = 0.0
 
     # -- bars ------------------------------------------------------------------------------
     def _close_val_bar(self) -> None:
@@ -182,8 +185,17 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             self._val_bar.close()
         self._val_bar = None
 
+    def _pass_batches(self) -> None:
+        """Give the bar the batches done since it last heard: at most every ``refresh_interval``
+        from ``batch_end`` (tqdm would not redraw sooner anyway), and before it closes."""
+        if self._unshown and self._batch_bar is not None:
+            self._batch_bar.update(self._unshown)
+        self._unshown = 0
+        self._next_draw = time.monotonic() + self.refresh_interval
+
     def _close(self) -> None:
         try:
+            self._pass_batches()
             self._close_val_bar()
             for bar in (self._batch_bar, self._epoch_bar):
                 if bar is not None:
@@ -227,6 +239,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         if not self._active or self._epoch_bar is None:
             return
         if self._batch_bar is not None:
+            self._pass_batches()
             self._batch_bar.close()
         # The loop's position already names a resumed epoch (the counters come back later).
         self._batch_bar = self._new_batch_bar(total=self._per_epoch, desc=self._epoch_desc(estimator.position.epoch),
@@ -236,13 +249,16 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self.batch_in_epoch += 1
         self.total_batches += 1
         if self._active:
-            self._batch_bar.update(1)
+            self._unshown += 1
+            if time.monotonic() >= self._next_draw:
+                self._pass_batches()
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
         self.epochs_done += 1
         if not self._active or self._epoch_bar is None:
             return
         if self._batch_bar is not None:
+            self._pass_batches()
             self._batch_bar.close()
             self._batch_bar = None
         shown = self._shown + (list(estimator.val_metrics) if estimator.validated else [])
@@ -255,8 +271,8 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._close()
 
     # -- state -----------------------------------------------------------------------------
-    @staticmethod
-    def _move(bar: Any, n: int) -> None:
+    def _move(self, bar: Any, n: int) -> None:
+        self._unshown = 0
         bar.n = bar.initial = bar.last_print_n = n  # rates count from the resume
         bar.refresh()
 

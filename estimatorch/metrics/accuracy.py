@@ -35,6 +35,8 @@ class Accuracy(Metric):
 
     default_name = "accuracy"
     higher_is_better = True
+    max_pending = 32
+    _fold_order_free = True
 
     def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, device: Any = None):
         super().__init__(name, device=device)
@@ -48,17 +50,23 @@ class Accuracy(Metric):
         preds = preds.detach()
         if preds.dim() == target.dim() + 1 and preds.shape[1] == 1:  # one column: binary
             preds = preds.squeeze(1)
-        if preds.dim() == target.dim() + 1:
-            labels = preds.argmax(dim=1)
-        elif preds.shape == target.shape:
-            labels = preds >= self.threshold if preds.is_floating_point() else preds
-        else:
+        if preds.dim() != target.dim() + 1 and preds.shape != target.shape:
             raise ValueError(
                 f"{self.name}: preds of shape {tuple(preds.shape)} do not match target of shape "
                 f"{tuple(target.shape)}; expected (N, C, ...) scores or the target's shape"
             )
-        self.correct.add_((labels == target).sum())
+        self._defer((preds, target), preds.nbytes)
         self.count += target.numel()
+
+    def _correct(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if preds.dim() == target.dim() + 1:
+            labels = preds.argmax(dim=1)
+        else:
+            labels = preds >= self.threshold if preds.is_floating_point() else preds
+        return (labels == target).sum()
+
+    def _fold(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {"correct": _fold_counts(self._correct, items)}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
         return _ratio(states["correct"].double(), states["count"])
@@ -81,6 +89,8 @@ class TopKAccuracy(Metric):
     """
 
     higher_is_better = True
+    max_pending = 32
+    _fold_order_free = True
 
     def __init__(self, top_k: int = 5, name: Optional[str] = None, *, device: Any = None):
         if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
@@ -97,10 +107,24 @@ class TopKAccuracy(Metric):
                 f"{self.name}: preds must be (N, C, ...) scores for a target of shape "
                 f"{tuple(target.shape)}, got {tuple(preds.shape)}"
             )
-        k = min(self.top_k, preds.shape[1])
-        top = preds.topk(k, dim=1).indices
-        self.correct.add_((top == target.unsqueeze(1)).any(dim=1).sum())
+        self._defer((preds, target), preds.nbytes)
         self.count += target.numel()
+
+    def _correct(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        top = preds.topk(min(self.top_k, preds.shape[1]), dim=1).indices
+        return (top == target.unsqueeze(1)).any(dim=1).sum()
+
+    def _fold(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
+        return {"correct": _fold_counts(self._correct, items)}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
         return _ratio(states["correct"].double(), states["count"])
+
+
+def _fold_counts(correct: Any, items: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Hits over pending ``(preds, target)`` pairs: one vectorised pass when they concatenate."""
+    try:
+        preds, target = torch.cat([p for p, _ in items]), torch.cat([t for _, t in items])
+    except RuntimeError:  # trailing shapes differ (e.g. sequences of several lengths)
+        return torch.stack([correct(p, t) for p, t in items]).sum()
+    return correct(preds, target)

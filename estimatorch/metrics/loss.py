@@ -16,7 +16,8 @@ class Loss(Metric):
 
     ``update(loss, target)`` takes the loss the step computed: a scalar (a batch mean, weighted
     by ``len(target)``) or one value per sample (averaged over all of them). The accumulator
-    stays on the metric's device (the estimator's), in float64.
+    stays on the metric's device (the estimator's), in float64; updates are batched
+    (``max_pending``, see :class:`Metric`).
 
     Args:
         name: Defaults to ``"loss"``.
@@ -33,6 +34,7 @@ class Loss(Metric):
 
     default_name = "loss"
     higher_is_better = False
+    max_pending = 32
 
     def __init__(self, name: Optional[str] = None, *, device: Any = None):
         super().__init__(name, device=device)
@@ -41,13 +43,20 @@ class Loss(Metric):
 
     def update(self, preds: torch.Tensor, target: Any = None) -> None:
         loss = preds.detach()
-        if loss.dim() == 0:
+        if loss.dim() == 0:  # a batch mean: weighted by the batch size
             n = target.shape[0] if isinstance(target, torch.Tensor) and target.dim() > 0 else 1
-            self.total.add_(loss, alpha=n)
-        else:
+            self._defer((loss, n), 8)
+        else:  # one value per sample
             n = loss.numel()
-            self.total.add_(loss.sum())
+            self._defer((loss.sum(), 1), 8)
         self.count += n
+
+    def _fold(self, items: list[tuple[torch.Tensor, int]]) -> dict[str, torch.Tensor]:
+        by_weight: dict[int, list[torch.Tensor]] = {}
+        for loss, weight in items:  # usually one batch size, plus a last partial batch
+            by_weight.setdefault(weight, []).append(loss)
+        total = sum(torch.stack(losses).double().sum() * weight for weight, losses in by_weight.items())
+        return {"total": total}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
         return _ratio(states["total"], states["count"])

@@ -401,7 +401,7 @@ def default_types(est, **fit_kwargs):
             captured["handlers"] = list(est._dispatch.handlers)
 
     est.fit(make_batches(), event_handlers=[Capture()], **fit_kwargs)
-    return [type(h) for h in captured["handlers"] if not isinstance(h, Capture)]
+    return [type(h).__name__ for h in captured["handlers"] if not isinstance(h, Capture)]
 
 
 def test_default_set_and_its_order(monkeypatch):
@@ -410,8 +410,8 @@ def test_default_set_and_its_order(monkeypatch):
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
     types = default_types(est, epochs=1, val_data=make_batches(n_batches=1))
-    assert types == [GradientUpdateHandler, MetricHandler, ValidationHandler, StoppingHandler,
-                     LRSchedulerHandler, LoggingHandler, ProgressBarHandler]
+    assert types == [c.__name__ for c in (GradientUpdateHandler, MetricHandler, ValidationHandler, StoppingHandler,
+                                          LRSchedulerHandler, LoggingHandler, ProgressBarHandler)]
 
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # `other` never steps
@@ -431,7 +431,7 @@ def test_the_estimators_scheduler_is_stepped_even_beside_another_scheduler_handl
 def test_no_progress_bar_outside_a_terminal_or_notebook(monkeypatch):
     monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
     types = default_types(make_estimator(), epochs=1)
-    assert types == [GradientUpdateHandler, MetricHandler, StoppingHandler, LoggingHandler]
+    assert types == [c.__name__ for c in (GradientUpdateHandler, MetricHandler, StoppingHandler, LoggingHandler)]
 
 
 def test_a_default_is_not_added_when_the_user_gave_one_of_its_type(monkeypatch):

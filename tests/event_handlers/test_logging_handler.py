@@ -10,7 +10,7 @@ import signal
 import pytest
 
 from estimatorch import distributed
-from estimatorch.event_handlers import CheckpointHandler, LambdaHandler, LoggingHandler, ValidationHandler
+from estimatorch.event_handlers import BatchEnd, CheckpointHandler, LambdaHandler, LoggingHandler, ValidationHandler
 from estimatorch.event_handlers.logging_handler import format_metrics
 from tests.conftest import make_batches, make_estimator
 
@@ -155,13 +155,19 @@ def test_arguments_are_checked(kwargs, error, match):
         LoggingHandler(**kwargs)
 
 
+def test_a_line_per_epoch_costs_nothing_per_step():
+    """log_interval='epoch' does not subscribe to batch_end: no call per step."""
+    assert not isinstance(LoggingHandler(), BatchEnd)
+    assert isinstance(LoggingHandler(log_interval=5), BatchEnd)
+
+
 def test_state_round_trip():
     est = make_estimator()
-    handler = LoggingHandler()
+    handler = LoggingHandler(log_interval=2)
     est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler])
     state = handler.state_dict()
-    assert (state["current_epoch"], state["total_batches"], state["samples_in_epoch"]) == (2, 2 * N_BATCHES, 32)
-    other = LoggingHandler()
+    assert (state["current_epoch"], state["batch_in_epoch"], state["samples_in_epoch"]) == (2, N_BATCHES, 32)
+    other = LoggingHandler(log_interval=2)
     other.load_state_dict(state)
     assert other.state_dict() == state
     with pytest.raises(ValueError, match="log_file"):

@@ -150,3 +150,10 @@ def test_one_instance_serves_two_fits():
     second = est.fit(uneven_batches(), epochs=2, event_handlers=[h])
     assert first["train_loss"] == second["train_loss"]
     assert first["train_accuracy"] == second["train_accuracy"]
+
+
+def test_no_metrics_means_no_call_per_step():
+    from estimatorch.event_handlers import BatchEnd, EpochBegin
+
+    assert not isinstance(MetricHandler([]), BatchEnd)
+    assert isinstance(MetricHandler([]), EpochBegin)

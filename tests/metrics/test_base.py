@@ -320,3 +320,101 @@ def test_split_and_update():
     assert loss.compute() == 0.5 and acc.compute() == 0.5
     assert loss_like.updates == [(torch.Size([]), torch.Size([2]))]
     assert duck.updates == [(torch.Size([2, 2]), torch.Size([2]))]
+
+
+# -- batched (deferred) updates ---------------------------------------------------------------------
+def _losses_and_batches(n=70, seed=0):
+    g = torch.Generator().manual_seed(seed)
+    out = []
+    for i in range(n):
+        size = 8 if i % 9 else 5  # a few partial batches: two weights in one fold
+        out.append((torch.rand((), generator=g) * 3, torch.randn(size, 4, generator=g),
+                    torch.randint(0, 4, (size,), generator=g)))
+    return out
+
+
+def test_batched_updates_give_the_immediate_values():
+    from estimatorch.metrics import Accuracy, Loss
+
+    batched_loss, batched_acc = Loss(), Accuracy()
+    single_loss, single_acc = Loss(), Accuracy()
+    single_loss.max_pending = single_acc.max_pending = 1
+    for loss, pred, target in _losses_and_batches():
+        for m_loss, m_acc in ((batched_loss, batched_acc), (single_loss, single_acc)):
+            m_loss.update(loss, target)
+            m_acc.update(pred, target)
+    assert batched_acc.compute() == single_acc.compute()  # integer counts: exact
+    assert batched_loss.compute() == pytest.approx(single_loss.compute(), rel=1e-12)
+
+
+def test_reading_a_value_does_not_change_later_bits():
+    """compute() folds pending updates into a copy: when values are read (a progress bar's
+    time-based refresh) cannot change the bits of later results."""
+    from estimatorch.metrics import Loss
+
+    quiet, watched = Loss(), Loss()
+    for i, (loss, _, target) in enumerate(_losses_and_batches()):
+        quiet.update(loss, target)
+        watched.update(loss, target)
+        if i % 7 == 3:
+            watched.compute()
+    assert quiet.compute().hex() == watched.compute().hex()
+    assert torch.equal(quiet.total, watched.total)
+
+
+def test_pending_updates_survive_a_state_round_trip_bit_for_bit():
+    from estimatorch.metrics import Accuracy, Loss
+
+    data = _losses_and_batches()
+    whole_loss, whole_acc = Loss(), Accuracy()
+    for loss, pred, target in data:
+        whole_loss.update(loss, target)
+        whole_acc.update(pred, target)
+    first_loss, first_acc = Loss(), Accuracy()
+    for loss, pred, target in data[:45]:  # 45 = 32 folded + 13 pending
+        first_loss.update(loss, target)
+        first_acc.update(pred, target)
+    loss_state, acc_state = first_loss.state_dict(), first_acc.state_dict()
+    assert len(loss_state["pending"]) == 13 and acc_state["pending"] == []  # integer sums fold first
+    resumed_loss, resumed_acc = Loss(), Accuracy()
+    resumed_loss.load_state_dict(loss_state)
+    resumed_acc.load_state_dict(acc_state)
+    for loss, pred, target in data[45:]:
+        resumed_loss.update(loss, target)
+        resumed_acc.update(pred, target)
+    assert resumed_loss.compute().hex() == whole_loss.compute().hex()
+    assert resumed_acc.compute() == whole_acc.compute()
+
+
+def test_pending_updates_are_capped_by_bytes():
+    from estimatorch.metrics import Accuracy
+
+    m = Accuracy()
+    m.max_pending_bytes = 3 * 8 * 4 * 4  # three (8, 4) float32 predictions
+    for _, pred, target in _losses_and_batches(n=8):
+        m.update(pred, target)
+        assert m._pending_bytes < m.max_pending_bytes
+    assert len(m._pending) < 8 and int(m.correct) > 0  # folded long before max_pending (32)
+
+
+def test_predictions_of_different_shapes_fold_one_by_one():
+    from estimatorch.metrics import Accuracy
+
+    batched, single = Accuracy(), Accuracy()
+    single.max_pending = 1
+    g = torch.Generator().manual_seed(1)
+    for length in (3, 5, 3, 7):  # (N, C, T) with a varying T
+        pred, target = torch.randn(2, 4, length, generator=g), torch.randint(0, 4, (2, length), generator=g)
+        batched.update(pred, target)
+        single.update(pred, target)
+    assert batched.compute() == single.compute()
+
+
+def test_reset_drops_pending_updates():
+    from estimatorch.metrics import Loss
+
+    m = Loss()
+    m.update(torch.tensor(5.0), torch.zeros(2))
+    m.reset()
+    m.update(torch.tensor(1.0), torch.zeros(2))
+    assert m.compute() == 1.0

@@ -78,7 +78,7 @@ def test_state_round_trip():
     m = Loss("train_loss")
     m.update(torch.tensor(1.5), torch.zeros(4))
     state = m.state_dict()
-    assert set(state) == {"total", "count"} and state["count"] == 4
+    assert set(state) == {"total", "count", "pending"} and state["count"] == 4 and len(state["pending"]) == 1
     fresh = Loss()
     fresh.load_state_dict(state)
     assert fresh.compute() == 1.5
