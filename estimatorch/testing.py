@@ -177,19 +177,19 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
 
 
 def _compare(k: int, reference: _Trace, resumed: _Trace, final: tuple, got: tuple) -> None:
-    expected_losses, expected_digests = reference.losses[k:], reference.digests[k:]
-    for i, (want, have) in enumerate(zip(expected_losses, resumed.losses)):
-        if want != have:
-            raise AssertionError(f"resumed after step {k}: the loss of step {k + i + 1} differs "
-                                 f"({float.fromhex(have)!r} vs {float.fromhex(want)!r} uninterrupted)")
-    for i, (want, have) in enumerate(zip(expected_digests, resumed.digests)):
-        if want != have:
-            raise AssertionError(f"resumed after step {k}: the parameters after step {k + i + 1} differ")
-    if len(resumed.losses) != len(expected_losses):
+    """Raise at the first step (loss, then parameters after it) or final state that differs."""
+    expected = list(zip(reference.losses[k:], reference.digests[k:]))
+    for i, ((want_loss, want_params), (loss, params)) in enumerate(zip(expected, zip(resumed.losses, resumed.digests))):
+        step = k + i + 1
+        if loss != want_loss:
+            raise AssertionError(f"resumed after step {k}: the loss of step {step} differs "
+                                 f"({float.fromhex(loss)!r} vs {float.fromhex(want_loss)!r} uninterrupted)")
+        if params != want_params:
+            raise AssertionError(f"resumed after step {k}: the parameters after step {step} differ")
+    if len(resumed.losses) != len(expected):
         raise AssertionError(f"resumed after step {k}: it trained {len(resumed.losses)} steps, "
-                             f"the uninterrupted run {len(expected_losses)} more")
+                             f"the uninterrupted run {len(expected)} more")
     for name, want, have in (("parameters", final[0], got[0]), ("optimizer state", final[1], got[1])):
         where = _tensors_equal(want, have, name)
         if where:
             raise AssertionError(f"resumed after step {k}: the final {where} differ")
-

@@ -161,3 +161,37 @@ def test_resuming_with_another_world_size_is_refused(tmp_path):
     out = tmp_path / "error.txt"
     _resume_with_one_process(str(ckpt), str(out))
     assert "2 processes" in out.read_text() or "world_size" in out.read_text()
+
+
+TORCHRUN_SCRIPT = '''
+import sys, torch
+from torch import nn
+from estimatorch import Estimator, distributed
+torch.manual_seed(0)
+torch.set_num_threads(1)
+net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.arange(40) % 3)
+history = est.fit(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), epochs=2)
+torch.save({"world": distributed.get_world_size(), "rank": distributed.get_rank(), "model": est.net.state_dict(),
+            "history": history.to_dict()}, f"{sys.argv[1]}/rank{distributed.get_rank()}.pt")
+'''
+
+
+def test_fit_under_torchrun_initialises_the_group_itself(tmp_path):
+    """torchrun sets the rendezvous variables; fit creates the process group from them."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "train.py"
+    script.write_text(TORCHRUN_SCRIPT)
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+                           str(script), str(tmp_path)], capture_output=True, text=True, env=env, timeout=300)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    r0, r1 = (torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(2))
+    assert (r0["world"], r0["rank"], r1["world"], r1["rank"]) == (2, 0, 2, 1)
+    for key in r0["model"]:
+        assert torch.equal(r0["model"][key], r1["model"][key])
+    assert r0["history"] == r1["history"] and len(r0["history"]["epoch"]) == 2
+    assert proc.stdout.count("Training begin") == 1  # only rank 0 logs

@@ -1,0 +1,166 @@
+"""The contract every exported handler keeps: it can be constructed, serve two fits alike, round-
+trip its state, and behave after a resume exactly as in an uninterrupted run.
+
+A new handler must be added to FACTORIES: ``test_every_exported_handler_is_covered`` fails until
+it is.
+"""
+
+from __future__ import annotations
+
+import inspect
+import io
+import shutil
+import signal
+
+import pytest
+import torch
+from torch import nn
+
+import estimatorch.event_handlers as eh
+from estimatorch import Estimator
+from estimatorch.statistics import ActivationStatistics, EpochGradientNorm, GradientNorm, Throughput
+from tests.conftest import make_batches
+
+EPOCHS, N_BATCHES = 3, 5
+STOP_AT = 7  # mid second epoch
+
+
+class Recorder:
+    """A writer for MeterHandler: records what it is given."""
+
+    def __init__(self):
+        self.scalars = []
+
+    def add_scalar(self, tag, value, step):
+        self.scalars.append((tag, step))
+
+    def add_histogram(self, tag, values, step):
+        self.scalars.append((tag, step))
+
+
+def _estimator():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
+    opt = torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9)
+    return Estimator(net, nn.CrossEntropyLoss(), optimizer=opt,
+                     lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.9), seed=1)
+
+
+VAL = make_batches(n_batches=2, seed=5)
+
+# name -> factory(estimator, directory) -> handler. Each handler is built on the estimator whose
+# metrics it refers to.
+FACTORIES = {
+    "StoppingHandler": lambda est, d: eh.StoppingHandler(max_epoch=EPOCHS),
+    "MetricHandler": lambda est, d: eh.MetricHandler(est.train_metrics),
+    "ValidationHandler": lambda est, d: eh.ValidationHandler(VAL, est.evaluate, epoch_period=1, batch_period=4),
+    "LoggingHandler": lambda est, d: eh.LoggingHandler(log_interval=2, log_dir=d / "logs"),
+    "GradientUpdateHandler": lambda est, d: eh.GradientUpdateHandler(accumulation_steps=2, clip_grad_norm=1.0),
+    # mode="max" on a falling loss: the best epoch is the first, before the resume point, so a
+    # resume that lost the best value or weights shows
+    "EarlyStoppingHandler": lambda est, d: eh.EarlyStoppingHandler(est.val_metrics[0], mode="max", patience=5,
+                                                                   restore_best_weights=True),
+    "LambdaHandler": lambda est, d: eh.LambdaHandler(batch_end=lambda e, **kw: None, every=3),
+    "LRSchedulerHandler": lambda est, d: eh.LRSchedulerHandler(),
+    "CheckpointHandler": lambda est, d: eh.CheckpointHandler(d / "ckpt", batch_period=3, save_best=True,
+                                                             monitor=est.val_metrics[0]),
+    "ProgressBarHandler": lambda est, d: eh.ProgressBarHandler(file=io.StringIO()),
+    "TensorBoardHandler": lambda est, d: eh.TensorBoardHandler(d / "tb", log_interval=2),
+    "TerminateOnNaNHandler": lambda est, d: eh.TerminateOnNaNHandler(check_every=2, monitor=[est.train_metrics[0]]),
+    "MeterHandler": lambda est, d: eh.MeterHandler([GradientNorm(period=2), Throughput(), EpochGradientNorm(),
+                                                    ActivationStatistics(["0"], period=3)], writer=Recorder()),
+}
+#: state keys that name this run's files (a new run writes new ones) or hold wall-clock time:
+#: left out of comparisons
+UNREPEATABLE = {"log_file", "run_dir", "seconds"}
+
+
+def _comparable(state):
+    if isinstance(state, dict):
+        return {k: _comparable(v) for k, v in state.items() if k not in UNREPEATABLE}
+    if isinstance(state, (list, tuple)):
+        return [_comparable(v) for v in state]
+    if isinstance(state, torch.Tensor):
+        return ("tensor", state.dtype, tuple(state.shape), state.detach().cpu().flatten().tolist())
+    return state
+
+
+def _fit(est, handler, **kwargs):
+    return est.fit(make_batches(n_batches=N_BATCHES), val_data=VAL, epochs=EPOCHS, event_handlers=[handler], **kwargs)
+
+
+class CtrlC(eh.BatchEnd):
+    """Presses Ctrl-C during the step ``at``: fit stops at that step's end."""
+
+    def __init__(self, at):
+        self.at, self.seen = at, 0
+
+    def batch_end(self, est, **kw):
+        self.seen += 1
+        if self.seen == self.at:
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_every_exported_handler_is_covered():
+    exported = {name for name in eh.__all__
+                if inspect.isclass(getattr(eh, name)) and name.endswith("Handler") and name != "StatefulHandler"}
+    assert exported == set(FACTORIES)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_construct_and_subscribe(name, tmp_path):
+    handler = FACTORIES[name](_estimator(), tmp_path)
+    assert isinstance(handler, tuple(eh.EVENTS.values()))
+    assert callable(handler.state_dict) and callable(handler.load_state_dict)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_one_instance_serves_two_fits_alike(name, tmp_path):
+    est = _estimator()
+    start = [{k: v.clone() for k, v in est.net.state_dict().items()},
+             est.optimizer.state_dict(), est.lr_scheduler.state_dict()]
+    handler = FACTORIES[name](est, tmp_path)
+    history = _fit(est, handler).to_dict()
+    state = _comparable(handler.state_dict())
+    shutil.rmtree(tmp_path / "ckpt", ignore_errors=True)  # a second run in a fresh directory
+    est.net.load_state_dict(start[0])  # the same start: the handler must bring nothing over
+    est.optimizer.load_state_dict(start[1])
+    est.lr_scheduler.load_state_dict(start[2])
+    assert _fit(est, handler).to_dict() == history
+    assert _comparable(handler.state_dict()) == state
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_state_round_trips(name, tmp_path):
+    est = _estimator()
+    handler = FACTORIES[name](est, tmp_path)
+    _fit(est, handler)
+    state = handler.state_dict()
+    fresh = FACTORIES[name](est, tmp_path / "fresh")
+    fresh.load_state_dict(state)
+    assert _comparable(fresh.state_dict()) == _comparable(state)
+    if state:
+        missing = dict(state)
+        missing.pop(sorted(missing)[0])
+        with pytest.raises(ValueError, match="missing the key"):
+            FACTORIES[name](est, tmp_path / "other").load_state_dict(missing)
+
+
+@pytest.mark.parametrize("name", sorted(FACTORIES))
+def test_behaves_after_a_resume_as_without_one(name, tmp_path):
+    whole_est = _estimator()
+    whole = FACTORIES[name](whole_est, tmp_path / "whole")
+    whole_history = _fit(whole_est, whole).to_dict()
+
+    est = _estimator()
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(n_batches=N_BATCHES), val_data=VAL, epochs=EPOCHS,
+                event_handlers=[FACTORIES[name](est, tmp_path / "parts"), CtrlC(STOP_AT)])
+    assert est.position.step == STOP_AT
+    resumed = FACTORIES[name](est, tmp_path / "parts")  # a new instance, as a new process would have
+    resumed_history = _fit(est, resumed, resume=True).to_dict()
+
+    assert resumed_history == whole_history
+    for key, value in whole_est.net.state_dict().items():
+        assert torch.equal(value, est.net.state_dict()[key]), key
+    assert _comparable(resumed.state_dict()) == _comparable(whole.state_dict())

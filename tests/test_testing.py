@@ -1,0 +1,75 @@
+"""assert_resumable: passes for a resumable setup and names the first step where a broken one
+diverges."""
+
+from __future__ import annotations
+
+import numpy as np
+import pytest
+import torch
+from torch import nn
+
+from estimatorch import Estimator, rng
+from estimatorch.event_handlers import BatchEnd
+from estimatorch.testing import assert_resumable
+
+
+class Augmented(torch.utils.data.Dataset):
+    def __init__(self, legacy_numpy=False):
+        g = torch.Generator().manual_seed(0)
+        self.x, self.y = torch.randn(30, 4, generator=g), torch.randint(0, 3, (30,), generator=g)
+        self.legacy_numpy = legacy_numpy
+
+    def __len__(self):
+        return 30
+
+    def __getitem__(self, i):
+        # numpy's legacy global RNG is not seeded per sample (estimatorch never touches it):
+        # draws from it make data depend on history, which assert_resumable must catch
+        source = np.random if self.legacy_numpy else rng.default_numpy_rng()
+        return self.x[i] + float(source.normal()) + 0.1 * torch.randn(4), self.y[i]
+
+
+def make():
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+    opt = torch.optim.Adam(net.parameters(), lr=0.01)
+    return Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
+
+
+def loader(legacy_numpy=False):
+    return torch.utils.data.DataLoader(Augmented(legacy_numpy), batch_size=8, shuffle=True)
+
+
+def test_a_resumable_setup_passes():
+    assert_resumable(make, loader(), epochs=3, quiet=True)  # default stop points: 1, 2, 4, 5, 6, 12
+
+
+class ForgetfulDecay(BatchEnd):
+    """Halves the learning rate every 3 batches, counting in an attribute it never saves."""
+
+    def __init__(self):
+        self.seen = 0
+
+    def batch_end(self, est, **kw):
+        self.seen += 1
+        if self.seen % 3 == 0:
+            for group in est.optimizer.param_groups:
+                group["lr"] /= 2
+
+
+def test_a_handler_that_does_not_save_its_counter_is_caught():
+    # uninterrupted, the rate halves after step 6; resumed, the counter restarts and it does not:
+    # step 7's update (parameters after it) is the first difference
+    with pytest.raises(AssertionError, match=r"resumed after step 5: the parameters after step 7 differ"):
+        assert_resumable(make, loader(), epochs=3, event_handlers=lambda: [ForgetfulDecay()], stop_at=[5],
+                         quiet=True)
+
+
+def test_data_drawn_from_a_global_rng_that_is_not_restored_is_caught():
+    with pytest.raises(AssertionError, match=r"resumed after step 2: the loss of step 3 differs"):
+        assert_resumable(make, loader(legacy_numpy=True), epochs=2, stop_at=[2], quiet=True)
+
+
+def test_stop_points_outside_the_run_are_refused():
+    with pytest.raises(ValueError, match="stop_at holds 99"):
+        assert_resumable(make, loader(), epochs=1, stop_at=[99], quiet=True)
