@@ -2,11 +2,15 @@
 
 from __future__ import annotations
 
+import math
+from typing import Any
+
 import pytest
 import torch
 from torch import nn
 
 from estimatorch import Estimator
+from estimatorch.event_handlers import BatchEnd, EpochEnd
 
 
 @pytest.fixture(autouse=True)
@@ -40,3 +44,45 @@ def batches():
 @pytest.fixture
 def estimator():
     return make_estimator()
+
+
+class Count(BatchEnd, EpochEnd):
+    """Counts the batches and epochs a fit really ran (runs before every other handler)."""
+
+    priority = -10_000
+
+    def __init__(self) -> None:
+        self.batches = 0
+        self.epochs = 0
+
+    def batch_end(self, estimator, **kwargs):
+        self.batches += 1
+
+    def epoch_end(self, estimator, **kwargs):
+        self.epochs += 1
+
+
+def assert_tree_equal(a: Any, b: Any, where: str = "state") -> None:
+    """Tensors bitwise equal (same dtype), floats equal (nan equals nan), same structure."""
+    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
+        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
+        assert a.dtype == b.dtype and torch.equal(a, b), where
+    elif isinstance(a, dict):
+        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
+        for key in a:
+            assert_tree_equal(a[key], b[key], f"{where}[{key!r}]")
+    elif isinstance(a, (list, tuple)):
+        assert type(a) is type(b) and len(a) == len(b), where
+        for i, (x, y) in enumerate(zip(a, b)):
+            assert_tree_equal(x, y, f"{where}[{i}]")
+    elif isinstance(a, float) and math.isnan(a):
+        assert isinstance(b, float) and math.isnan(b), where
+    else:
+        assert a == b, f"{where}: {a!r} != {b!r}"
+
+
+def assert_same_training_state(a: Estimator, b: Estimator) -> None:
+    """Model, optimizer and LR scheduler states bitwise equal."""
+    assert_tree_equal(a.net.state_dict(), b.net.state_dict(), "model")
+    assert_tree_equal(a.optimizer.state_dict(), b.optimizer.state_dict(), "optimizer")
+    assert_tree_equal(a.lr_scheduler.state_dict(), b.lr_scheduler.state_dict(), "lr_scheduler")

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import io
 import logging
-import math
 import os
 import shutil
 import subprocess
@@ -24,6 +23,7 @@ from torch import nn
 from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.checkpoint import FORMAT_VERSION, CheckpointError
 from estimatorch.event_handlers import BatchEnd, StatefulHandler
+from tests.conftest import assert_same_training_state, assert_tree_equal
 from tests.fixtures import make_v1_checkpoint as v1
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -39,31 +39,6 @@ class LossRecorder(BatchEnd):
 
     def batch_end(self, estimator: Any, *, loss: torch.Tensor, **kwargs: Any) -> None:
         self.losses.append(float(loss.detach()).hex())
-
-
-def assert_tree_equal(a: Any, b: Any, where: str = "state") -> None:
-    """Tensors bitwise equal (same dtype), floats equal (nan equals nan), same structure."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for key in a:
-            assert_tree_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def assert_same_training_state(a: Estimator, b: Estimator) -> None:
-    assert_tree_equal(a.net.state_dict(), b.net.state_dict(), "model")
-    assert_tree_equal(a.optimizer.state_dict(), b.optimizer.state_dict(), "optimizer")
-    assert_tree_equal(a.lr_scheduler.state_dict(), b.lr_scheduler.state_dict(), "lr_scheduler")
 
 
 def periodic_name(step: int) -> str:

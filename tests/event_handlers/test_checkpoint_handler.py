@@ -19,7 +19,7 @@ from torch.utils.data import DataLoader, Dataset
 from estimatorch import CheckpointHandler, Estimator, ValidationHandler, checkpoint, rng
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin, EpochEnd
 from estimatorch.metrics import Loss
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import assert_same_training_state, assert_tree_equal, make_batches, make_estimator
 
 # -- the run that every exactness test resumes -------------------------------------------------
 FEATURES, CLASSES = 5, 3
@@ -119,31 +119,6 @@ def fit_run(directory: Any, *, epochs: int = EPOCHS, build_kwargs: Optional[dict
                           evaluations=evaluations, dir=directory, history=None)
     run.history = estimator.fit(loader, epochs=epochs, event_handlers=handlers)
     return run
-
-
-def assert_tree_equal(a: Any, b: Any, where: str = "state") -> None:
-    """Tensors bitwise equal (same dtype), floats equal (nan equals nan), same structure."""
-    if isinstance(a, torch.Tensor) or isinstance(b, torch.Tensor):
-        assert isinstance(a, torch.Tensor) and isinstance(b, torch.Tensor), where
-        assert a.dtype == b.dtype and torch.equal(a, b), where
-    elif isinstance(a, dict):
-        assert isinstance(b, dict) and list(a) == list(b), f"{where}: keys {list(a)} != {list(b)}"
-        for key in a:
-            assert_tree_equal(a[key], b[key], f"{where}[{key!r}]")
-    elif isinstance(a, (list, tuple)):
-        assert type(a) is type(b) and len(a) == len(b), where
-        for i, (x, y) in enumerate(zip(a, b)):
-            assert_tree_equal(x, y, f"{where}[{i}]")
-    elif isinstance(a, float) and math.isnan(a):
-        assert isinstance(b, float) and math.isnan(b), where
-    else:
-        assert a == b, f"{where}: {a!r} != {b!r}"
-
-
-def assert_same_training_state(a: Estimator, b: Estimator) -> None:
-    assert_tree_equal(a.net.state_dict(), b.net.state_dict(), "model")
-    assert_tree_equal(a.optimizer.state_dict(), b.optimizer.state_dict(), "optimizer")
-    assert_tree_equal(a.lr_scheduler.state_dict(), b.lr_scheduler.state_dict(), "lr_scheduler")
 
 
 def batch_save_position(step: int, batches: int = BATCHES) -> tuple[int, int]:

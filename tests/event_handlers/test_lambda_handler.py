@@ -9,30 +9,14 @@ import pickle
 import pytest
 import torch
 
-from estimatorch.event_handlers import EVENTS, BatchEnd, EpochEnd, LambdaHandler
-from tests.conftest import make_batches, make_estimator
+from estimatorch.event_handlers import EVENTS, LambdaHandler
+from tests.conftest import Count, make_batches, make_estimator
 
 N_BATCHES = 4
 
 
 def noop(estimator, **kwargs):
     return None
-
-
-class Count(BatchEnd, EpochEnd):
-    """An independent count of batches and epochs, updated before the LambdaHandler runs."""
-
-    priority = -10_000
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.epochs = 0
-
-    def batch_end(self, estimator, **kwargs):
-        self.batches += 1
-
-    def epoch_end(self, estimator, **kwargs):
-        self.epochs += 1
 
 
 def fired_batches(epochs=3, **filters):

@@ -4,26 +4,10 @@ from __future__ import annotations
 
 import pytest
 
-from estimatorch.event_handlers import BatchEnd, EpochEnd, StoppingHandler
-from tests.conftest import make_batches, make_estimator
+from estimatorch.event_handlers import StoppingHandler
+from tests.conftest import Count, make_batches, make_estimator
 
 N_BATCHES = 4  # batches per epoch of make_batches()
-
-
-class Count(BatchEnd, EpochEnd):
-    """Counts the batches and epochs a fit really ran (runs before every other handler)."""
-
-    priority = -10_000
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.epochs = 0
-
-    def batch_end(self, estimator, **kwargs):
-        self.batches += 1
-
-    def epoch_end(self, estimator, **kwargs):
-        self.epochs += 1
 
 
 def run(handlers=(), **plan):

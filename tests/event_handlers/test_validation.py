@@ -7,23 +7,9 @@ import torch
 from torch import nn
 
 from estimatorch.event_handlers import BatchEnd, EpochBegin, EpochEnd, ValidationHandler
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import Count, make_batches, make_estimator
 
 N_BATCHES = 4
-
-
-class Count(BatchEnd, EpochEnd):
-    priority = -10_000  # before the ValidationHandler (-1000)
-
-    def __init__(self) -> None:
-        self.batches = 0
-        self.epochs = 0
-
-    def batch_end(self, estimator, **kwargs):
-        self.batches += 1
-
-    def epoch_end(self, estimator, **kwargs):
-        self.epochs += 1
 
 
 class FakeEval:
