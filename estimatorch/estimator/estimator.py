@@ -452,10 +452,21 @@ class Estimator:
                 failed = True
                 raise
             finally:
-                self._last = self._snapshot(run, partial=not run.at_boundary)
+                self._last = self._final_snapshot(run, failed)
                 self._train_end(run, failed)
                 self._dispatch = Dispatch([])
                 self._fitting = False
+
+    def _final_snapshot(self, run: _Run, failed: bool) -> Optional[dict[str, Any]]:
+        """What ``fit(..., resume=True)`` continues from. A handler whose ``state_dict`` fails here
+        must not hide the error that ended the fit, nor keep ``train_end`` from running."""
+        try:
+            return self._snapshot(run, partial=not run.at_boundary)
+        except Exception:
+            if not failed:
+                raise
+            self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
+            return None
 
     def _train_end(self, run: _Run, failed: bool) -> None:
         """Fire train_end to every handler, even when one of them raises."""

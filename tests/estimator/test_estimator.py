@@ -832,3 +832,23 @@ def test_resume_refuses_different_data():
     est.fit(make_batches(n_batches=4), epochs=1, event_handlers=[])
     with pytest.raises(ValueError, match="dataset_len"):
         est.fit(make_batches(n_batches=5), epochs=2, event_handlers=[], resume=True)
+
+
+def test_a_failing_state_dict_after_an_error_does_not_hide_it_nor_skip_train_end():
+    error = RuntimeError("the real problem")
+
+    class Broken(BatchEnd):
+        def batch_end(self, est, **kw):
+            raise error
+
+        def state_dict(self):
+            raise ValueError("state_dict is broken too")
+
+    log = []
+    est = make_estimator()
+    with pytest.raises(RuntimeError) as info:
+        est.fit(make_batches(), epochs=1, event_handlers=[Broken(), Recorder(log)])
+    assert info.value is error
+    assert events_of(log)[-1] == "train_end"
+    with pytest.raises(ValueError, match="no earlier fit"):
+        est.fit(make_batches(), epochs=1, event_handlers=[], resume=True)
