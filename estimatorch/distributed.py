@@ -134,13 +134,18 @@ def _flag_group() -> Any:
     return _FLAG_GROUP
 
 
-def any_rank(flag: bool) -> bool:
-    """True on every rank when ``flag`` is true on any rank (a host-side collective)."""
+def any_rank(*flags: bool) -> Any:
+    """For each flag, True on every rank when it is true on any rank (one host-side collective).
+
+    Returns a bool for one flag, a tuple of bools for several.
+    """
     if not is_distributed():
-        return bool(flag)
-    t = torch.tensor([1 if flag else 0], dtype=torch.int32)
-    dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_flag_group())
-    return bool(t[0])
+        values = tuple(bool(f) for f in flags)
+    else:
+        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
+        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_flag_group())
+        values = tuple(bool(v) for v in t.tolist())
+    return values[0] if len(values) == 1 else values
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

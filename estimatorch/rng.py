@@ -2,8 +2,10 @@
 
 The generators are python's ``random``, torch's CPU generator, every CUDA device's generator and
 the library's numpy :class:`numpy.random.Generator` (:func:`default_numpy_rng`). numpy's legacy
-global ``np.random.*`` state is never touched: code that wants reproducible numpy draws uses
-``default_numpy_rng()``.
+global ``np.random.*`` state is yours: seeding and capture leave it alone. The one exception is
+data loading (:func:`sample_seeding`): many augmentation libraries draw from ``np.random``, so
+each sample's fetch reseeds it too from the sample's position, and in the main process puts your
+state back afterwards, so you never see a change.
 
 This module is the only place in estimatorch that reads or writes RNG state.
 
@@ -99,17 +101,21 @@ def seed_everything(seed: Optional[int] = None) -> int:
     return seed
 
 
-def get_state() -> dict[str, Any]:
+def get_state(cuda: Optional[bool] = None) -> dict[str, Any]:
     """Capture the state of every generator, as plain tensors and python values.
 
     The result can be saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``.
+
+    Args:
+        cuda: include every CUDA device's generator. Defaults to None: when CUDA is available
+            (a run on the CPU passes False, so that it resumes on a machine with other GPUs).
     """
     state: dict[str, Any] = {
         "python": random.getstate(),
         "torch": torch.get_rng_state(),
         "numpy": _NUMPY_RNG.bit_generator.state,
     }
-    if torch.cuda.is_available():
+    if torch.cuda.is_available() and cuda is not False:
         state["cuda"] = torch.cuda.get_rng_state_all()
     return state
 
@@ -187,9 +193,11 @@ def seed_worker(worker_id: int) -> None:
 
 
 def _reseed_fast(seed: int) -> None:
-    """Reseed every CPU-side generator from one 63-bit seed, in a few microseconds."""
+    """Reseed every CPU-side generator, numpy's legacy global one included, from one 63-bit
+    seed, in a few microseconds."""
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
+    np.random.seed(seed & 0xFFFFFFFF)
     hi = _splitmix64(seed)
     lo = _splitmix64(hi)
     inc = _splitmix64(lo)
@@ -205,11 +213,13 @@ def _reseed_fast(seed: int) -> None:
 def sample_seeding(seed: int, epoch: int, restore: bool) -> Iterator[Any]:
     """Make data-loading randomness a function of ``(seed, epoch, sample index)``.
 
-    Yields a function ``seed_sample(index, salt=0)`` that reseeds the CPU generators for one
-    sample. With ``restore=True`` (data loaded in the main process) the caller's generator states
-    are put back on exit, so loading data never shifts the model's random stream.
+    Yields a function ``seed_sample(index, salt=0)`` that reseeds the CPU generators (numpy's
+    legacy global one included) for one sample. With ``restore=True`` (data loaded in the main
+    process) the caller's generator states are put back on exit, so loading data never shifts
+    the model's random stream nor anything of yours.
     """
-    saved = (torch.get_rng_state(), random.getstate(), _NUMPY_RNG.bit_generator.state) if restore else None
+    saved = (torch.get_rng_state(), random.getstate(), _NUMPY_RNG.bit_generator.state,
+             np.random.get_state()) if restore else None
 
     def seed_sample(index: int, salt: int = 0) -> None:
         _reseed_fast(derive_seed(seed, epoch, index, salt))
@@ -221,3 +231,4 @@ def sample_seeding(seed: int, epoch: int, restore: bool) -> Iterator[Any]:
             torch.set_rng_state(saved[0])
             random.setstate(saved[1])
             _NUMPY_RNG.bit_generator.state = saved[2]
+            np.random.set_state(saved[3])

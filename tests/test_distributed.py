@@ -195,3 +195,35 @@ def test_fit_under_torchrun_initialises_the_group_itself(tmp_path):
         assert torch.equal(r0["model"][key], r1["model"][key])
     assert r0["history"] == r1["history"] and len(r0["history"]["epoch"]) == 2
     assert proc.stdout.count("Training begin") == 1  # only rank 0 logs
+
+
+class CtrlCOnRank(BatchEnd):
+    """Ctrl-C reaching one rank only, during step ``at``."""
+
+    def __init__(self, rank, at):
+        self.rank, self.at, self.seen = rank, at, 0
+
+    def batch_end(self, est, **kw):
+        import signal
+
+        self.seen += 1
+        if distributed.get_rank() == self.rank and self.seen == self.at:
+            signal.raise_signal(signal.SIGINT)
+
+
+def _interrupted(out_dir):
+    est, loader = _setup()
+    est.batch_processor = Processor()
+    try:
+        est.fit(loader, epochs=2, event_handlers=[CtrlCOnRank(rank=0, at=3)])
+        outcome = "finished"
+    except KeyboardInterrupt:
+        outcome = "interrupted"
+    torch.save({"outcome": outcome, "step": est.position.step},
+               os.path.join(out_dir, f"interrupt-rank{distributed.get_rank()}.pt"))
+
+
+def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
+    distributed.spawn(_interrupted, 2, str(tmp_path), backend="gloo")
+    r0, r1 = (torch.load(tmp_path / f"interrupt-rank{r}.pt", weights_only=True) for r in range(2))
+    assert r0 == r1 == {"outcome": "interrupted", "step": 3}

@@ -81,9 +81,10 @@ def test_never_touches_numpys_legacy_global_rng():
     before = legacy_numpy_state()
     rng.seed_everything(11)
     draws()
-    with rng.sample_seeding(1, 2, restore=False) as seed_sample:
+    with rng.sample_seeding(1, 2, restore=True) as seed_sample:
         seed_sample(3)
         draws()
+        np.random.random()
     with rng.keep_random_state():
         rng.seed_everything(12)
     rng.set_state(rng.get_state())
@@ -354,3 +355,16 @@ def test_sample_seeding_restores_on_exception():
             draws()
             raise IndexError
     assert draws() == expected
+
+
+def test_per_sample_seeding_covers_numpys_legacy_global_rng():
+    """Augmentation libraries draw from np.random: a sample's draws are a function of its
+    position there too, whatever came before (the worker that served it, the resume point)."""
+    def draw(index, noise):
+        with rng.sample_seeding(5, 1, restore=True) as seed_sample:
+            np.random.random(noise)  # draws made before this sample, e.g. by other samples
+            seed_sample(index)
+            return np.random.normal(size=3).tolist()
+
+    assert draw(7, 1) == draw(7, 13)
+    assert draw(7, 1) != draw(8, 1)

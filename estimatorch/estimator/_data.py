@@ -141,6 +141,9 @@ class TrainStream:
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output before the next :meth:`epoch_iter`."""
 
+    def close(self) -> None:
+        """Release what the stream holds once ``fit`` is over (worker processes)."""
+
 
 def _identity(batch: Any) -> Any:
     return batch
@@ -331,6 +334,9 @@ class _LoaderStream(TrainStream):
         return {**super().fingerprint(), "dataset_len": self.dataset_len,
                 "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "sampler": self.sampler_name}
+
+    def close(self) -> None:
+        self.loader = None  # its persistent workers, if any, shut down with it
 
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
         if self.batches_per_epoch is not None and start >= self.batches_per_epoch:

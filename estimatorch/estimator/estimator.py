@@ -19,7 +19,7 @@ from torch import nn
 
 from .. import distributed, rng
 from ..metrics import Accuracy, Loss
-from ..metrics.base import is_metric, metric_name, split_loss_metrics, update_metrics
+from ..metrics.base import Metric, is_metric, metric_name, split_loss_metrics, update_metrics
 from ._data import TrainStream, make_train_stream, to_device
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from .batch_processor import BatchProcessor
@@ -97,6 +97,7 @@ class _Run:
         self.at_boundary = True
         self.interrupted = False
         self.evaluated = False
+        self.stateless_metrics: set[str] = set()
 
 
 def _check_bool(value: Any, arg: str) -> bool:
@@ -113,9 +114,22 @@ def _check_count(value: Any, arg: str) -> Optional[int]:
     return value
 
 
-def _check_iterable(value: Any, arg: str) -> None:
+def _check_iterable(value: Any, arg: str, *, reread: bool = False) -> None:
+    """An iterable of batches; with ``reread``, one that can be read more than once and is not
+    known to be empty (checked without iterating it)."""
     if isinstance(value, (torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable):
         raise TypeError(f"{arg} must be an iterable of batches (a DataLoader, a list...), got {type(value).__name__}")
+    if not reread:
+        return
+    if isinstance(value, Iterator):
+        raise TypeError(f"{arg} is an iterator ({type(value).__name__}), which can be read only once; "
+                        "pass a list or a DataLoader")
+    try:
+        empty = len(value) == 0
+    except TypeError:  # no length (e.g. a DataLoader over an IterableDataset)
+        empty = False
+    if empty:
+        raise ValueError(f"{arg} is empty: a {type(value).__name__} of length 0")
 
 
 def _resolve_device(device: Any) -> torch.device:
@@ -378,7 +392,10 @@ class Estimator:
             raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
         _check_bool(resume, "resume")
         if val_data is not None:
-            _check_iterable(val_data, "val_data")
+            _check_iterable(val_data, "val_data", reread=True)
+        if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
+            raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
+                            f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
         user = check_handlers(event_handlers)
@@ -452,21 +469,28 @@ class Estimator:
                 failed = True
                 raise
             finally:
-                self._last = self._final_snapshot(run, failed)
-                self._train_end(run, failed)
-                self._dispatch = Dispatch([])
-                self._fitting = False
+                snapshot_error = self._final_snapshot(run, failed)
+                try:
+                    self._train_end(run, failed or snapshot_error is not None)
+                finally:
+                    self._dispatch = Dispatch([])
+                    self._fitting = False
+                    run.stream.close()
+                if snapshot_error is not None and not failed:
+                    raise snapshot_error
 
-    def _final_snapshot(self, run: _Run, failed: bool) -> Optional[dict[str, Any]]:
-        """What ``fit(..., resume=True)`` continues from. A handler whose ``state_dict`` fails here
-        must not hide the error that ended the fit, nor keep ``train_end`` from running."""
+    def _final_snapshot(self, run: _Run, failed: bool) -> Optional[Exception]:
+        """Record what ``fit(..., resume=True)`` continues from; return the error if a handler's
+        ``state_dict`` fails, so that it neither hides the error that ended the fit nor keeps
+        ``train_end`` from running."""
         try:
-            return self._snapshot(run, partial=not run.at_boundary)
-        except Exception:
-            if not failed:
-                raise
-            self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
+            self._last = self._snapshot(run, partial=not run.at_boundary)
             return None
+        except Exception as err:  # reported after train_end, or logged if another error is on its way
+            self._last = None
+            if failed:
+                self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
+            return err
 
     def _train_end(self, run: _Run, failed: bool) -> None:
         """Fire train_end to every handler, even when one of them raises."""
@@ -518,8 +542,8 @@ class Estimator:
                     for fn in batch_end:
                         if fn(self, batch=batch, pred=pred, label=label, loss=loss):
                             stop = True
-                    if multi:
-                        stop = distributed.any_rank(stop)
+                    if multi:  # one collective: a stop or a Ctrl-C on any rank stops every rank here
+                        stop, run.interrupted = distributed.any_rank(stop, run.interrupted)
                     pos.batch += 1
                     pos.step += 1
                     pos.phase, pos.stop = "batch_end", stop
@@ -537,7 +561,7 @@ class Estimator:
             stop = dispatch.fire("epoch_end", self)
             self._record_history(run, epoch)
             if multi:
-                stop = distributed.any_rank(stop)
+                stop, run.interrupted = distributed.any_rank(stop, run.interrupted)
             pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
             pos.stop = pos.stop or stop
             run.at_boundary = True
@@ -591,8 +615,17 @@ class Estimator:
         """This rank's state at the current boundary: everything but model and optimizer."""
         handlers = {name: h.state_dict() for name, h in run.dispatch.by_name.items()
                     if callable(getattr(h, "state_dict", None))}
-        metrics = {metric_name(m): m.state_dict() for m in self.train_metrics + self.val_metrics
-                   if callable(getattr(m, "state_dict", None))}
+        metrics: dict[str, Any] = {}
+        for metric in self.train_metrics + self.val_metrics:
+            state = metric.state_dict() if callable(getattr(metric, "state_dict", None)) else None
+            if state is not None:
+                metrics[metric_name(metric)] = state
+            if not state and not isinstance(metric, Metric) and run.pos.phase == "batch_end" \
+                    and metric_name(metric) not in run.stateless_metrics:
+                run.stateless_metrics.add(metric_name(metric))  # warned once per fit
+                warnings.warn(f"metric {metric_name(metric)!r} keeps no state (no or an empty state_dict(), e.g. "
+                              "a torchmetrics metric whose states are not persistent): resuming from here "
+                              "restarts its running value for this epoch", stacklevel=3)
         return {
             "position": dataclasses.asdict(run.pos),
             "plan": dict(run.plan),
@@ -603,7 +636,7 @@ class Estimator:
             "evaluated": run.evaluated,
             "data": run.stream.state_dict(),
             "fingerprint": run.stream.fingerprint(),
-            "rng": rng.get_state(),
+            "rng": rng.get_state(cuda=self.device.type == "cuda"),
         }
 
     def _resume_plan(self, snapshot: dict[str, Any], run: _Run, source: str) -> dict[str, Any]:
@@ -673,7 +706,8 @@ class Estimator:
 
         Resets and updates the val metrics, fires ``epoch_begin``, ``batch_begin``,
         ``batch_end`` and ``epoch_end`` to ``event_handlers``, and restores the network's
-        training mode afterwards.
+        training mode and every random generator afterwards (validating or not never changes
+        a training run's random stream).
 
         Returns:
             ``{metric name: value}`` for every val metric.
@@ -694,7 +728,9 @@ class Estimator:
         net, was_training = self.val_net, self.val_net.training
         net.eval()
         try:
-            with torch.no_grad():
+            # A DataLoader draws its workers' base seed from the global generator: evaluation
+            # must not shift the training's random stream (dropout) by validating or not.
+            with torch.no_grad(), rng.keep_random_state():
                 dispatch.fire("epoch_begin", self)
                 seen = 0
                 for batch in val_data:
@@ -739,8 +775,12 @@ class Estimator:
             yield
             return
 
+        main_pid, multi = os.getpid(), distributed.is_distributed()
+
         def on_interrupt(signum: int, frame: Any) -> None:
-            if run.interrupted or run.at_boundary:
+            if os.getpid() != main_pid:  # a DataLoader worker forked from here: its usual behaviour
+                signal.default_int_handler(signum, frame)
+            if run.interrupted or (run.at_boundary and not multi):  # ranks agree on a stop at a step end
                 signal.signal(signal.SIGINT, signal.default_int_handler)
                 raise KeyboardInterrupt
             run.interrupted = True

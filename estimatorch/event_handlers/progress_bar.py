@@ -73,6 +73,8 @@ class _BarSafe(logging.Handler):
         super().__init__(wrapped.level)
         self.wrapped = wrapped
         self.bar_class = bar_class
+        # stands in for the estimatorch console handler: a new Estimator must not add another
+        self._estimatorch_default = getattr(wrapped, "_estimatorch_default", False)
 
     def filter(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
         return bool(self.wrapped.filter(record))

@@ -55,7 +55,7 @@ class Accuracy(Metric):
                 f"{self.name}: preds of shape {tuple(preds.shape)} do not match target of shape "
                 f"{tuple(target.shape)}; expected (N, C, ...) scores or the target's shape"
             )
-        self._defer((preds, target), preds.nbytes)
+        self._defer((preds, target), _held_bytes(preds))
         self.count += target.numel()
 
     def _correct(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -107,7 +107,7 @@ class TopKAccuracy(Metric):
                 f"{self.name}: preds must be (N, C, ...) scores for a target of shape "
                 f"{tuple(target.shape)}, got {tuple(preds.shape)}"
             )
-        self._defer((preds, target), preds.nbytes)
+        self._defer((preds, target), _held_bytes(preds))
         self.count += target.numel()
 
     def _correct(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
@@ -119,6 +119,12 @@ class TopKAccuracy(Metric):
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
         return _ratio(states["correct"].double(), states["count"])
+
+
+def _held_bytes(preds: torch.Tensor) -> int:
+    """What keeping ``preds`` pending keeps alive: its whole storage (a view of last-token logits
+    holds every token's), which the pending cap must count."""
+    return preds.untyped_storage().nbytes()
 
 
 def _fold_counts(correct: Any, items: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:

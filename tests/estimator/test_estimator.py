@@ -279,10 +279,25 @@ def test_fit_rejects_unusable_train_data(data, words):
     assert rec.log == []
 
 
-def test_an_iterator_used_for_two_epochs_is_a_clear_error():
+def test_an_iterator_used_for_two_epochs_is_a_clear_error_before_any_work():
     est = make_estimator()
-    with pytest.raises(ValueError, match="no batches in epoch 2"):
-        est.fit(iter(make_batches()), epochs=2, event_handlers=[])
+    rec = Recorder()
+    with pytest.raises(TypeError, match="iterator.*epochs=2"):
+        est.fit(iter(make_batches()), epochs=2, event_handlers=[rec])
+    assert rec.log == []
+    with pytest.raises(ValueError, match="no batches in epoch 2"):  # found only when it runs dry
+        est.fit(iter(make_batches(n_batches=4)), batches=6, event_handlers=[])
+
+
+@pytest.mark.parametrize("val_data, exc, words", [
+    ([], ValueError, ["val_data", "empty"]),
+    (iter(make_batches(n_batches=2)), TypeError, ["val_data", "iterator", "only once"]),
+])
+def test_unusable_val_data_is_refused_before_any_work(val_data, exc, words):
+    rec = Recorder()
+    with pytest.raises(exc) as info:
+        make_estimator().fit(make_batches(), val_data=val_data, epochs=1, event_handlers=[rec])
+    assert all(word in str(info.value) for word in words) and rec.log == []
 
 
 # -- the loop -------------------------------------------------------------------------------------
@@ -852,3 +867,50 @@ def test_a_failing_state_dict_after_an_error_does_not_hide_it_nor_skip_train_end
     assert events_of(log)[-1] == "train_end"
     with pytest.raises(ValueError, match="no earlier fit"):
         est.fit(make_batches(), epochs=1, event_handlers=[], resume=True)
+
+
+def test_validating_with_a_data_loader_does_not_shift_the_training_stream():
+    """A DataLoader draws its base seed from the global generator on every iteration: evaluate
+    must not let that move the dropout stream (the torchdata trap)."""
+    def losses(val_data):
+        est, loader = dropout_setup()
+        seen, rec = losses_recorder()
+        est.fit(loader, val_data=val_data, epochs=2, event_handlers=[rec])
+        return seen
+
+    val = make_batches(n_batches=2)
+    assert losses(torch.utils.data.DataLoader(val, batch_size=None)) == losses(val) == losses(None)
+
+
+def test_persistent_workers_are_released_when_fit_returns():
+    import multiprocessing
+
+    dataset = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.randint(0, 3, (16,)))
+    loader = torch.utils.data.DataLoader(dataset, batch_size=4, num_workers=2, persistent_workers=True)
+    est = make_estimator()
+    est.fit(loader, epochs=2, event_handlers=[])
+    assert multiprocessing.active_children() == []
+    assert est.batches_per_epoch == 4  # what the run knew is still there
+
+
+def test_an_estimator_made_during_a_fit_with_bars_does_not_duplicate_log_lines():
+    import io
+    import logging
+
+    class MakeAnother(EpochEnd):
+        def epoch_end(self, est, **kw):
+            make_estimator()
+
+    est = make_estimator()
+    est.fit(make_batches(), epochs=1, event_handlers=[ProgressBarHandler(file=io.StringIO()), MakeAnother()])
+    console = [h for h in logging.getLogger("estimatorch").handlers if getattr(h, "_estimatorch_default", False)]
+    assert len(console) == 1
+
+
+def test_a_metric_without_state_warns_when_a_mid_epoch_snapshot_cannot_hold_it(tmp_path):
+    from estimatorch import CheckpointHandler
+
+    duck = DuckMetric()
+    est = make_estimator(train_metrics=[duck])
+    with pytest.warns(UserWarning, match="train_duckmetric.*keeps no state"):
+        est.fit(make_batches(), epochs=1, event_handlers=[CheckpointHandler(tmp_path, batch_period=2, epoch_period=None)])

@@ -140,3 +140,13 @@ def test_bad_top_k(bad):
 def test_top_k_names():
     assert TopKAccuracy().name == "top5_accuracy"
     assert TopKAccuracy(3, "best3").name == "best3"
+
+
+def test_a_pending_view_counts_the_storage_it_keeps_alive():
+    """Last-token logits are a view of every token's: keeping it pending keeps them all, so the
+    pending cap counts the storage (here it folds at once instead of holding 32 of them)."""
+    m = Accuracy()
+    for _ in range(3):
+        logits = torch.randn(8, 512, 1000)
+        m.update(logits[:, -1], torch.randint(0, 1000, (8,)))
+        assert m._pending == []
