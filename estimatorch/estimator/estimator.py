@@ -601,6 +601,11 @@ class Estimator:
         return self._run.stream.batches_per_epoch if self._run is not None else None
 
     @property
+    def handlers(self) -> tuple[Any, ...]:
+        """The current fit's handlers, in the order events reach them (empty outside fit)."""
+        return tuple(self._dispatch.handlers)
+
+    @property
     def validated(self) -> bool:
         """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
         ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""

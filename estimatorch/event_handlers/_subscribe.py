@@ -8,11 +8,13 @@ only when the feature is on.
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Iterable
+from typing import Any
 
 from .mixins import EVENTS
 
-__all__ = ["with_events"]
+__all__ = ["periodic_events", "with_events"]
 
 _CLASSES: dict[tuple[type, frozenset], type] = {}
 
@@ -43,3 +45,24 @@ def with_events(cls: type, events: Iterable[str]) -> type:
         body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
         sub = _CLASSES[key] = type(cls.__name__, (cls, *missing), body)
     return sub
+
+
+def periodic_events(cls: type, args: tuple, kwargs: dict[str, Any]) -> list[str]:
+    """For a handler built with ``batch_period`` / ``epoch_period`` arguments: the events whose
+    period is set (both when the arguments do not bind: ``__init__`` then reports the error).
+
+    Example:
+        >>> class H:
+        ...     def __init__(self, data, epoch_period=1, batch_period=None): pass
+        >>> periodic_events(H, ([],), {"batch_period": 5})
+        ['batch_end', 'epoch_end']
+        >>> periodic_events(H, ([],), {"epoch_period": None, "batch_period": 5})
+        ['batch_end']
+    """
+    try:
+        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+    except TypeError:
+        return ["batch_end", "epoch_end"]
+    bound.apply_defaults()
+    return [event for event, arg in (("batch_end", "batch_period"), ("epoch_end", "epoch_period"))
+            if bound.arguments.get(arg) is not None]

@@ -11,8 +11,9 @@ from .. import distributed
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler, check_positive_int
 from ._schedule import EventFilter
+from ._subscribe import periodic_events, with_events
 from .early_stopping import resolve_mode
-from .mixins import BatchEnd, EpochEnd, TrainBegin
+from .mixins import TrainBegin
 
 __all__ = ["CheckpointHandler"]
 
@@ -25,7 +26,7 @@ def _checkpoint() -> Any:
     return checkpoint
 
 
-class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+class CheckpointHandler(StatefulHandler, TrainBegin):
     """Save everything needed to resume, every few epochs and/or batches; resume from the newest.
 
     A checkpoint holds the model, optimizer, LR scheduler, grad scaler, every handler's state,
@@ -63,6 +64,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     """
 
     _state_attrs = ("current_epoch", "current_batch", "best")
+
+    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointHandler":
+        return super().__new__(with_events(cls, periodic_events(cls, args, kwargs)))  # only the periods set
 
     def __init__(self, model_dir: Union[str, os.PathLike], model_prefix: str = "model", monitor: Any = None,
                  verbose: int = 0, save_best: bool = False, mode: str = "auto", epoch_period: Optional[int] = 1,
@@ -105,6 +109,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.current_batch = 0
         self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
+        self._saved_step = -1  # the step of this run's last save
 
     def _existing(self) -> list[str]:
         """The names of this prefix's checkpoints already in ``model_dir`` (periodic and best)."""
@@ -158,8 +163,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
         self.current_epoch += 1
-        if self._epoch_filter is not None and self._epoch_filter(self.current_epoch):
-            estimator.at_boundary(lambda: self._save(estimator))
+        if self._epoch_filter is None or not self._epoch_filter(self.current_epoch):
+            return
+        pos = estimator.position
+        if pos.stop and pos.step == self._saved_step:
+            # A stop cut this epoch short right after a batch checkpoint. That file stays the
+            # newest: resumed with a larger plan it continues the epoch exactly, while one written
+            # after this epoch_end would start the next epoch. (The same plan redoes epoch_end.)
+            return
+        estimator.at_boundary(lambda: self._save(estimator))
 
     # -- saving ----------------------------------------------------------------------------
     def _improved(self, value: float) -> bool:
@@ -174,6 +186,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         if is_best:
             self.best = best_value
         checkpoint = _checkpoint()
+        self._saved_step = estimator.position.step
         payload = checkpoint.build_payload(estimator)  # a collective: every rank contributes
         if not distributed.is_main_process():
             return

@@ -43,6 +43,9 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.pending = 0
         self._params: list[torch.nn.Parameter] = []
         self._plain_optimizer: Any = None
+        #: whether the optimizer stepped at the last batch_end (read by handlers that follow
+        #: optimizer steps, e.g. a per-batch LR schedule under gradient accumulation)
+        self.stepped = False
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.pending = 0
@@ -58,9 +61,11 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         if optimizer is not None:  # the common case, kept short: it runs every step
             optimizer.step()
             optimizer.zero_grad(set_to_none=True)
+            self.stepped = True
             return
         self.pending += 1
-        if self.pending >= self.accumulation_steps:
+        self.stepped = self.pending >= self.accumulation_steps
+        if self.stepped:
             self._step(estimator)
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:

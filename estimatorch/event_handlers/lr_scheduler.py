@@ -6,7 +6,8 @@ from typing import Any
 
 from ..metrics.base import is_metric
 from ._base import StatefulHandler, check_state_keys
-from .mixins import BatchEnd, EpochEnd, TrainBegin
+from ._subscribe import with_events
+from .mixins import TrainBegin
 
 __all__ = ["LRSchedulerHandler"]
 
@@ -17,9 +18,13 @@ def _is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, ReduceLROnPlateau)
 
 
-class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
-    """Step a learning-rate scheduler after every epoch (after validation) or every batch (after
-    the optimizer step). ``ReduceLROnPlateau`` is stepped with ``monitor``'s value.
+class LRSchedulerHandler(StatefulHandler, TrainBegin):
+    """Step a learning-rate scheduler after every epoch (after validation) or after every
+    optimizer step. ``ReduceLROnPlateau`` is stepped with ``monitor``'s value.
+
+    With ``step_on="batch"`` the scheduler follows the optimizer: under gradient accumulation
+    (``GradientUpdateHandler(accumulation_steps=k)``) it steps once per optimizer step, not once
+    per batch, so a schedule sized in optimizer steps (``OneCycleLR(total_steps=...)``) fits.
 
     ``fit`` adds one for ``Estimator(lr_scheduler=...)``. The scheduler's state is saved: the
     estimator's own with the checkpoint, another one in this handler's state.
@@ -35,6 +40,10 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         'batch'
     """
 
+    def __new__(cls, scheduler: Any = None, *, step_on: str = "epoch", monitor: Any = None) -> "LRSchedulerHandler":
+        # called only on the event it steps on (an unknown step_on is refused by __init__)
+        return super().__new__(with_events(cls, ["batch_end" if step_on == "batch" else "epoch_end"]))
+
     def __init__(self, scheduler: Any = None, *, step_on: str = "epoch", monitor: Any = None):
         if step_on not in ("epoch", "batch"):
             raise ValueError(f"step_on must be 'epoch' or 'batch', got {step_on!r}")
@@ -46,6 +55,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
             self._check_monitor(scheduler, monitor)
         self.scheduler = scheduler
         self.step_on = step_on
+        self._updaters: list[Any] = []
         self.monitor = monitor
         self._scheduler: Any = scheduler
 
@@ -63,7 +73,10 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self._check_monitor(scheduler, self.monitor)
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        from .gradient_update import GradientUpdateHandler
+
         self._scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
+        self._updaters = [h for h in estimator.handlers if isinstance(h, GradientUpdateHandler)]
 
     def _step(self) -> None:
         if self.monitor is not None:
@@ -72,12 +85,13 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
             self._scheduler.step()
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
-        if self.step_on == "batch":
+        """Subscribed with ``step_on="batch"``: after each optimizer step."""
+        if not self._updaters or any(u.stepped for u in self._updaters):
             self._step()
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
-        if self.step_on == "epoch":
-            self._step()
+        """Subscribed with ``step_on="epoch"``."""
+        self._step()
 
     def state_dict(self) -> dict[str, Any]:
         own = self.scheduler is not None

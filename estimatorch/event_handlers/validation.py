@@ -7,12 +7,13 @@ from typing import Any, Callable, Optional
 
 from ._base import StatefulHandler, check_positive_int
 from ._schedule import EventFilter
-from .mixins import BatchEnd, EpochEnd, TrainBegin
+from ._subscribe import periodic_events, with_events
+from .mixins import TrainBegin
 
 __all__ = ["ValidationHandler"]
 
 
-class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+class ValidationHandler(StatefulHandler, TrainBegin):
     """Call ``eval_fn(val_data, batch_axis=..., event_handlers=...)`` on a schedule.
 
     Runs at priority -1000: after the optimizer step and metric updates, before checkpoints and
@@ -39,6 +40,9 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     priority = -1000
     _state_attrs = ("current_epoch", "current_batch")
 
+    def __new__(cls, *args: Any, **kwargs: Any) -> "ValidationHandler":
+        return super().__new__(with_events(cls, periodic_events(cls, args, kwargs)))  # only the periods set
+
     def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, event_handlers: Any = None):
         from ..estimator._dispatch import check_handlers
@@ -51,6 +55,8 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.eval_fn = eval_fn
         self.epoch_period = check_positive_int(epoch_period, "epoch_period", allow_none=True)
         self.batch_period = check_positive_int(batch_period, "batch_period", allow_none=True)
+        if epoch_period is None and batch_period is None:
+            raise ValueError("epoch_period and batch_period are both None: it would never evaluate")
         self.event_handlers = check_handlers(event_handlers, "event_handlers")
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None

@@ -638,3 +638,39 @@ def test_bad_mode_with_a_monitor():
     estimator = make_estimator()
     with pytest.raises(ValueError, match="'best'"):
         CheckpointHandler("d", monitor=estimator.val_metrics[0], mode="best")
+
+
+def test_a_batches_plan_cut_mid_epoch_extends_exactly_from_its_batch_checkpoint(tmp_path):
+    """batches=5 of an 8-batch epoch, saving every batch and every epoch: the cut epoch's end
+    writes no second file over the same step, so a resume with a larger plan continues the
+    epoch at batch 6 exactly as an uninterrupted run does."""
+    data = make_batches(n_batches=8)
+
+    def losses():
+        seen = []
+
+        class Rec(BatchEnd):
+            def batch_end(self, est, *, loss, **kw):
+                seen.append(float(loss.detach()).hex())
+
+        return seen, Rec()
+
+    whole, rec = losses()
+    reference = make_estimator()
+    reference.fit(data, batches=20, event_handlers=[rec])
+
+    make_estimator().fit(data, batches=5, event_handlers=[CheckpointHandler(tmp_path, batch_period=1, max_checkpoints=None)])
+    assert [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(tmp_path, "model")][-1] == "model-epoch0batch5.pt"
+    rest, rec = losses()
+    resumed = make_estimator()
+    resumed.fit(data, batches=20, event_handlers=[rec, CheckpointHandler(tmp_path, batch_period=1, max_checkpoints=None,
+                                                                         resume_from_checkpoint=True)])
+    assert rest == whole[5:]
+    assert_tree_equal(reference.net.state_dict(), resumed.net.state_dict(), "model")
+
+
+def test_subscribes_only_to_the_periods_set(tmp_path):
+    assert not isinstance(CheckpointHandler(tmp_path), BatchEnd)
+    assert isinstance(CheckpointHandler(tmp_path), EpochEnd)
+    per_batch = CheckpointHandler(tmp_path, batch_period=5, epoch_period=None)
+    assert isinstance(per_batch, BatchEnd) and not isinstance(per_batch, EpochEnd)

@@ -205,3 +205,23 @@ def test_one_instance_serves_two_fits():
     est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[h])
     assert len(calls) == 4  # the schedule itself is the scheduler's state: it goes on
     assert est.optimizer.param_groups[0]["lr"] == pytest.approx(LR * GAMMA ** 4)
+
+
+def test_a_per_batch_schedule_follows_optimizer_steps_under_accumulation():
+    """OneCycleLR sized in optimizer steps: with accumulation 2, 16 batches make 8 optimizer
+    steps, and the schedule steps 8 times (stepping per batch would overrun it and raise)."""
+    from estimatorch import GradientUpdateHandler
+
+    est = make_estimator()
+    scheduler = torch.optim.lr_scheduler.OneCycleLR(est.optimizer, max_lr=0.5, total_steps=8)
+    est.fit(make_batches(n_batches=8), epochs=2, event_handlers=[
+        GradientUpdateHandler(accumulation_steps=2), LRSchedulerHandler(scheduler, step_on="batch")])
+    assert scheduler.last_epoch == 8
+
+
+def test_subscribes_only_to_the_event_it_steps_on():
+    from estimatorch.event_handlers import BatchEnd, EpochEnd
+
+    assert isinstance(LRSchedulerHandler(), EpochEnd) and not isinstance(LRSchedulerHandler(), BatchEnd)
+    per_batch = LRSchedulerHandler(step_on="batch")
+    assert isinstance(per_batch, BatchEnd) and not isinstance(per_batch, EpochEnd)

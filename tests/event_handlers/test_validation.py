@@ -83,9 +83,20 @@ def test_epoch_and_batch_period_together():
     assert fake.calls == [(0, 4), (1, 4), (1, 8), (2, 8)]
 
 
-def test_never_when_both_periods_are_none():
-    fake, _, _ = run(epochs=2, epoch_period=None)
-    assert fake.calls == []
+def test_both_periods_none_is_refused():
+    with pytest.raises(ValueError, match="epoch_period and batch_period are both None"):
+        ValidationHandler([], lambda *a, **k: None, epoch_period=None)
+
+
+def test_subscribes_only_to_the_periods_set():
+    from estimatorch.event_handlers import BatchEnd, EpochEnd
+
+    def handler(**periods):
+        return ValidationHandler([], lambda *a, **k: None, **periods)
+
+    assert isinstance(handler(), EpochEnd) and not isinstance(handler(), BatchEnd)
+    only_batches = handler(epoch_period=None, batch_period=3)
+    assert isinstance(only_batches, BatchEnd) and not isinstance(only_batches, EpochEnd)
 
 
 def test_passes_val_data_event_handlers_and_batch_axis():
