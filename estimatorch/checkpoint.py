@@ -45,6 +45,7 @@ __all__ = [
     "list_checkpoints",
     "load",
     "migrate",
+    "rank_snapshot",
     "restore_training_state",
 ]
 
@@ -171,13 +172,19 @@ def _check_safe(obj: Any, where: str) -> None:
     )
 
 
-def build_payload(estimator: Any) -> dict[str, Any]:
+def build_payload(estimator: Any) -> Optional[dict[str, Any]]:
     """Everything needed to resume ``estimator``'s current fit. A collective under
-    torch.distributed: every rank must call it (each contributes its snapshot)."""
+    torch.distributed: every rank must call it (each contributes its snapshot); global rank 0
+    gets the payload, the other ranks None."""
     from . import __version__, distributed
 
     snapshot = estimator._snapshot(estimator._run)
-    ranks = distributed.gather_objects(snapshot)
+    ranks = distributed.gather_to_main(snapshot)
+    if ranks is None:  # not rank 0: its snapshot went there
+        return None
+    for other in ranks[1:]:  # states the same on every rank are stored once, with rank 0's
+        for name in snapshot.get("shared", ()):
+            other["handlers"].pop(name, None)
     payload = {
         "format_version": FORMAT_VERSION,
         "estimatorch_version": __version__,
@@ -286,6 +293,15 @@ def find_latest(model_dir: PathLike, prefix: str) -> Optional[tuple[str, dict[st
         except (CheckpointError, OSError) as err:
             logger.warning("Skipping checkpoint %s: %s", path, err)
     return None
+
+
+def rank_snapshot(payload: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s snapshot, with the states stored once (see ``shared_state``) filled in."""
+    snapshot = dict(payload["ranks"][rank])
+    shared = payload["ranks"][0]["handlers"]
+    snapshot["handlers"] = {**{name: shared[name] for name in snapshot.get("shared", ()) if name in shared},
+                            **snapshot["handlers"]}
+    return snapshot
 
 
 def restore_training_state(estimator: Any, payload: dict[str, Any]) -> None:

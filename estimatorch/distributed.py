@@ -28,6 +28,7 @@ __all__ = [
     "broadcast_object",
     "collective_device",
     "gather_objects",
+    "gather_to_main",
     "get_local_rank",
     "get_rank",
     "get_world_size",
@@ -155,6 +156,15 @@ def broadcast_object(obj: Any, src: int = 0) -> Any:
     box = [obj]
     dist.broadcast_object_list(box, src=src, group=_flag_group())
     return box[0]
+
+
+def gather_to_main(obj: Any) -> Optional[list[Any]]:
+    """Every rank's object, in rank order, on global rank 0 (None elsewhere)."""
+    if not is_distributed():
+        return [obj]
+    out: Optional[list[Any]] = [None] * get_world_size() if is_main_process() else None
+    dist.gather_object(obj, out, dst=0, group=_flag_group())
+    return out
 
 
 def gather_objects(obj: Any) -> list[Any]:

@@ -10,7 +10,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimatorch import CheckpointHandler, Estimator, distributed
+from estimatorch import CheckpointHandler, EarlyStoppingHandler, Estimator, GradientUpdateHandler, distributed
 from estimatorch.event_handlers import BatchEnd
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -84,7 +84,9 @@ def _train(out_dir, mode, ckpt_dir=None):
     est.batch_processor = Processor()
     rank = distributed.get_rank()
     record, indices = Record(), RecordIndex()
-    handlers = [record, indices]
+    # states the same on every rank (best weights, accumulated gradients): stored once per file
+    handlers = [record, indices, GradientUpdateHandler(accumulation_steps=2),
+                EarlyStoppingHandler(est.train_metrics[0], patience=100, restore_best_weights=True)]
     if mode == "stop":
         handlers.append(StopOnRank(rank=1, step=3))
     if ckpt_dir is not None:
@@ -134,8 +136,12 @@ def test_two_ranks_resume_bit_identically(tmp_path):
     assert not [n for n in names if n.endswith(".tmp")]
     resume_dir = tmp_path / "resume-from"
     resume_dir.mkdir()
-    k = 7  # mid second epoch (22 samples per rank: 5 batches per epoch)
+    k = 6  # first batch of the second epoch (22 samples per rank: 5 batches per epoch), mid accumulation
     shutil.copy(full_dir / f"model-epoch1batch{k}.pt", resume_dir)
+    payload = torch.load(resume_dir / f"model-epoch1batch{k}.pt", weights_only=True)
+    shared = {"GradientUpdateHandler", "EarlyStoppingHandler"}
+    assert shared <= set(payload["ranks"][0]["handlers"]) and not shared & set(payload["ranks"][1]["handlers"])
+    assert payload["ranks"][0]["handlers"]["GradientUpdateHandler"]["pending"] == 1
     distributed.spawn(_train, 2, str(tmp_path), "resume", str(resume_dir), backend="gloo")
     resumed = _results(tmp_path, "resume")
     for want, got in zip(reference, resumed):

@@ -642,6 +642,7 @@ class Estimator:
             "data": run.stream.state_dict(),
             "fingerprint": run.stream.fingerprint(),
             "rng": rng.get_state(cuda=self.device.type == "cuda"),
+            "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
         }
 
     def _resume_plan(self, snapshot: dict[str, Any], run: _Run, source: str) -> dict[str, Any]:

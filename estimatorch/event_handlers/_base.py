@@ -40,6 +40,9 @@ class StatefulHandler:
 
     #: Dispatch rank: lower runs first. Ties keep the order handlers were given in.
     priority: float = 0
+    #: True when the state is the same on every rank (decisions on reduced values, weights or
+    #: gradients DDP keeps in step): a checkpoint then stores it once, not once per rank.
+    shared_state: bool = False
     _state_attrs: ClassVar[tuple[str, ...]] = ()
 
     @property

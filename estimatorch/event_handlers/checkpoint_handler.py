@@ -153,7 +153,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin):
             raise checkpoint.CheckpointError(
                 f"{path} was written by {payload['world_size']} processes; this run has "
                 f"{distributed.get_world_size()}: resume with the same world size")
-        estimator.request_resume(payload["ranks"][distributed.get_rank()], source=path)
+        estimator.request_resume(checkpoint.rank_snapshot(payload, distributed.get_rank()), source=path)
         checkpoint.restore_training_state(estimator, payload)
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:

@@ -54,6 +54,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
     """
 
     _state_attrs = ("current_epoch", "best", "best_epoch", "wait", "stopped_epoch", "best_weights")
+    shared_state = True  # decided on reduced values; best weights are DDP's common weights
 
     def __init__(self, monitor: Any, min_delta: float = 0, patience: int = 0, mode: str = "auto",
                  baseline: Optional[float] = None, restore_best_weights: bool = False):

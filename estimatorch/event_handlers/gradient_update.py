@@ -33,6 +33,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     priority = -2000
     _state_attrs = ("pending",)
+    shared_state = True  # accumulated gradients are the same on every rank under DDP
 
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
         self.accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
