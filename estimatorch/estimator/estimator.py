@@ -18,8 +18,9 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
+from ..event_handlers._base import check_positive_int
 from ..metrics import Accuracy, Loss
-from ..metrics.base import Metric, is_metric, metric_name, split_loss_metrics, update_metrics
+from ..metrics.base import Metric, as_metric_list, metric_name, split_loss_metrics, update_metrics
 from ._data import TrainStream, make_train_stream, to_device
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from .batch_processor import BatchProcessor
@@ -106,14 +107,6 @@ def _check_bool(value: Any, arg: str) -> bool:
     return value
 
 
-def _check_count(value: Any, arg: str) -> Optional[int]:
-    if value is None:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < 1:
-        raise ValueError(f"{arg} must be a positive int, got {value!r}")
-    return value
-
-
 def _check_iterable(value: Any, arg: str, *, reread: bool = False) -> None:
     """An iterable of batches; with ``reread``, one that can be read more than once and is not
     known to be empty (checked without iterating it)."""
@@ -147,16 +140,6 @@ def _resolve_device(device: Any) -> torch.device:
         if resolved.index is None:
             resolved = torch.device("cuda", torch.cuda.current_device())
     return resolved
-
-
-def _as_metric_list(metrics: Any, arg: str) -> list[Any]:
-    if metrics is None:
-        return []
-    items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
-    for m in items:
-        if not is_metric(m):
-            raise TypeError(f"{arg} must hold metrics (objects with update/compute/reset), got {m!r}")
-    return items
 
 
 def _rename(metric: Any, prefix: str) -> Any:
@@ -297,7 +280,7 @@ class Estimator:
 
     # -- metrics ---------------------------------------------------------------------------
     def _train_metric_list(self, train_metrics: Any) -> list[Any]:
-        metrics = _as_metric_list(train_metrics, "train_metrics")
+        metrics = as_metric_list(train_metrics, "train_metrics")
         if train_metrics is None and isinstance(self.loss, (nn.CrossEntropyLoss, nn.NLLLoss)):
             metrics.append(Accuracy())
         if not any(isinstance(m, Loss) for m in metrics):
@@ -307,7 +290,7 @@ class Estimator:
     def _val_metric_list(self, val_metrics: Any) -> list[Any]:
         if val_metrics is None:
             return [_rename(copy.deepcopy(m), "val_") for m in self.train_metrics]
-        metrics = _as_metric_list(val_metrics, "val_metrics")
+        metrics = as_metric_list(val_metrics, "val_metrics")
         if not any(isinstance(m, Loss) for m in metrics):
             metrics.insert(0, Loss())
         return [_rename(m, "val_") for m in metrics]
@@ -386,8 +369,8 @@ class Estimator:
         """
         if (epochs is None) == (batches is None):
             raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
-        _check_count(epochs, "epochs")
-        _check_count(batches, "batches")
+        check_positive_int(epochs, "epochs", allow_none=True)
+        check_positive_int(batches, "batches", allow_none=True)
         if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
             raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
         _check_bool(resume, "resume")

@@ -3,12 +3,13 @@
 from __future__ import annotations
 
 import copy
+import os
 from collections.abc import Iterable
 from typing import Any, ClassVar
 
 import torch
 
-__all__ = ["StatefulHandler", "check_state_keys", "check_positive_int"]
+__all__ = ["StatefulHandler", "check_file_prefix", "check_positive_int", "check_state_keys"]
 
 
 def check_state_keys(state: Any, keys: Iterable[str], owner: str) -> None:
@@ -25,8 +26,15 @@ def check_positive_int(value: Any, arg: str, *, allow_none: bool = False, minimu
     if value is None and allow_none:
         return None
     if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = "a positive int" if minimum == 1 else f"an int >= {minimum}"
+        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
         raise ValueError(f"{arg} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
+    return value
+
+
+def check_file_prefix(value: Any, arg: str) -> str:
+    """A non-empty name that is not a path: the start of the files a handler writes."""
+    if not isinstance(value, str) or not value or os.sep in value or (os.altsep and os.altsep in value):
+        raise ValueError(f"{arg} must be a non-empty file-name prefix (no path separator), got {value!r}")
     return value
 
 

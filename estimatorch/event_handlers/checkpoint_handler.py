@@ -9,10 +9,10 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from ..metrics.base import is_metric, metric_name
-from ._base import StatefulHandler, check_positive_int
+from ._base import StatefulHandler, check_file_prefix, check_positive_int
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events
-from .early_stopping import resolve_mode
+from .early_stopping import improved, resolve_mode
 from .mixins import TrainBegin
 
 __all__ = ["CheckpointHandler"]
@@ -74,9 +74,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin):
                  resume_from_checkpoint: bool = False):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
-        if not isinstance(model_prefix, str) or not model_prefix or os.sep in model_prefix \
-                or (os.altsep and os.altsep in model_prefix):
-            raise ValueError(f"model_prefix must be a non-empty file-name prefix, got {model_prefix!r}")
+        check_file_prefix(model_prefix, "model_prefix")
         if monitor is not None and not is_metric(monitor):
             raise TypeError(f"monitor must be a metric the estimator owns, got {monitor!r}")
         if verbose not in (0, 1):
@@ -174,12 +172,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin):
         estimator.at_boundary(lambda: self._save(estimator))
 
     # -- saving ----------------------------------------------------------------------------
-    def _improved(self, value: float) -> bool:
-        return value < self.best if self.mode == "min" else value > self.best
-
     def _save(self, estimator: Any) -> None:
         best_value = float(self.monitor.compute()) if self.save_best else None  # a collective
-        is_best = best_value is not None and not math.isnan(best_value) and self._improved(best_value)
+        is_best = best_value is not None and not math.isnan(best_value) and improved(best_value, self.best, self.mode)
         if best_value is not None and math.isnan(best_value):
             warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan; best checkpoint not updated",
                           stacklevel=2)

@@ -13,7 +13,7 @@ from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler, check_positive_int
 from .mixins import EpochEnd, TrainBegin, TrainEnd
 
-__all__ = ["EarlyStoppingHandler", "resolve_mode"]
+__all__ = ["EarlyStoppingHandler", "improved", "resolve_mode"]
 
 
 def resolve_mode(mode: str, monitor: Any, owner: str) -> str:
@@ -27,6 +27,18 @@ def resolve_mode(mode: str, monitor: Any, owner: str) -> str:
         raise ValueError(f"{owner}: mode='auto' needs the monitor's higher_is_better, which "
                          f"{metric_name(monitor)!r} does not declare; pass mode='min' or mode='max'")
     return "max" if higher else "min"
+
+
+def improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
+    """Whether ``value`` beats ``best`` by more than ``min_delta`` in ``mode`` (``nan`` never does).
+
+    Example:
+        >>> improved(0.8, 1.0, "min"), improved(0.95, 1.0, "min", min_delta=0.1), improved(2.0, 1.0, "max")
+        (True, False, True)
+    """
+    if mode == "min":
+        return value < best - min_delta
+    return value > best + min_delta
 
 
 class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
@@ -83,11 +95,6 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self.stopped_epoch = 0
         self.best_weights: Optional[dict[str, torch.Tensor]] = None
 
-    def _improved(self, value: float) -> bool:
-        if self.mode == "min":
-            return value < self.best - self.min_delta
-        return value > self.best + self.min_delta
-
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self._reset()
 
@@ -97,7 +104,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         if math.isnan(value):
             warnings.warn(f"EarlyStoppingHandler: {metric_name(self.monitor)} is nan in epoch "
                           f"{self.current_epoch}; counted as no improvement", stacklevel=2)
-        elif self._improved(value):
+        elif improved(value, self.best, self.mode, self.min_delta):
             self.best, self.best_epoch, self.wait = value, self.current_epoch, 0
             if self.restore_best_weights:
                 self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in estimator.net.state_dict().items()}

@@ -10,8 +10,8 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from ..estimator._data import batch_size_of
-from ..metrics.base import is_metric, metric_name
-from ._base import StatefulHandler, check_state_keys
+from ..metrics.base import as_metric_list, metric_name
+from ._base import StatefulHandler, check_file_prefix, check_state_keys
 from ._schedule import EventFilter
 from ._subscribe import with_events
 from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
@@ -64,16 +64,11 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         if log_interval != "epoch" and (isinstance(log_interval, bool) or not isinstance(log_interval, int)
                                         or log_interval < 1):
             raise ValueError(f"log_interval must be 'epoch' or a positive int, got {log_interval!r}")
-        if not isinstance(run_name, str) or not run_name or os.sep in run_name \
-                or (os.altsep and os.altsep in run_name):
-            raise ValueError(f"run_name must be a non-empty file-name prefix, got {run_name!r}")
+        check_file_prefix(run_name, "run_name")
         if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir)):
             raise TypeError(f"log_dir must be a directory path or None, got {log_dir!r}")
         self.log_interval = log_interval
-        self.metrics = None if metrics is None else (list(metrics) if isinstance(metrics, (list, tuple)) else [metrics])
-        for m in self.metrics or []:
-            if not is_metric(m):
-                raise TypeError(f"metrics must hold metrics the estimator owns, got {m!r}")
+        self.metrics = None if metrics is None else as_metric_list(metrics, "metrics")
         self._filter = None if log_interval == "epoch" else EventFilter(every=log_interval)
         self.log_dir = None if log_dir is None else os.fspath(log_dir)
         self.run_name = run_name

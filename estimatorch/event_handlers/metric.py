@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..metrics.base import is_metric, split_loss_metrics, update_metrics
+from ..metrics.base import as_metric_list, split_loss_metrics, update_metrics
 from ._base import StatefulHandler
 from ._subscribe import with_events
 from .mixins import EpochBegin
@@ -39,10 +39,7 @@ class MetricHandler(StatefulHandler, EpochBegin):
         return super().__new__(with_events(cls, [] if empty else ["batch_end"]))  # nothing to update: no call
 
     def __init__(self, metrics: Any):
-        items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
-        for m in items:
-            if not is_metric(m):
-                raise TypeError(f"metrics must hold metrics (update/compute/reset), got {m!r}")
+        items = as_metric_list(metrics, "metrics")
         self.metrics = items
         self._loss_metrics, self._other_metrics = split_loss_metrics(items)
 

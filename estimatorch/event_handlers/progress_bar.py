@@ -11,7 +11,7 @@ import time
 from typing import Any, Callable, Optional
 
 from .. import distributed
-from ..metrics.base import Metric, is_metric, metric_name
+from ..metrics.base import Metric, as_metric_list, metric_name
 from ._base import StatefulHandler, check_state_keys
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
@@ -159,10 +159,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         if isinstance(refresh_interval, bool) or not isinstance(refresh_interval, numbers.Real) \
                 or not refresh_interval >= 0:
             raise ValueError(f"refresh_interval must be a non-negative number of seconds, got {refresh_interval!r}")
-        items = None if metrics is None else (list(metrics) if isinstance(metrics, (list, tuple)) else [metrics])
-        for m in items or []:
-            if not is_metric(m):
-                raise TypeError(f"metrics must hold metrics the estimator owns, got {m!r}")
+        items = None if metrics is None else as_metric_list(metrics, "metrics")
         if file is not None and not callable(getattr(file, "write", None)):
             raise TypeError(f"file must be a writable stream or None, got {file!r}")
         self.refresh_interval = float(refresh_interval)

@@ -9,7 +9,7 @@ from typing import Any, Optional, Union
 from .. import distributed
 from ..estimator._data import batch_size_of
 from ..metrics.base import metric_name
-from ._base import StatefulHandler, check_positive_int, check_state_keys
+from ._base import StatefulHandler, check_file_prefix, check_positive_int, check_state_keys
 from ._event_files import carry_over_events, event_files
 from ._schedule import EventFilter
 from ._subscribe import with_events
@@ -92,9 +92,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
                  flush_secs: int = 120):
         if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
             raise TypeError(f"log_dir must be a directory path, got {log_dir!r}")
-        if not isinstance(run_name, str) or not run_name or os.sep in run_name \
-                or (os.altsep and os.altsep in run_name):
-            raise ValueError(f"run_name must be a non-empty directory-name prefix, got {run_name!r}")
+        check_file_prefix(run_name, "run_name")
         self.log_dir = os.fspath(log_dir)
         self.run_name = run_name
         self.log_interval = check_positive_int(log_interval, "log_interval", allow_none=True)

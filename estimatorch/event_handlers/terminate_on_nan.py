@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .. import distributed
-from ..metrics.base import is_metric, metric_name
+from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler, check_positive_int, check_state_keys
 from ._schedule import EventFilter
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
@@ -57,11 +57,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
 
     def __init__(self, check_every: int = 100, monitor: Any = None):
         self.check_every = check_positive_int(check_every, "check_every")
-        items = [] if monitor is None else (list(monitor) if isinstance(monitor, (list, tuple)) else [monitor])
-        for m in items:
-            if not is_metric(m):
-                raise TypeError(f"monitor must be a metric the estimator owns or a list of them, got {m!r}")
-        self.monitor = items
+        self.monitor = as_metric_list(monitor, "monitor")
         self._filter = EventFilter(every=check_every)
         self._val_ids: set[int] = set()
         self._reset()

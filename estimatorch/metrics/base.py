@@ -9,7 +9,7 @@ import torch
 
 from .. import distributed
 
-__all__ = ["Metric", "is_metric", "metric_name", "split_loss_metrics", "update_metrics"]
+__all__ = ["Metric", "as_metric_list", "is_metric", "metric_name", "split_loss_metrics", "update_metrics"]
 
 
 class Metric:
@@ -195,6 +195,18 @@ def is_metric(obj: Any) -> bool:
     if isinstance(obj, type):
         return False
     return all(callable(getattr(obj, m, None)) for m in ("update", "compute", "reset"))
+
+
+def as_metric_list(metrics: Any, arg: str) -> list[Any]:
+    """One metric or a list/tuple of them, as a list (None: empty); anything else is a
+    ``TypeError`` naming ``arg`` and the value."""
+    if metrics is None:
+        return []
+    items = list(metrics) if isinstance(metrics, (list, tuple)) else [metrics]
+    for item in items:
+        if not is_metric(item):
+            raise TypeError(f"{arg} must hold metrics (objects with update/compute/reset), got {item!r}")
+    return items
 
 
 def metric_name(metric: Any) -> str:

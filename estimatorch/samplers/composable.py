@@ -65,12 +65,6 @@ __all__ = [
 _ORDER = "shuffle -> repeat -> shard -> skip"
 
 
-def _check_count(value: Any, arg: str) -> int:
-    if isinstance(value, bool) or not isinstance(value, int) or value < 0:
-        raise ValueError(f"{arg} must be a non-negative int, got {value!r}")
-    return value
-
-
 def _inner(obj: Any) -> Any:
     if isinstance(obj, _Wrapper):
         return obj._inner
@@ -232,7 +226,7 @@ class ReproducibleShuffleSampler(_Wrapper):
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation the next iteration yields."""
-        self.epoch = _check_count(epoch, "epoch")
+        self.epoch = check_positive_int(epoch, "epoch", minimum=0)
 
     def __len__(self) -> int:
         return len(self._inner)
@@ -399,7 +393,7 @@ class SkipSampler(_Wrapper):
 
     def __init__(self, sampler: Iterable[Any], skip: int = 0):
         super().__init__(sampler)
-        self.skip = _check_count(skip, "skip")
+        self.skip = check_positive_int(skip, "skip", minimum=0)
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` on to the wrapped sampler (when it has ``set_epoch``)."""
@@ -418,7 +412,7 @@ class SkipSampler(_Wrapper):
         return {"skip": self.skip}
 
     def _load_own(self, state: dict[str, Any]) -> None:
-        self.skip = _check_count(state["skip"], "skip")
+        self.skip = check_positive_int(state["skip"], "skip", minimum=0)
 
 
 class SkipBatchSampler(SkipSampler):

@@ -119,7 +119,7 @@ def test_check_positive_int_refuses(value, kwargs):
 def test_check_positive_int_message_says_what_is_expected():
     with pytest.raises(ValueError, match="positive int or None, got 0"):
         check_positive_int(0, "every", allow_none=True)
-    with pytest.raises(ValueError, match="an int >= 0, got -1"):
+    with pytest.raises(ValueError, match="a non-negative int, got -1"):
         check_positive_int(-1, "patience", minimum=0)
 
 

@@ -312,8 +312,8 @@ def test_positioning_work_does_not_depend_on_the_start(make, monkeypatch):
     (lambda: ResumableRandomSampler(5, batch_size=0), "batch_size must be a positive int, got 0"),
     (lambda: ResumableDistributedSampler(5, 0, 0), "num_replicas must be a positive int, got 0"),
     (lambda: ResumableDistributedSampler(5, 2, 2), r"rank must be an int in \[0, 2\), got 2"),
-    (lambda: ResumableSequentialSampler(5).set_epoch(-1), "epoch must be an int >= 0, got -1"),
-    (lambda: ResumableSequentialSampler(5).set_start_iter(-2), "start_iter must be an int >= 0, got -2"),
+    (lambda: ResumableSequentialSampler(5).set_epoch(-1), "epoch must be a non-negative int, got -1"),
+    (lambda: ResumableSequentialSampler(5).set_start_iter(-2), "start_iter must be a non-negative int, got -2"),
     (lambda: ResumableSequentialSampler(5).load_state_dict({"epoch": 0}), "missing the key 'start_index'"),
     (lambda: ResumableSequentialSampler(5).load_state_dict({"start_index": 0}), "missing the key 'epoch'"),
 ])
