@@ -415,3 +415,21 @@ def test_cli_reports_errors_with_exit_status_2(tmp_path, capsys):
     newer = save_raw({"format_version": FORMAT_VERSION + 1}, tmp_path / "model.pt")
     assert checkpoint.main(["inspect", newer]) == 2
     assert f"format version {FORMAT_VERSION + 1}" in capsys.readouterr().err
+
+
+def test_atomic_save_syncs_the_file_then_renames_then_syncs_the_directory(tmp_path, monkeypatch):
+    calls = []
+    real_fsync, real_replace = os.fsync, os.replace
+
+    def fsync(fd):
+        calls.append(("fsync", os.path.isdir(f"/proc/self/fd/{fd}") if os.path.exists("/proc/self/fd") else None))
+        return real_fsync(fd)
+
+    def replace(src, dst):
+        calls.append(("replace", os.path.basename(dst)))
+        return real_replace(src, dst)
+
+    monkeypatch.setattr(os, "fsync", fsync)
+    monkeypatch.setattr(os, "replace", replace)
+    checkpoint.atomic_save({"x": torch.zeros(2)}, tmp_path / "model-epoch0batch1.pt")
+    assert calls == [("fsync", False), ("replace", "model-epoch0batch1.pt"), ("fsync", True)]

@@ -108,6 +108,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin):
         self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
         self._saved_step = -1  # the step of this run's last save
+        self._warned_nan = False
 
     def _existing(self) -> list[str]:
         """The names of this prefix's checkpoints already in ``model_dir`` (periodic and best)."""
@@ -175,9 +176,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin):
     def _save(self, estimator: Any) -> None:
         best_value = float(self.monitor.compute()) if self.save_best else None  # a collective
         is_best = best_value is not None and not math.isnan(best_value) and improved(best_value, self.best, self.mode)
-        if best_value is not None and math.isnan(best_value):
-            warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan; best checkpoint not updated",
-                          stacklevel=2)
+        if best_value is not None and math.isnan(best_value) and not self._warned_nan:
+            self._warned_nan = True  # once per fit: a val monitor is nan at every save before validating
+            warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); "
+                          "the best checkpoint is updated only with a value", stacklevel=2)
         if is_best:
             self.best = best_value
         checkpoint = _checkpoint()

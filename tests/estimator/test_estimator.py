@@ -914,3 +914,39 @@ def test_a_metric_without_state_warns_when_a_mid_epoch_snapshot_cannot_hold_it(t
     est = make_estimator(train_metrics=[duck])
     with pytest.warns(UserWarning, match="train_duckmetric.*keeps no state"):
         est.fit(make_batches(), epochs=1, event_handlers=[CheckpointHandler(tmp_path, batch_period=2, epoch_period=None)])
+
+
+def test_bf16_mixed_runs_the_forward_under_autocast():
+    seen = []
+
+    class Probe(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.lin = nn.Linear(4, 3)
+
+        def forward(self, x):
+            out = self.lin(x)
+            seen.append(out.dtype)
+            return out
+
+    net = Probe()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    precision="bf16-mixed")
+    est.fit(make_batches(n_batches=1), epochs=1, event_handlers=[])
+    assert seen == [torch.bfloat16]
+    assert net.lin.weight.dtype == torch.float32  # parameters stay in float32
+
+
+def test_16_mixed_clips_the_unscaled_gradients():
+    """Clipping must see the true gradients: the grad scaler multiplies them by 2**16, so
+    clipping before unscaling would shrink the update by that factor."""
+    from estimatorch import GradientUpdateHandler
+
+    torch.manual_seed(0)
+    net = nn.Linear(4, 3)
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=1.0),
+                    precision="16-mixed")
+    before = [p.detach().clone() for p in net.parameters()]
+    est.fit(make_batches(n_batches=1), epochs=1, event_handlers=[GradientUpdateHandler(clip_grad_norm=1e-3)])
+    moved = torch.linalg.vector_norm(torch.cat([(p.detach() - b).flatten() for p, b in zip(net.parameters(), before)]))
+    assert float(moved) == pytest.approx(1e-3, rel=1e-2)  # lr 1 x the clipped norm
