@@ -20,7 +20,8 @@ from torch import nn
 from . import rng
 from .checkpoint import list_checkpoints
 from .estimator import Estimator
-from .event_handlers import BatchEnd, CheckpointHandler, EarlyStoppingHandler
+from .event_handlers import CheckpointHandler, EarlyStoppingHandler
+from .testing import _CrashAfter, _SimulatedCrash
 
 __all__ = ["DigitGlyphs", "main", "make_estimator"]
 
@@ -90,20 +91,6 @@ def make_estimator(seed: int = 0) -> Estimator:
     return Estimator(net, nn.CrossEntropyLoss(), optimizer=optimizer, lr_scheduler=scheduler, seed=seed)
 
 
-class _StopAfter(BatchEnd):
-    """Stops the run at the boundary after ``step``: what a crash or a pre-emption does."""
-
-    priority = float("inf")
-
-    def __init__(self, step: int):
-        self.step = step
-        self.seen = 0
-
-    def batch_end(self, estimator: Any, **kwargs: Any) -> bool:
-        self.seen += 1
-        return self.seen == self.step
-
-
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(prog="python -m estimatorch demo", description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=4, help="epochs to train (default 4)")
@@ -111,6 +98,12 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--stop-at", type=int, default=37, help="batch at which the second run is stopped")
     parser.add_argument("--model-dir", default=None, help="where checkpoints go (default: a temporary directory)")
     args = parser.parse_args(argv)
+    for name in ("epochs", "stop_at"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
+    if args.workers < 0:
+        parser.error(f"--workers must be a non-negative int, got {args.workers}")
+    period = min(10, args.stop_at)  # a checkpoint every 10 batches, at least one before the stop
     torch.set_num_threads(1)  # tiny tensors: more threads only add synchronisation
     log = logging.getLogger("estimatorch")
 
@@ -125,17 +118,21 @@ def main(argv: Optional[list[str]] = None) -> int:
                  "gradient update, validation, LR schedule), early stopping and checkpoints ==")
         est = make_estimator()
         train, val = loaders()
-        handlers = [CheckpointHandler(f"{root}/full", batch_period=10, epoch_period=None),
+        handlers = [CheckpointHandler(f"{root}/full", batch_period=period, epoch_period=None),
                     EarlyStoppingHandler(est.val_metrics[0], patience=2)]
         history = est.fit(train, val_data=val, epochs=args.epochs, event_handlers=handlers)
         log.info("History: %s", {k: [round(v, 4) for v in vals] for k, vals in history.to_dict().items()})
 
-        log.info("== 2. The same run, stopped after batch %d (as a crash or a pre-emption would) ==", args.stop_at)
+        log.info("== 2. The same run, crashing after batch %d (as a pre-emption or a power cut would) ==",
+                 args.stop_at)
         stopped = make_estimator()
         train, val = loaders()
-        stopped.fit(train, val_data=val, epochs=args.epochs, event_handlers=[
-            CheckpointHandler(f"{root}/resumed", batch_period=10, epoch_period=None),
-            EarlyStoppingHandler(stopped.val_metrics[0], patience=2), _StopAfter(args.stop_at)])
+        try:
+            stopped.fit(train, val_data=val, epochs=args.epochs, event_handlers=[
+                CheckpointHandler(f"{root}/resumed", batch_period=period, epoch_period=None),
+                EarlyStoppingHandler(stopped.val_metrics[0], patience=2), _CrashAfter(args.stop_at)])
+        except _SimulatedCrash:
+            log.info("Crashed after batch %d", args.stop_at)
         last = list_checkpoints(f"{root}/resumed", "model")[-1]
         log.info("Newest checkpoint: %s (epoch %d, batch %d)", last[2], last[0], last[1])
 
@@ -143,7 +140,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         resumed = make_estimator(seed=0)
         train, val = loaders()
         resumed.fit(train, val_data=val, epochs=args.epochs, event_handlers=[
-            CheckpointHandler(f"{root}/resumed", batch_period=10, epoch_period=None, resume_from_checkpoint=True),
+            CheckpointHandler(f"{root}/resumed", batch_period=period, epoch_period=None, resume_from_checkpoint=True),
             EarlyStoppingHandler(resumed.val_metrics[0], patience=2)])
 
         same_params = all(torch.equal(a, b) for a, b in zip(est.net.state_dict().values(),

@@ -15,7 +15,9 @@ class Loss(Metric):
     """Running mean of a loss, weighted by the number of samples in each batch.
 
     ``update(loss, target)`` takes the loss the step computed: a scalar (a batch mean, weighted
-    by ``len(target)``) or one value per sample (averaged over all of them). The accumulator
+    by ``target.shape[0]``) or one value per sample (averaged over all of them). With a batch
+    dimension other than the first (``fit(batch_axis=1)``), use a per-sample loss
+    (``reduction="none"``) so that the weights are right. The accumulator
     stays on the metric's device (the estimator's), in float64; updates are batched
     (``max_pending``, see :class:`Metric`).
 
