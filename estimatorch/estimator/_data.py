@@ -98,6 +98,8 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
 
 def call_net(net: Callable[..., Any], data: Any) -> Any:
     """``net(data)``; a tuple of inputs is unpacked, a dict is passed as keywords."""
+    if type(data) is torch.Tensor:  # the common case first: no abstract-class checks
+        return net(data)
     if isinstance(data, tuple):
         return net(*data)
     if isinstance(data, Mapping):
