@@ -356,6 +356,18 @@ def test_best_with_mode_max(tmp_path, writes):
     assert best_epochs(writes) == improvements(values, lambda new, old: new > old)
 
 
+def test_a_best_monitor_not_computed_yet_warns_once_and_writes_no_best(tmp_path):
+    # batch saves before the first validation: the val monitor is nan at each of them
+    estimator = make_estimator()
+    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, save_best=True,
+                                monitor=estimator.val_metrics[0])
+    with pytest.warns(UserWarning, match="val_loss is nan") as caught:
+        estimator.fit(make_batches(), epochs=1, event_handlers=[handler])
+    assert sum("is nan" in str(w.message) for w in caught) == 1
+    assert not any("best" in name for name in os.listdir(tmp_path))
+    assert any(name.endswith(".pt") for name in os.listdir(tmp_path))  # the batch saves happened
+
+
 def test_best_auto_mode_follows_the_metric():
     estimator = make_estimator()  # CrossEntropyLoss: a loss and an accuracy metric
     loss, accuracy = estimator.val_metrics[0], estimator.val_metrics[1]
