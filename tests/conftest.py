@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import logging
 import math
 from typing import Any
 
@@ -86,3 +87,20 @@ def assert_same_training_state(a: Estimator, b: Estimator) -> None:
     assert_tree_equal(a.net.state_dict(), b.net.state_dict(), "model")
     assert_tree_equal(a.optimizer.state_dict(), b.optimizer.state_dict(), "optimizer")
     assert_tree_equal(a.lr_scheduler.state_dict(), b.lr_scheduler.state_dict(), "lr_scheduler")
+
+
+@pytest.fixture
+def estimatorch_log():
+    """The records of the ``estimatorch`` logger, DEBUG and up (it does not propagate to the root
+    logger, so ``caplog`` does not see them)."""
+    records: list[logging.LogRecord] = []
+
+    class Collect(logging.Handler):
+        def emit(self, record: logging.LogRecord) -> None:
+            records.append(record)
+
+    logger = logging.getLogger("estimatorch")
+    handler = Collect(level=logging.DEBUG)
+    logger.addHandler(handler)
+    yield records
+    logger.removeHandler(handler)

@@ -64,22 +64,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     return run
 
 
-@pytest.fixture
-def estimatorch_log():
-    """The records of the ``estimatorch`` logger (it does not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    logger = logging.getLogger("estimatorch")
-    handler = Collect(level=logging.DEBUG)
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
 def save_raw(obj: Any, path: Any) -> str:
     torch.save(obj, path)
     return os.fspath(path)

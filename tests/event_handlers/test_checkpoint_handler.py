@@ -3,7 +3,6 @@ from every checkpoint of a run, state round trip and argument validation."""
 
 from __future__ import annotations
 
-import logging
 import math
 import os
 import random
@@ -142,22 +141,6 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     run = fit_run(tmp_path_factory.mktemp("reference"))
     assert len(run.losses) == STEPS and run.evaluations.epoch_ends == EPOCHS
     return run
-
-
-@pytest.fixture
-def estimatorch_log():
-    """The records of the ``estimatorch`` logger (it does not propagate to the root logger)."""
-    records: list[logging.LogRecord] = []
-
-    class Collect(logging.Handler):
-        def emit(self, record: logging.LogRecord) -> None:
-            records.append(record)
-
-    logger = logging.getLogger("estimatorch")
-    handler = Collect(level=logging.DEBUG)
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
 
 
 def periodic_files(directory: Any, prefix: str = "model") -> list[str]:

@@ -36,35 +36,19 @@ def make(loss, **kwargs):
     return Estimator(net, loss, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
 
 
-@pytest.fixture
-def messages():
-    """Records of the ``estimatorch`` logger."""
-    records: list[logging.LogRecord] = []
-
-    class Keep(logging.Handler):
-        def emit(self, record):
-            records.append(record)
-
-    handler = Keep(logging.DEBUG)
-    logger = logging.getLogger("estimatorch")
-    logger.addHandler(handler)
-    yield records
-    logger.removeHandler(handler)
-
-
 def errors(records):
     return [r.getMessage() for r in records if r.levelno >= logging.ERROR]
 
 
-def test_check_every_1_stops_at_the_first_nan_loss(messages):
+def test_check_every_1_stops_at_the_first_nan_loss(estimatorch_log):
     est = make(NanLossAt(6))
     h = TerminateOnNaNHandler(check_every=1)
     est.fit(make_batches(N_BATCHES), epochs=5, event_handlers=[h])
     assert est.position.step == 6 and (h.reason, h.stopped_batch) == ("loss", 6)
-    assert errors(messages) == ["Terminating: the loss is not finite (nan or inf) at batch 6 (batch 2 of the epoch)"]
+    assert errors(estimatorch_log) == ["Terminating: the loss is not finite (nan or inf) at batch 6 (batch 2 of the epoch)"]
 
 
-def test_a_later_check_finds_the_first_bad_batch(messages):
+def test_a_later_check_finds_the_first_bad_batch(estimatorch_log):
     est = make(NanLossAt(6, 7))
     h = TerminateOnNaNHandler(check_every=3)
     est.fit(make_batches(N_BATCHES * 4), epochs=2, event_handlers=[h])
@@ -73,11 +57,11 @@ def test_a_later_check_finds_the_first_bad_batch(messages):
     h = TerminateOnNaNHandler(check_every=3)
     est.fit(make_batches(N_BATCHES * 4), epochs=2, event_handlers=[h])
     assert est.position.step == 9 and h.stopped_batch == 7
-    assert errors(messages)[-1] == ("Terminating: the loss is not finite (nan or inf) at batch 7 "
+    assert errors(estimatorch_log)[-1] == ("Terminating: the loss is not finite (nan or inf) at batch 7 "
                                     "(batch 7 of the epoch), found at the check after batch 9")
 
 
-def test_the_epoch_end_checks_what_the_last_interval_left(messages):
+def test_the_epoch_end_checks_what_the_last_interval_left(estimatorch_log):
     est = make(NanLossAt(N_BATCHES))
     h = TerminateOnNaNHandler(check_every=1000)
     est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[h])
@@ -118,12 +102,12 @@ class InfAfter(Loss):
         super().update(preds * math.inf if self.updates > self.n else preds, target)
 
 
-def test_a_monitored_metric_that_is_not_finite_stops_and_is_named(messages):
+def test_a_monitored_metric_that_is_not_finite_stops_and_is_named(estimatorch_log):
     est = make(nn.CrossEntropyLoss(), train_metrics=[Loss(), InfAfter(5)])
     h = TerminateOnNaNHandler(check_every=2, monitor=est.train_metrics[1])
     est.fit(make_batches(N_BATCHES), epochs=5, event_handlers=[h])
     assert est.position.step == 6 and h.reason == "train_weird"
-    assert errors(messages) == ["Terminating: train_weird is inf at batch 6 (batch 2 of the epoch)"]
+    assert errors(estimatorch_log) == ["Terminating: train_weird is inf at batch 6 (batch 2 of the epoch)"]
 
 
 def test_a_val_metric_is_checked_only_after_validation():
