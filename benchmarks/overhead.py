@@ -51,6 +51,7 @@ import cProfile
 import gc
 import io
 import json
+import os
 import pstats
 import shutil
 import sys
@@ -231,15 +232,26 @@ def profile(config: str, steps: int, dataset: Any, device: torch.device, top: in
         profiler.disable()
     finally:
         setup.close()
-    stats = pstats.Stats(profiler, stream=sys.stdout)
+    stats = pstats.Stats(profiler, stream=sys.stdout).stats  # type: ignore[attr-defined]
+    root = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+
+    def rows(items: list[Any]) -> list[list[Any]]:
+        out = []
+        for (filename, line, func), (cc, nc, tt, ct, _) in items:
+            where = filename.split("site-packages/")[-1]
+            if where.startswith(root + os.sep):
+                where = os.path.relpath(where, root)
+            out.append([f"{where}:{line}({func})", nc, f"{tt / steps * 1e6:.2f}", f"{ct / steps * 1e6:.2f}"])
+        return out
+
+    header = ["function", "calls", "tottime µs/step", "cumtime µs/step"]
     print(f"cProfile of {config!r}, {steps} steps (µs/step = tottime / steps; cProfile inflates "
           "python-level calls):")
-    rows = []
-    for (filename, line, func), (cc, nc, tt, ct, _) in sorted(
-            stats.stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top]:  # type: ignore[attr-defined]
-        where = f"{filename.split('site-packages/')[-1].split('/work/main/')[-1]}:{line}({func})"
-        rows.append([where, nc, f"{tt / steps * 1e6:.2f}", f"{ct / steps * 1e6:.2f}"])
-    print(common.format_table(["function", "calls", "tottime µs/step", "cumtime µs/step"], rows))
+    print(common.format_table(header, rows(sorted(stats.items(), key=lambda kv: kv[1][2], reverse=True)[:top])))
+    own = [kv for kv in stats.items() if f"{os.sep}estimatorch{os.sep}" in kv[0][0]
+           and kv[0][2] not in ("fit", "_fit", "_loop", "_train")]
+    print("\nestimatorch's own functions by cumulative time (the loop and fit itself left out):")
+    print(common.format_table(header, rows(sorted(own, key=lambda kv: kv[1][3], reverse=True)[:top])))
 
 
 def main(argv: Optional[list[str]] = None) -> int:
