@@ -38,6 +38,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123
         Train finished in 0.760s: 3 epochs, 300 batches. train_loss: 0.5012, ...
 
+    A fit ended by an error or Ctrl-C ends with ``Train interrupted after ...`` instead.
+
     Args:
         log_interval: ``"epoch"`` for a line per epoch, or an int for a line every that many
             batches as well. Defaults to ``"epoch"``.
@@ -165,7 +167,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                 values = format_metrics(self._values(self._shown(estimator, with_val=self._validated)))
             else:  # stopped by an error or an interrupt: other ranks may not be here to reduce
                 values = "(stopped early; values not reduced across processes)"
-            estimator.logger.info("Train finished in %.3fs: %d epochs, %d batches. %s", elapsed,
+            # the loop returns only once a stop was requested: otherwise an error or Ctrl-C ended it
+            ended = "finished in" if estimator.position.stop else "interrupted after"
+            estimator.logger.info("Train %s %.3fs: %d epochs, %d batches. %s", ended, elapsed,
                                   self.current_epoch, estimator.position.step, values)
         finally:
             self._close_file()

@@ -100,6 +100,8 @@ def test_a_run_resumed_in_process_continues_its_file(tmp_path):
         text = f.read()
     assert text.count("Training begin") == 2
     assert [int(e) for e in re.findall(r"\[Epoch (\d)/3\] Finished", text)] == [1, 2, 3]
+    # the Ctrl-C run says so; the resumed one finishes
+    assert re.findall(r"Train (finished in|interrupted after)", text) == ["interrupted after", "finished in"]
 
 
 def test_a_run_resumed_from_a_checkpoint_continues_its_file(tmp_path):
@@ -135,7 +137,7 @@ def test_the_file_is_closed_when_training_raises(tmp_path, lines):
     with pytest.raises(RuntimeError, match="boom"):
         est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler, LambdaHandler(batch_end=boom, once=3)])
     # the error escaped batch 3's batch_end before this handler (priority +inf) saw it
-    assert lines[-1].startswith("Train finished") and "0 epochs, 2 batches" in lines[-1]
+    assert lines[-1].startswith("Train interrupted after") and "0 epochs, 2 batches" in lines[-1]
     assert all(not isinstance(h, logging.FileHandler) for h in est.logger.handlers)
     est.logger.info("after the run")
     with open(handler.log_file, encoding="utf-8") as f:
