@@ -104,3 +104,19 @@ def estimatorch_log():
     logger.addHandler(handler)
     yield records
     logger.removeHandler(handler)
+
+
+class LossRecorder(BatchEnd):
+    """Every step's loss as the exact hex of its float."""
+
+    def __init__(self) -> None:
+        self.losses: list[str] = []
+
+    def batch_end(self, estimator: Any, *, loss: torch.Tensor, **kwargs: Any) -> None:
+        self.losses.append(float(loss.detach()).hex())
+
+
+def losses_recorder() -> tuple[list[str], LossRecorder]:
+    """``(losses, handler)``: the list the handler fills with every step's loss."""
+    recorder = LossRecorder()
+    return recorder.losses, recorder

@@ -23,7 +23,7 @@ from torch import nn
 from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.checkpoint import FORMAT_VERSION, CheckpointError
 from estimatorch.event_handlers import BatchEnd, StatefulHandler
-from tests.conftest import assert_same_training_state, assert_tree_equal
+from tests.conftest import LossRecorder, assert_same_training_state, assert_tree_equal
 from tests.fixtures import make_v1_checkpoint as v1
 
 REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -31,16 +31,6 @@ STEPS = v1.EPOCHS * v1.BATCHES_PER_EPOCH
 
 
 # -- helpers ------------------------------------------------------------------------------------
-class LossRecorder(BatchEnd):
-    """Every step's loss as the exact hex of its float."""
-
-    def __init__(self) -> None:
-        self.losses: list[str] = []
-
-    def batch_end(self, estimator: Any, *, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.losses.append(float(loss.detach()).hex())
-
-
 def periodic_name(step: int) -> str:
     """The name of the fixture run's batch-period checkpoint after ``step`` batches."""
     return checkpoint.checkpoint_name("model", (step - 1) // v1.BATCHES_PER_EPOCH, step)

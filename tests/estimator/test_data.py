@@ -18,7 +18,7 @@ from estimatorch.estimator._data import (
     to_device,
 )
 from estimatorch.event_handlers import BatchEnd
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import losses_recorder, make_batches, make_estimator
 
 
 def test_split_batch_conventions():
@@ -115,21 +115,11 @@ class CountingIterable(torch.utils.data.IterableDataset):
         self.pos = state["pos"]
 
 
-def _losses():
-    seen = []
-
-    class Rec(BatchEnd):
-        def batch_end(self, est, *, loss, **kw):
-            seen.append(float(loss.detach()).hex())
-
-    return seen, Rec()
-
-
 def test_an_iterable_dataset_with_state_resumes_from_its_own_state(tmp_path):
-    full, rec = _losses()
+    full, rec = losses_recorder()
     make_estimator().fit(torch.utils.data.DataLoader(CountingIterable(), batch_size=3), epochs=2, event_handlers=[rec])
     est = make_estimator()
-    part, rec = _losses()
+    part, rec = losses_recorder()
 
     class Stop(BatchEnd):
         n = 0
@@ -142,7 +132,7 @@ def test_an_iterable_dataset_with_state_resumes_from_its_own_state(tmp_path):
     with pytest.raises(KeyboardInterrupt):
         est.fit(torch.utils.data.DataLoader(CountingIterable(), batch_size=3), epochs=2,
                 event_handlers=[rec, CheckpointHandler(tmp_path, batch_period=1, epoch_period=None), Stop()])
-    rest, rec = _losses()
+    rest, rec = losses_recorder()
     with warnings.catch_warnings():
         warnings.simplefilter("error")  # exact: no replay warning
         make_estimator().fit(torch.utils.data.DataLoader(CountingIterable(), batch_size=3), epochs=2, event_handlers=[
@@ -170,12 +160,12 @@ def test_a_replayed_iterable_resumes_at_the_right_batch(tmp_path):
     def loader():
         return torch.utils.data.DataLoader(Plain(), batch_size=2)
 
-    full, rec = _losses()
+    full, rec = losses_recorder()
     make_estimator().fit(loader(), epochs=2, event_handlers=[rec])
     est = make_estimator()
     with pytest.warns(UserWarning):
         est.fit(loader(), batches=3, event_handlers=[CheckpointHandler(tmp_path, batch_period=1, epoch_period=None)])
-    rest, rec = _losses()
+    rest, rec = losses_recorder()
     with pytest.warns(UserWarning) as caught:
         make_estimator().fit(loader(), epochs=2, event_handlers=[
             rec, CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, resume_from_checkpoint=True)])

@@ -24,7 +24,7 @@ from estimatorch import (
 from estimatorch.estimator import estimator as estimator_module
 from estimatorch.event_handlers import EVENTS, BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from estimatorch.metrics import Accuracy, Loss, MeanSquaredError
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import losses_recorder, make_batches, make_estimator
 
 
 class Recorder(*EVENTS.values()):
@@ -730,16 +730,6 @@ def test_a_custom_sampler_warns_that_resume_replays_its_indices():
 
 
 # -- in-process resume -----------------------------------------------------------------------------------
-def losses_recorder():
-    losses = []
-
-    class Rec(BatchEnd):
-        def batch_end(self, est, *, loss, **kw):
-            losses.append(float(loss.detach()).hex())
-
-    return losses, Rec()
-
-
 def dropout_setup():
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))

@@ -18,7 +18,8 @@ from torch.utils.data import DataLoader, Dataset
 from estimatorch import CheckpointHandler, Estimator, ValidationHandler, checkpoint, rng
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin, EpochEnd
 from estimatorch.metrics import Loss
-from tests.conftest import assert_same_training_state, assert_tree_equal, make_batches, make_estimator
+from tests.conftest import (LossRecorder, assert_same_training_state, assert_tree_equal, losses_recorder, make_batches,
+                            make_estimator)
 
 # -- the run that every exactness test resumes -------------------------------------------------
 FEATURES, CLASSES = 5, 3
@@ -45,16 +46,6 @@ class AugmentedDataset(Dataset):
         if random.random() < 0.5:
             x = x.flip(0)
         return x, self.y[i]
-
-
-class LossRecorder(BatchEnd):
-    """Every step's loss as the exact hex of its float."""
-
-    def __init__(self) -> None:
-        self.losses: list[str] = []
-
-    def batch_end(self, estimator: Any, *, loss: torch.Tensor, **kwargs: Any) -> None:
-        self.losses.append(float(loss.detach()).hex())
 
 
 class EventCounter(EpochBegin, EpochEnd, BatchEnd):
@@ -641,22 +632,13 @@ def test_a_batches_plan_cut_mid_epoch_extends_exactly_from_its_batch_checkpoint(
     epoch at batch 6 exactly as an uninterrupted run does."""
     data = make_batches(n_batches=8)
 
-    def losses():
-        seen = []
-
-        class Rec(BatchEnd):
-            def batch_end(self, est, *, loss, **kw):
-                seen.append(float(loss.detach()).hex())
-
-        return seen, Rec()
-
-    whole, rec = losses()
+    whole, rec = losses_recorder()
     reference = make_estimator()
     reference.fit(data, batches=20, event_handlers=[rec])
 
     make_estimator().fit(data, batches=5, event_handlers=[CheckpointHandler(tmp_path, batch_period=1, max_checkpoints=None)])
     assert [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(tmp_path, "model")][-1] == "model-epoch0batch5.pt"
-    rest, rec = losses()
+    rest, rec = losses_recorder()
     resumed = make_estimator()
     resumed.fit(data, batches=20, event_handlers=[rec, CheckpointHandler(tmp_path, batch_period=1, max_checkpoints=None,
                                                                          resume_from_checkpoint=True)])

@@ -46,6 +46,14 @@ class Scripted(Metric):
         return torch.tensor(self.values[self.epoch - 1], dtype=torch.float64)
 
 
+def estimator_with_scheduler(make_scheduler):
+    """An estimator that owns the scheduler ``make_scheduler(optimizer)`` builds."""
+    torch.manual_seed(0)
+    net = torch.nn.Linear(4, 3)
+    opt = torch.optim.SGD(net.parameters(), lr=LR)
+    return Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=make_scheduler(opt))
+
+
 def counting(scheduler):
     calls = []
     step = scheduler.step
@@ -95,10 +103,7 @@ def test_fit_checks_the_monitor_against_the_estimators_scheduler():
     est.lr_scheduler = StepLR(est.optimizer, 1)
     with pytest.raises(ValueError, match="monitor"):
         est.fit(make_batches(), epochs=1, event_handlers=[LRSchedulerHandler(monitor=est.train_metrics[0])])
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    plateau_est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=ReduceLROnPlateau(opt))
+    plateau_est = estimator_with_scheduler(ReduceLROnPlateau)
     with pytest.raises(ValueError, match="monitor"):  # the default handler has none
         plateau_est.fit(make_batches(), epochs=1)
 
@@ -120,10 +125,7 @@ def test_steps_every_batch():
 
 
 def test_default_handler_for_the_estimators_scheduler():
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=StepLR(opt, 1, gamma=GAMMA))
+    est = estimator_with_scheduler(lambda opt: StepLR(opt, 1, gamma=GAMMA))
     calls = counting(est.lr_scheduler)
     rec = LRs()
     est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[rec])
@@ -132,10 +134,7 @@ def test_default_handler_for_the_estimators_scheduler():
 
 
 def test_a_user_handler_replaces_the_default():
-    torch.manual_seed(0)
-    net = torch.nn.Linear(4, 3)
-    opt = torch.optim.SGD(net.parameters(), lr=LR)
-    est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=StepLR(opt, 1, gamma=GAMMA))
+    est = estimator_with_scheduler(lambda opt: StepLR(opt, 1, gamma=GAMMA))
     calls = counting(est.lr_scheduler)
     est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[LRSchedulerHandler(step_on="batch")])
     assert len(calls) == 2 * N_BATCHES  # stepped by the user's handler only
