@@ -16,6 +16,77 @@ from estimatorch.event_handlers import BatchEnd
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
 
+# -- spawn ------------------------------------------------------------------------------------
+def _rank_and_sum(offset):
+    import torch.distributed as dist
+
+    total = torch.tensor([distributed.get_rank() + 1.0])
+    dist.all_reduce(total)
+    return {"rank": distributed.get_rank(), "world": distributed.get_world_size(), "sum": total, "offset": offset}
+
+
+def test_spawn_returns_every_ranks_result_in_rank_order():
+    results = distributed.spawn(_rank_and_sum, 2, 7, backend="gloo")
+    assert [r["rank"] for r in results] == [0, 1] and [r["world"] for r in results] == [2, 2]
+    assert all(torch.equal(r["sum"], torch.tensor([3.0])) and r["offset"] == 7 for r in results)
+
+
+def _raise_on_rank_1(in_collective):
+    import torch.distributed as dist
+
+    if distributed.get_rank() == 1:
+        raise ValueError("rank one refuses")
+    if in_collective:  # waits for a peer that is gone: must not hang the caller
+        dist.all_reduce(torch.zeros(1))
+    return "done"
+
+
+@pytest.mark.parametrize("in_collective", [False, True])
+def test_spawn_raises_the_failing_ranks_exception_naming_the_rank(in_collective):
+    with pytest.raises(distributed.RankFailedError, match="rank 1 of 2 raised ValueError: rank one refuses") as info:
+        distributed.spawn(_raise_on_rank_1, 2, in_collective, backend="gloo")
+    assert info.value.rank == 1
+    assert isinstance(info.value.__cause__, ValueError) and info.value.exception is info.value.__cause__
+    assert "_raise_on_rank_1" in info.value.remote_traceback  # the traceback from that process
+
+
+def _exit_without_result():
+    if distributed.get_rank() == 1:
+        os._exit(3)
+    return "done"
+
+
+def test_spawn_reports_a_rank_that_died_without_a_result():
+    with pytest.raises(distributed.RankFailedError, match=r"rank 1 of 2 ended before returning a result \(exit code 3\)"):
+        distributed.spawn(_exit_without_result, 2, backend="gloo")
+
+
+def _abort_after_delivering():
+    import signal
+    import threading
+    import time
+
+    if distributed.get_rank() == 0:  # dies while it waits for rank 1, its result already sent
+        threading.Timer(0.3, os.kill, (os.getpid(), signal.SIGABRT)).start()
+    else:
+        time.sleep(2.0)
+    return distributed.get_rank() * 10
+
+
+def test_spawn_keeps_a_result_delivered_before_the_process_aborted():
+    """The torch 2.13 gloo teardown abort, simulated: the result survives, with a warning."""
+    with pytest.warns(RuntimeWarning, match=r"rank 0 delivered its result, then its process ended \(killed by signal SIGABRT\)"):
+        assert distributed.spawn(_abort_after_delivering, 2, backend="gloo") == [0, 10]
+
+
+def test_spawn_checks_its_arguments_before_starting_anything():
+    with pytest.raises(ValueError, match="nprocs must be a positive int, got 0"):
+        distributed.spawn(_rank_and_sum, 0)
+    with pytest.raises(ValueError, match="backend must be .*got 'tcp'"):
+        distributed.spawn(_rank_and_sum, 2, backend="tcp")
+
+
+# -- training on two ranks ----------------------------------------------------------------------
 class Record(BatchEnd):
     priority = float("inf")
 
@@ -93,20 +164,14 @@ def _train(out_dir, mode, ckpt_dir=None):
         handlers.append(CheckpointHandler(ckpt_dir, batch_period=1, epoch_period=None, max_checkpoints=None,
                                           resume_from_checkpoint=mode == "resume"))
     history = est.fit(loader, epochs=2, event_handlers=handlers)
-    torch.save({"losses": record.losses, "indices": indices.indices, "history": history.to_dict(),
-                "model": est.net.state_dict(), "optimizer": est.optimizer.state_dict(),
-                "step": est.position.step, "world": distributed.get_world_size(),
-                "metric": est.train_metrics[0].compute(), "local": est.train_metrics[0].compute(sync=False)},
-               os.path.join(out_dir, f"{mode}-rank{rank}.pt"))
-
-
-def _results(out_dir, mode):
-    return [torch.load(os.path.join(out_dir, f"{mode}-rank{r}.pt"), weights_only=True) for r in range(2)]
+    return {"losses": record.losses, "indices": indices.indices, "history": history.to_dict(),
+            "model": est.net.state_dict(), "optimizer": est.optimizer.state_dict(),
+            "step": est.position.step, "world": distributed.get_world_size(),
+            "metric": est.train_metrics[0].compute(), "local": est.train_metrics[0].compute(sync=False)}
 
 
 def test_two_ranks_train_in_step_on_disjoint_shards(tmp_path):
-    distributed.spawn(_train, 2, str(tmp_path), "full", backend="gloo")
-    r0, r1 = _results(tmp_path, "full")
+    r0, r1 = distributed.spawn(_train, 2, str(tmp_path), "full", backend="gloo")
     assert r0["world"] == r1["world"] == 2
     for key in r0["model"]:
         assert torch.equal(r0["model"][key], r1["model"][key])  # DDP averaged the gradients
@@ -122,16 +187,14 @@ def test_two_ranks_train_in_step_on_disjoint_shards(tmp_path):
 
 
 def test_a_stop_decided_on_one_rank_stops_every_rank(tmp_path):
-    distributed.spawn(_train, 2, str(tmp_path), "stop", backend="gloo")
-    r0, r1 = _results(tmp_path, "stop")
+    r0, r1 = distributed.spawn(_train, 2, str(tmp_path), "stop", backend="gloo")
     assert r0["step"] == r1["step"] == 3
     assert len(r0["losses"]) == len(r1["losses"]) == 3
 
 
 def test_two_ranks_resume_bit_identically(tmp_path):
     full_dir = tmp_path / "ckpt"
-    distributed.spawn(_train, 2, str(tmp_path), "full", str(full_dir), backend="gloo")
-    reference = _results(tmp_path, "full")
+    reference = distributed.spawn(_train, 2, str(tmp_path), "full", str(full_dir), backend="gloo")
     names = sorted(os.listdir(full_dir))
     assert not [n for n in names if n.endswith(".tmp")]
     resume_dir = tmp_path / "resume-from"
@@ -142,8 +205,7 @@ def test_two_ranks_resume_bit_identically(tmp_path):
     shared = {"GradientUpdateHandler", "EarlyStoppingHandler"}
     assert shared <= set(payload["ranks"][0]["handlers"]) and not shared & set(payload["ranks"][1]["handlers"])
     assert payload["ranks"][0]["handlers"]["GradientUpdateHandler"]["pending"] == 1
-    distributed.spawn(_train, 2, str(tmp_path), "resume", str(resume_dir), backend="gloo")
-    resumed = _results(tmp_path, "resume")
+    resumed = distributed.spawn(_train, 2, str(tmp_path), "resume", str(resume_dir), backend="gloo")
     for want, got in zip(reference, resumed):
         assert got["losses"] == want["losses"][k:]
         for key in want["model"]:
@@ -170,7 +232,7 @@ def test_resuming_with_another_world_size_is_refused(tmp_path):
 
 
 TORCHRUN_SCRIPT = '''
-import sys, torch
+import os, sys, torch
 from torch import nn
 from estimatorch import Estimator, distributed
 torch.manual_seed(0)
@@ -181,6 +243,10 @@ data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.arange(40) % 3)
 history = est.fit(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), epochs=2)
 torch.save({"world": distributed.get_world_size(), "rank": distributed.get_rank(), "model": est.net.state_dict(),
             "history": history.to_dict()}, f"{sys.argv[1]}/rank{distributed.get_rank()}.pt")
+# With torch 2.13 a gloo process sometimes aborts during interpreter teardown, after its work is
+# done ("terminate called without an active exception"): results are saved, leave without it.
+sys.stdout.flush(); sys.stderr.flush()
+os._exit(0)
 '''
 
 
@@ -225,11 +291,9 @@ def _interrupted(out_dir):
         outcome = "finished"
     except KeyboardInterrupt:
         outcome = "interrupted"
-    torch.save({"outcome": outcome, "step": est.position.step},
-               os.path.join(out_dir, f"interrupt-rank{distributed.get_rank()}.pt"))
+    return {"outcome": outcome, "step": est.position.step}
 
 
 def test_ctrl_c_on_one_rank_stops_every_rank_at_the_same_step(tmp_path):
-    distributed.spawn(_interrupted, 2, str(tmp_path), backend="gloo")
-    r0, r1 = (torch.load(tmp_path / f"interrupt-rank{r}.pt", weights_only=True) for r in range(2))
+    r0, r1 = distributed.spawn(_interrupted, 2, str(tmp_path), backend="gloo")
     assert r0 == r1 == {"outcome": "interrupted", "step": 3}
