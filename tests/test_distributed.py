@@ -284,6 +284,12 @@ class CtrlCOnRank(BatchEnd):
 
 
 def _interrupted(out_dir):
+    import signal
+
+    # A process started in the background by a non-interactive shell (nohup, `cmd &`, some CI
+    # runners) inherits SIGINT ignored, and fit then rightly leaves it alone: this test needs
+    # Ctrl-C to reach the process, so it says so itself.
+    signal.signal(signal.SIGINT, signal.default_int_handler)
     est, loader = _setup()
     est.batch_processor = Processor()
     try:
