@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import signal
 from typing import Any
 
 import pytest
@@ -12,6 +13,16 @@ from torch import nn
 
 from estimatorch import Estimator
 from estimatorch.event_handlers import BatchEnd, EpochEnd
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ctrl_c_reaches_the_tests():
+    """Tests press Ctrl-C (``signal.raise_signal(SIGINT)``); a suite started in the background by a
+    non-interactive shell inherits SIGINT ignored, and fit rightly leaves an ignored SIGINT alone."""
+    saved = signal.getsignal(signal.SIGINT)
+    signal.signal(signal.SIGINT, signal.default_int_handler)
+    yield
+    signal.signal(signal.SIGINT, saved)
 
 
 @pytest.fixture(autouse=True)
