@@ -13,7 +13,7 @@ from ._base import StatefulHandler, check_file_prefix, check_positive_int
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events
 from .early_stopping import improved, resolve_mode
-from .mixins import TrainBegin
+from .mixins import TrainBegin, TrainEnd
 
 __all__ = ["CheckpointHandler"]
 
@@ -26,7 +26,7 @@ def _checkpoint() -> Any:
     return checkpoint
 
 
-class CheckpointHandler(StatefulHandler, TrainBegin):
+class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     """Save everything needed to resume, every few epochs and/or batches; resume from the newest.
 
     A checkpoint holds the model, optimizer, LR scheduler, grad scaler, every handler's state,
@@ -171,6 +171,17 @@ class CheckpointHandler(StatefulHandler, TrainBegin):
             # after this epoch_end would start the next epoch. (The same plan redoes epoch_end.)
             return
         estimator.at_boundary(lambda: self._save(estimator))
+
+    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
+        boundary (``estimator.interruption``), save that boundary, unless this fit just did or
+        trained nothing. Every rank calls it (the save is a collective) and decides alike."""
+        reason, pos = estimator.interruption, estimator.position
+        if reason is None or pos.step in (0, self._saved_step):
+            return
+        self._save(estimator)
+        name = _checkpoint().checkpoint_name(self.model_prefix, pos.epoch, pos.step)
+        estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step, os.path.join(self.model_dir, name), reason)
 
     # -- saving ----------------------------------------------------------------------------
     def _save(self, estimator: Any) -> None:
