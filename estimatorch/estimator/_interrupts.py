@@ -122,7 +122,7 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
         tail = ", then fit raises SystemExit(143)."
     else:
         head = f"Ctrl-C: stopping {where}"
-        tail = " (Ctrl-C again to stop at once, mid-step)."
+        tail = f" ({'interrupt' if notebook else 'Ctrl-C'} again to stop at once, mid-step)."
     if checkpointing:
         head += " and writing a checkpoint of it"
         if notebook and name == "SIGINT":
