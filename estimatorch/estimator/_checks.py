@@ -101,7 +101,7 @@ def _available(device: torch.device) -> bool:
         return False
     try:
         torch.empty(0, device=device)
-    except (RuntimeError, AssertionError, NotImplementedError, ValueError, ImportError):  # torch says 'not here' many ways
+    except (RuntimeError, AssertionError, NotImplementedError, ValueError, ImportError):  # 'not here', many ways
         return False
     return True
 

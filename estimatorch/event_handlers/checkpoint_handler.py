@@ -181,7 +181,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             return
         self._save(estimator)
         name = _checkpoint().checkpoint_name(self.model_prefix, pos.epoch, pos.step)
-        estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step, os.path.join(self.model_dir, name), reason)
+        estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
+                              os.path.join(self.model_dir, name), reason)
 
     # -- saving ----------------------------------------------------------------------------
     def _save(self, estimator: Any) -> None:

@@ -43,7 +43,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
     _state_attrs = ("pending",)
     # gradients accumulated under DDP's no_sync differ per rank: saved for every rank
 
-    def __new__(cls, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None) -> "GradientUpdateHandler":
+    def __new__(cls, accumulation_steps: int = 1,
+                clip_grad_norm: Optional[float] = None) -> "GradientUpdateHandler":
         # batch_begin (choosing whether DDP synchronises this batch) only for accumulation
         accumulates = not isinstance(accumulation_steps, bool) and isinstance(accumulation_steps, int) \
             and accumulation_steps > 1

@@ -42,6 +42,10 @@ class SignalAt(BatchEnd, EpochEnd):
             self.step = -1
 
 
+def saved_names(model_dir):
+    return [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(model_dir, "model")]
+
+
 def handlers_now():
     return {s: signal.getsignal(s) for s in SIGNALS}
 
@@ -96,8 +100,7 @@ def test_a_signal_checkpoints_its_boundary_and_the_resume_is_bit_identical(signu
     reference, full = run(tmp_path / "reference")
     with pytest.raises(exc):
         run(tmp_path / "run", SignalAt(signum, step=8))
-    names = [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(tmp_path / "run", "model")]
-    assert names == ["model-epoch0batch5.pt", "model-epoch1batch8.pt"]
+    assert saved_names(tmp_path / "run") == ["model-epoch0batch5.pt", "model-epoch1batch8.pt"]
     name = signal.Signals(signum).name
     saved = [r.getMessage() for r in estimatorch_log if r.getMessage().startswith("Saved checkpoint of step 8")]
     assert saved == [f"Saved checkpoint of step 8 to {tmp_path / 'run' / 'model-epoch1batch8.pt'} ({name})"]
@@ -113,7 +116,7 @@ def test_a_boundary_just_saved_is_not_saved_twice(tmp_path, default_signals, est
         est.fit(loader(), epochs=3, event_handlers=[
             SignalAt(signal.SIGTERM, step=5), CheckpointHandler(tmp_path, batch_period=5, epoch_period=None)])
     assert est.interruption == "SIGTERM" and est.position.step == 5
-    assert [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(tmp_path, "model")] == ["model-epoch0batch5.pt"]
+    assert saved_names(tmp_path) == ["model-epoch0batch5.pt"]
     assert not [r for r in estimatorch_log if "Saved checkpoint of step" in r.getMessage()]
 
 
@@ -124,7 +127,7 @@ def test_a_signal_during_epoch_end_stops_at_the_epoch_boundary(tmp_path, default
                                                     CheckpointHandler(tmp_path, epoch_period=2)])
     assert (count.batches, count.epochs) == (6, 1)
     assert est.interruption == "SIGINT" and est.position.phase == "epoch_end" and est.position.epoch == 1
-    assert [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(tmp_path, "model")] == ["model-epoch1batch6.pt"]
+    assert saved_names(tmp_path) == ["model-epoch1batch6.pt"]
 
 
 class SignallingBatches(collections.abc.Sequence):
