@@ -17,10 +17,13 @@ configurations alternate, the first of each round rotating, after one untimed wa
 run starts after a barrier; its time is the slower rank's. The ratio is the median over rounds
 of (fit / raw in the same round).
 
-With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) a third
-configuration, ``fit-blocking``, runs ``fit`` with that agreement made blocking again (each step
-starts the flag all-reduce and waits for it at once, as ``fit`` did before): the same run's A/B
-of what the change saves per step. Run the script from an older checkout for the "before".
+With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) two more
+configurations run, as diagnostics: ``fit-blocking`` makes that agreement blocking again (each
+step starts the flag all-reduce and waits for it at once, as ``fit`` did before), the same run's
+A/B of what the change saves per step; ``fit-unagreed`` skips the agreement altogether (unsafe
+in real use, where ranks could then stop at different steps; nothing asks to stop here), which
+shows what the per-step flag exchange still costs. Run the script from an older checkout for the
+"before".
 
 Usage::
 
@@ -94,11 +97,21 @@ def _fit(steps: int, dataset: Any, hidden: int) -> None:
 
 def _fit_blocking(steps: int, dataset: Any, hidden: int) -> None:
     """``fit`` with the per-step agreement on stops waiting for its all-reduce at once."""
-    from estimatorch.estimator._stop_agreement import StopAgreement
 
     def after_batch(self: Any, requested: bool, code: int) -> tuple[bool, int]:
         agreed = self._start(requested, code).wait()
         return bool(agreed[0]), agreed[2]
+
+    _with_agreement(after_batch, steps, dataset, hidden)
+
+
+def _fit_unagreed(steps: int, dataset: Any, hidden: int) -> None:
+    """``fit`` without any per-step agreement (a diagnostic: what the exchange costs)."""
+    _with_agreement(lambda self, requested, code: (requested, code), steps, dataset, hidden)
+
+
+def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> None:
+    from estimatorch.estimator._stop_agreement import StopAgreement
 
     asynchronous = StopAgreement.after_batch
     StopAgreement.after_batch = after_batch  # type: ignore[method-assign]
@@ -125,6 +138,7 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     else:
         if settings["ab"]:
             configs["fit-blocking"] = lambda: _fit_blocking(steps, dataset, hidden)
+            configs["fit-unagreed"] = lambda: _fit_unagreed(steps, dataset, hidden)
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(settings["repeats"] + 1):  # round 0 warms up
@@ -184,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--samples", type=int, default=12800, help="dataset size: 200 batches per rank per epoch")
     parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="hidden width (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--no-ab", action="store_true", help="skip the fit-blocking configuration")
+    parser.add_argument("--no-ab", action="store_true", help="skip the fit-blocking and fit-unagreed diagnostics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "samples", "hidden", "threads"):
