@@ -624,7 +624,8 @@ class Estimator:
             raise ValueError(f"cannot resume from {source}: the data stream differs ({'; '.join(diffs)}). "
                              "Resume with the same data, batch size, drop_last, world size and seed.")
         if not isinstance(snapshot.get("pending_stop", False), bool):  # read by the stop agreement
-            raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, got {snapshot['pending_stop']!r}")
+            raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, "
+                             f"got {snapshot['pending_stop']!r}")
         pos = snapshot["position"]
         epochs, batches = run.plan["epochs"], run.plan["batches"]
         same_plan = snapshot["plan"] == run.plan
