@@ -273,14 +273,17 @@ class ScriptedValLoss:
 def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """Every file written from now on, in order, as (file name, position) for checkpoints and
     (file name, text) for the latest pointer."""
+    from estimatorch.checkpoint import _files
+
     written: list[tuple[str, Any]] = []
-    real_save = checkpoint.atomic_save
+    real_save = _files.atomic_save
 
     def recording_save(obj: Any, path: Any, **kwargs: Any) -> None:
         written.append((os.path.basename(path), obj["ranks"][0]["position"] if isinstance(obj, dict) else obj))
         real_save(obj, path, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "atomic_save", recording_save)
+    monkeypatch.setattr(checkpoint, "atomic_save", recording_save)  # the handler's checkpoint files
+    monkeypatch.setattr(_files, "atomic_save", recording_save)  # the pointer (write_latest)
     return written
 
 
