@@ -214,6 +214,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         os.makedirs(self.model_dir, exist_ok=True)
         self._lock = checkpoint.DirectoryLock(self.model_dir)
         self._lock.acquire()
+        if not (self.resume_from_checkpoint or estimator.resume_pending):
+            names = self._existing()  # again, under the lock: a fit may have written them since _check_fit
+            if names:
+                self._refuse_existing(names)
         removed = checkpoint.remove_orphan_temporaries(self.model_dir)
         if removed:
             logger.info("Removed %d temporary file(s) of interrupted writes from %s", len(removed), self.model_dir)

@@ -707,3 +707,29 @@ def test_pruning_never_deletes_an_unreadable_file_or_one_skipped_as_unusable(tmp
     assert (tmp_path / name(0, 1)).read_bytes() == b"not a checkpoint: kept, never counted"
     assert (tmp_path / foreign).read_bytes() == foreign_bytes
     assert latest(tmp_path) == name(1, 8)
+
+
+class WritesAfterTheChecks(BatchEnd):
+    """Another fit finishing in ``directory`` between our start checks and our lock: it runs its
+    ``_check_fit`` after the CheckpointHandler's and writes a checkpoint there."""
+
+    def __init__(self, directory: Any, source: Any) -> None:
+        self.directory, self.source = directory, source
+
+    def _check_fit(self, estimator: Any, resume: bool) -> None:
+        shutil.copy(self.source, self.directory)
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_files_appearing_between_the_start_checks_and_the_lock_are_refused_untouched(tmp_path):
+    small_fit(tmp_path / "other", epochs=1, epoch_period=1)
+    (tmp_path / "new").mkdir()
+    counter = EventCounter()
+    with pytest.raises(FileExistsError, match="resume_from_checkpoint=True"):
+        small_fit(tmp_path / "new", epochs=1, epoch_period=1, max_checkpoints=1,
+                  extra=[counter, WritesAfterTheChecks(tmp_path / "new", tmp_path / "other" / name(1, 4))])
+    assert counter.batches == 0
+    assert (tmp_path / "new" / name(1, 4)).read_bytes() == (tmp_path / "other" / name(1, 4)).read_bytes()
+    assert sorted(os.listdir(tmp_path / "new")) == [name(1, 4)]
