@@ -22,8 +22,8 @@ logger = logging.getLogger("estimatorch")
 
 
 def _checkpoint() -> Any:
-    """``estimatorch.checkpoint``, imported on first use: importing it with the package would
-    make ``python -m estimatorch.checkpoint`` run a second copy of the module (runpy warns)."""
+    """``estimatorch.checkpoint``, imported on first use (it needs the rest of the package, which
+    imports this module while it initialises)."""
     from .. import checkpoint
 
     return checkpoint

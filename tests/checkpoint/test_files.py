@@ -181,7 +181,7 @@ def test_a_bad_model_dir_is_a_value_error_at_fit_start_naming_the_argument_and_p
 
 
 @pytest.mark.skipif(hasattr(os, "geteuid") and os.geteuid() == 0, reason="root may write anywhere: "
-                    "a read-only mount is tested in tests/checkpoint/test_disk.py instead")
+                    "a read-only mount is tested in tests/integration/test_disk_errors.py instead")
 def test_a_model_dir_that_is_not_writable_is_refused_at_fit_start(tmp_path):
     locked = tmp_path / "locked"
     locked.mkdir()
