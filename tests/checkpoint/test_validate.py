@@ -5,7 +5,6 @@ anything is restored."""
 from __future__ import annotations
 
 import logging
-import os
 
 import pytest
 import torch

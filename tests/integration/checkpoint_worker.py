@@ -10,7 +10,7 @@ checkpoint after every batch, ``max_checkpoints=2``.
         kill DIR and SIGKILL itself: HOW is "timer" (after X seconds of fit), "bytes" (once X
         bytes of checkpoints were written: inside a write), or one of "replace-checkpoint",
         "replace-pointer", "remove", "fsync" (before the X-th such call).
-    python checkpoint_worker.py race --dir DIR --start T --out OUT    (fit at wall-clock time T)
+    python checkpoint_worker.py race --dir DIR --out OUT     (says "ready", fits at the time read from stdin)
     python checkpoint_worker.py fill --dir DIR --out OUT              (until the disk is full)
     python checkpoint_worker.py readonly --dir DIR --out OUT          (the mount turns read-only)
 """
@@ -64,14 +64,16 @@ class Recorder(BatchBegin, BatchEnd):
         self.losses.append(float(loss.detach()).hex())
 
 
-def fit(directory, resume, extra=(), max_checkpoints=MAX_CHECKPOINTS, start=None):
-    """Fit the run (at wall-clock time ``start`` when given, once everything is built)."""
+def fit(directory, resume, extra=(), max_checkpoints=MAX_CHECKPOINTS, wait_for_start=False):
+    """Fit the run; with ``wait_for_start``, once everything is built, say "ready" on stdout and
+    start at the wall-clock time read from stdin."""
     est, loader = build()
     recorder = Recorder()
     handler = CheckpointHandler(directory, batch_period=1, epoch_period=None, max_checkpoints=max_checkpoints,
                                 resume_from_checkpoint=resume)
-    if start is not None:
-        time.sleep(max(start - time.time(), 0.0))
+    if wait_for_start:
+        print("ready", flush=True)
+        time.sleep(max(float(sys.stdin.readline()) - time.time(), 0.0))
     started = time.monotonic()
     est.fit(loader, epochs=EPOCHS, event_handlers=[handler, recorder, *extra])
     return {"losses": recorder.losses, "start": recorder.start, "model": est.net.state_dict(),
@@ -145,7 +147,6 @@ def main():
     parser.add_argument("--how")
     parser.add_argument("--at")
     parser.add_argument("--dir")
-    parser.add_argument("--start", type=float)
     args = parser.parse_args()
     torch.set_num_threads(1)
     if args.mode == "reference":
@@ -163,7 +164,7 @@ def main():
                 time.sleep(0.1)
 
         try:
-            result = {"outcome": "trained", **fit(args.dir, resume=False, extra=[Slow()], start=args.start)}
+            result = {"outcome": "trained", **fit(args.dir, resume=False, extra=[Slow()], wait_for_start=True)}
         except Exception as err:  # noqa: BLE001 - reported to the test
             result = {"outcome": type(err).__name__, "message": str(err)}
         torch.save(result, args.out)

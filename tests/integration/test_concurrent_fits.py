@@ -20,7 +20,7 @@ ROUNDS = 3
 
 def _start(*args):
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    return subprocess.Popen([sys.executable, WORKER, *map(str, args)], stdout=subprocess.PIPE,
+    return subprocess.Popen([sys.executable, WORKER, *map(str, args)], stdin=subprocess.PIPE, stdout=subprocess.PIPE,
                             stderr=subprocess.PIPE, text=True, env=env)
 
 
@@ -33,9 +33,13 @@ def test_two_fits_into_one_model_dir_at_the_same_instant(tmp_path):
     failures = []
     for round_ in range(ROUNDS):
         directory = tmp_path / f"shared{round_}"
-        start = time.time() + 8.0  # both have imported torch by then
-        procs = [_start("race", "--dir", directory, "--start", start, "--out", tmp_path / f"r{round_}-{i}.pt")
-                 for i in range(2)]
+        procs = [_start("race", "--dir", directory, "--out", tmp_path / f"r{round_}-{i}.pt") for i in range(2)]
+        for p in procs:  # both built their fit (torch imported, model and data made)
+            assert p.stdout.readline().strip() == "ready", p.stderr.read()[-3000:]
+        start = time.time() + 0.5
+        for p in procs:
+            p.stdin.write(f"{start}\n")
+            p.stdin.flush()
         for p in procs:
             assert p.wait(timeout=300) == 0, p.stderr.read()[-3000:]
         results = [torch.load(tmp_path / f"r{round_}-{i}.pt", weights_only=True) for i in range(2)]
