@@ -99,7 +99,7 @@ def _shards_itself(loader: DataLoader) -> bool:
                 f"{type(obj).__name__} looks like a distributed sampler that estimatorch cannot see "
                 "through: each rank evaluates what it yields, as it is (samples it pads count twice). "
                 "Use torch's DistributedSampler, estimatorch's samplers or a plain loader to have every "
-                "sample evaluated once.", stacklevel=5)
+                "sample evaluated once.", stacklevel=6)
             return True
     return False
 
