@@ -177,3 +177,19 @@ def test_validation_during_a_two_rank_fit_counts_every_sample_once():
     final = est.evaluate(_loader("torch-shuffled", num_replicas=1, rank=0))
     assert r0["history"]["val_accuracy"][-1] == final["val_accuracy"]
     assert r0["history"]["val_loss"][-1] == pytest.approx(final["val_loss"], rel=1e-12)
+
+
+def _predict_in_a_group():
+    import torch.distributed as dist
+
+    est = _estimator()
+    loader = _loader("torch-shuffled")
+    return {"world": dist.get_world_size(), "preds": est.predict(loader), "scores": est.evaluate(loader)}
+
+
+def test_predict_in_a_one_process_group_equals_a_plain_loop():
+    (result,) = distributed.spawn(_predict_in_a_group, 1, backend="gloo")
+    scores, preds, plain = _one_process("torch-shuffled")
+    assert result["world"] == 1
+    assert torch.equal(result["preds"], plain) and torch.equal(preds, plain)
+    assert result["scores"] == scores

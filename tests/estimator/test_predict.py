@@ -11,7 +11,6 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from estimatorch import BatchProcessor, Estimator, rng
-from estimatorch.estimator._data import split_inputs
 from estimatorch.estimator._predict import join_outputs
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin, EpochEnd
 from tests.conftest import make_batches, make_estimator
@@ -59,18 +58,6 @@ class DictOrTensor(nn.Module):
 
     def forward(self, x):
         return self.inner(x)
-
-
-def test_split_inputs_conventions():
-    x, y, z = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
-    assert split_inputs(x) is x
-    assert split_inputs((x,)) is x and split_inputs([x]) is x
-    assert split_inputs((x, y)) is x  # a pair is (data, label), as in fit and evaluate
-    assert split_inputs((x, y, z)) == (x, y)
-    assert split_inputs(((x, y),)) == (x, y)  # two inputs without a label
-    assert split_inputs({"a": x, "labels": y}) == {"a": x}
-    assert split_inputs({"a": x, "b": y}) == {"a": x, "b": y}
-    assert split_inputs("text") == "text"
 
 
 class Recorder(EpochBegin, BatchBegin, BatchEnd, EpochEnd):
