@@ -571,10 +571,13 @@ class Estimator:
         self._run.boundary_actions.append(action)
 
     def _record_history(self, run: _Run, epoch: int) -> None:
+        from ..event_handlers.lr_scheduler import epoch_learning_rates
+
         values = {metric_name(m): m.compute() for m in self.train_metrics}
         if run.evaluated:
             values.update((metric_name(m), m.compute()) for m in self.val_metrics)
             run.evaluated = False
+        values.update(epoch_learning_rates(self))  # the rates the epoch trained with
         run.history.record(epoch + 1, values)
 
     # -- state: snapshots, resume -----------------------------------------------------------
