@@ -22,6 +22,7 @@ from .event_handlers import (  # noqa: E402
 
 from . import statistics  # noqa: E402
 from .event_handlers import MeterHandler, TensorBoardHandler, TerminateOnNaNHandler  # noqa: E402
+from .event_handlers import NonFiniteError  # noqa: E402
 
 __all__ = [
     "BatchProcessor",
@@ -34,6 +35,7 @@ __all__ = [
     "LambdaHandler",
     "LoggingHandler",
     "MetricHandler",
+    "NonFiniteError",
     "ProgressBarHandler",
     "StoppingHandler",
     "ValidationHandler",

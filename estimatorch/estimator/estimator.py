@@ -592,6 +592,12 @@ class Estimator:
         return tuple(self._dispatch.handlers)
 
     @property
+    def boundary_actions_pending(self) -> bool:
+        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
+        for the current event to reach every handler; False outside ``fit``."""
+        return self._fitting and bool(self._run.boundary_actions)
+
+    @property
     def validated(self) -> bool:
         """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
         ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""

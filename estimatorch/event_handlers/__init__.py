@@ -30,7 +30,7 @@ from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler
 from .validation import ValidationHandler
 from .tensorboard import TensorBoardHandler
-from .terminate_on_nan import TerminateOnNaNHandler
+from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
 from .meter import MeterHandler
 
 __all__ = [
@@ -51,6 +51,7 @@ __all__ = [
     "LambdaHandler",
     "LoggingHandler",
     "MetricHandler",
+    "NonFiniteError",
     "ProgressBarHandler",
     "StatefulHandler",
     "StoppingHandler",
