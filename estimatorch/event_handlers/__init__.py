@@ -7,6 +7,7 @@ handlers by ``priority`` (lower first).
 from ._base import StatefulHandler
 from ._schedule import EventFilter
 from .checkpoint_handler import CheckpointHandler
+from .csv_logger import CSVLoggerHandler
 from .early_stopping import EarlyStoppingHandler
 from .gradient_update import GradientUpdateHandler
 from .lambda_handler import LambdaHandler
@@ -39,6 +40,7 @@ __all__ = [
     "BackwardEnd",
     "BatchBegin",
     "BatchEnd",
+    "CSVLoggerHandler",
     "CheckpointHandler",
     "EarlyStoppingHandler",
     "EpochBegin",
