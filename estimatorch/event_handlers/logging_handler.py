@@ -112,6 +112,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self.samples_in_epoch: Optional[int] = 0 if self.batch_lines else None
         self._interval_batches = 0  # batches run in this process since the last batch line
         self._resumed = False
+        self._continued = False  # a resume continues an earlier run's log file
         self._resume_step: Optional[int] = None  # the step a resume continued from (known at its first boundary)
         self._resume_epoch: Optional[int] = None  # the epoch it resumed in, when mid-epoch
         self._resume_batch = 0
@@ -172,7 +173,14 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                               type(optimizer).__name__, lrs, estimator.device, plan, estimator.seed,
                               distributed.get_world_size(), "es" if distributed.get_world_size() > 1 else "")
         if self.log_file is not None:
-            estimator.logger.info("Log file: %s", self.log_file)
+            if estimator.resume_pending:  # it may continue the resumed run's file: say which once known
+                estimator.at_boundary(self._announce_file)
+            else:
+                estimator.logger.info("Log file: %s", self.log_file)
+
+    def _announce_file(self) -> None:
+        if self._logger is not None and self.log_file is not None:
+            self._logger.info("Log file: %s%s", "continuing " if self._continued else "", self.log_file)
 
     def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
         if self.batch_lines:
@@ -261,14 +269,13 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         logger = self._logger
         if not os.path.isfile(saved_file):
             if logger is not None:
-                logger.info("No log file %s to continue: this run logs to %s", saved_file, current)
+                logger.info("No log file %s to continue in log_dir", saved_file)
             return
         # A resumed run continues its first file: move this run's opening lines there.
         self._close_file()
         with open(current, encoding="utf-8") as src, open(saved_file, "a", encoding="utf-8") as dst:
             shutil.copyfileobj(src, dst)
         os.remove(current)
-        self.log_file, self.run_id = saved_file, saved_id
+        self.log_file, self.run_id, self._continued = saved_file, saved_id, True
         if logger is not None:
             self._open_file(logger, saved_file, "a")
-            logger.info("Log file: continuing %s", saved_file)

@@ -130,6 +130,8 @@ def test_a_run_resumed_from_a_checkpoint_continues_its_file(tmp_path):
     with open(first.log_file, encoding="utf-8") as f:
         text = f.read()
     assert text.count("Training begin") == 2
+    # the file is named once per run, and only the file that holds the lines
+    assert re.findall(r"Log file: (.*)", text) == [first.log_file, f"continuing {first.log_file}"]
     assert [int(e) for e in re.findall(r"\[Epoch (\d)/3\] Finished", text)] == [1, 2, 3]
 
 
