@@ -573,10 +573,13 @@ class Estimator:
         self._run.boundary_actions.append(action)
 
     def _record_history(self, run: _Run, epoch: int) -> None:
+        from ..event_handlers.lr_scheduler import epoch_learning_rates
+
         values = {metric_name(m): m.compute() for m in self.train_metrics}
         if run.evaluated:
             values.update((metric_name(m), m.compute()) for m in self.val_metrics)
             run.evaluated = False
+        values.update(epoch_learning_rates(self))  # the rates the epoch trained with
         run.history.record(epoch + 1, values)
 
     # -- state: snapshots, resume -----------------------------------------------------------
@@ -589,6 +592,12 @@ class Estimator:
     def handlers(self) -> tuple[Any, ...]:
         """The current fit's handlers, in the order events reach them (empty outside fit)."""
         return tuple(self._dispatch.handlers)
+
+    @property
+    def boundary_actions_pending(self) -> bool:
+        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
+        for the current event to reach every handler; False outside ``fit``."""
+        return self._fitting and bool(self._run.boundary_actions)
 
     @property
     def validated(self) -> bool:
