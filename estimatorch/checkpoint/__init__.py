@@ -32,7 +32,6 @@ from ._cli import main
 from ._files import (
     atomic_save,
     best_name,
-    check_directory,
     checkpoint_name,
     latest_name,
     list_checkpoints,

@@ -1,5 +1,5 @@
-"""The files of a checkpoint directory: names, atomic writes, the latest pointer, orphaned
-temporaries, and the check that ``model_dir`` can hold them."""
+"""The files of a checkpoint directory: names, atomic writes, the latest pointer and orphaned
+temporaries."""
 
 from __future__ import annotations
 
@@ -15,7 +15,6 @@ import torch
 __all__ = [
     "atomic_save",
     "best_name",
-    "check_directory",
     "checkpoint_name",
     "latest_name",
     "list_checkpoints",
@@ -224,34 +223,3 @@ def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
             continue
         removed.append(name)
     return removed
-
-
-# -- the directory ------------------------------------------------------------------------------
-def check_directory(path: PathLike, arg: str, *, writable: bool = True) -> None:
-    """Raise ``ValueError`` naming ``arg`` and ``path`` unless ``path`` is a directory (or can be
-    created as one) that this process can write to (with ``writable``), before any work starts.
-
-    Example:
-        >>> check_directory("/dev/null", "model_dir")
-        Traceback (most recent call last):
-        ...
-        ValueError: model_dir '/dev/null' is not a directory (a device or another special file); pass a directory
-    """
-    path = os.fspath(path)
-    if os.path.islink(path) and not os.path.exists(path):
-        raise ValueError(f"{arg} {path!r} is a dangling symbolic link (to {os.readlink(path)!r}); "
-                         "create its target or pass another directory")
-    if os.path.exists(path):
-        if not os.path.isdir(path):
-            kind = "a file" if os.path.isfile(path) else "not a directory (a device or another special file)"
-            raise ValueError(f"{arg} {path!r} is {kind}; pass a directory")
-        if writable and not os.access(path, os.W_OK | os.X_OK):
-            raise ValueError(f"{arg} {path!r} is not writable by this process")
-        return
-    parent = os.path.dirname(os.path.abspath(path))
-    while not os.path.lexists(parent):
-        parent = os.path.dirname(parent)
-    if not os.path.isdir(parent):
-        raise ValueError(f"{arg} {path!r} cannot be created: {parent!r} is not a directory")
-    if writable and not os.access(parent, os.W_OK | os.X_OK):
-        raise ValueError(f"{arg} {path!r} cannot be created: {parent!r} is not writable by this process")

@@ -11,6 +11,7 @@ from typing import Any, Optional, Union
 from .. import distributed
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler, check_file_prefix, check_positive_int
+from ._paths import check_output_dir
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events
 from .early_stopping import improved, resolve_mode
@@ -167,16 +168,16 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         error: Optional[Exception] = None
         try:
             if distributed.is_main_process():
-                checkpoint.check_directory(self.model_dir, "model_dir")
+                check_output_dir(self.model_dir, "model_dir")
                 checkpoint.DirectoryLock(self.model_dir).check()
                 if not (self.resume_from_checkpoint or resume):
                     names = self._existing()
                     if names:
                         self._refuse_existing(names)
                 checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
-            else:  # the other ranks only read (their model_dir may be node-local)
-                checkpoint.check_directory(self.model_dir, f"model_dir (rank {distributed.get_rank()})",
-                                           writable=False)
+            elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
+                # the other ranks only read (their model_dir may be node-local, or not there yet)
+                raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
         except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
             error = err
         failure = distributed.share_outcome(error)
