@@ -47,6 +47,7 @@ __all__ = [
     "NullWriter",
     "RankFailedError",
     "rank_zero_writer",
+    "share_outcome",
     "spawn",
     "torchrun_env",
 ]
@@ -273,6 +274,34 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj, group=_flag_group())
     return out
+
+
+def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseException]]:
+    """Agree on whether a step every rank took went well, so that a failure on one rank is an
+    error on every rank instead of a hang in the next collective.
+
+    Every rank passes the exception it met (or None). Every rank gets ``(rank, exception)`` of the
+    lowest rank that failed (that rank its own exception object, the others a copy, or a
+    ``RuntimeError`` with its text when it cannot be pickled), or None when every rank
+    succeeded. One small collective (nothing without a process group).
+
+    Example:
+        >>> share_outcome(None) is None
+        True
+        >>> share_outcome(ValueError("bad"))
+        (0, ValueError('bad'))
+    """
+    if not is_distributed():
+        return None if error is None else (0, error)
+    rank = get_rank()
+    sent = None
+    if error is not None:
+        sent = _portable_exception(error) or RuntimeError(f"{type(error).__name__}: {error}")
+    outcomes = gather_objects(sent)
+    for failed, exception in enumerate(outcomes):
+        if exception is not None:
+            return failed, error if failed == rank else exception
+    return None
 
 
 def barrier() -> None:
