@@ -68,9 +68,9 @@ _SEED_LIMIT = 1 << 64
 
 def _check_seed(seed: Any, arg: str = "seed") -> int:
     """``seed`` as an int, checked to the range every generator accepts (before any is seeded)."""
-    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)):
+    if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"{arg} must be a non-negative int, got {seed!r}")
-    if not 0 <= seed < _SEED_LIMIT:
+    if seed >= _SEED_LIMIT:
         raise ValueError(f"{arg} must be an int in [0, 2**64), the range torch, numpy and python's random "
                          f"all accept, got {seed!r}")
     return int(seed)
