@@ -541,12 +541,28 @@ def test_reference_files_are_all_there(reference):
 # -- handler state ---------------------------------------------------------------------------------
 def test_state_dict_round_trip(tmp_path):
     handler = CheckpointHandler(tmp_path)
-    handler.current_epoch, handler.current_batch, handler.best = 2, 9, 0.25
+    handler.load_state_dict({"current_epoch": 2, "current_batch": 9, "best": 0.25})
     state = handler.state_dict()
     assert state == {"current_epoch": 2, "current_batch": 9, "best": 0.25}
     other = CheckpointHandler(tmp_path)
     other.load_state_dict(state)
     assert (other.current_epoch, other.current_batch, other.best) == (2, 9, 0.25)
+
+
+def test_the_counters_are_read_only(tmp_path):
+    handler = CheckpointHandler(tmp_path)
+    with pytest.raises(AttributeError):
+        handler.current_epoch = 3
+    with pytest.raises(AttributeError):
+        handler.current_batch = 3
+
+
+@pytest.mark.parametrize("key, value, exc", [("current_epoch", -1, ValueError), ("current_batch", 1.5, ValueError),
+                                             ("best", "low", TypeError), ("best", True, TypeError)])
+def test_load_state_dict_refuses_bad_values(tmp_path, key, value, exc):
+    state = dict(CheckpointHandler(tmp_path).state_dict(), **{key: value})
+    with pytest.raises(exc, match=key):
+        CheckpointHandler(tmp_path).load_state_dict(state)
 
 
 @pytest.mark.parametrize("missing", ["current_epoch", "current_batch", "best"])
