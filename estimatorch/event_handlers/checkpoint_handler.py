@@ -33,8 +33,7 @@ def _checkpoint() -> Any:
 
 
 class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
-    """Save everything needed to resume, every few epochs and/or batches; resume from the newest.
-    Or export the model's weights alone, for inference.
+    """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
     net), optimizer, LR scheduler, grad scaler, every handler's state, the metric accumulators,
@@ -79,9 +78,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     the pointer names, never ``-best.pt``, never a file it skipped as unusable or cannot read.
 
     **Exports for inference** (Keras' ``ModelCheckpoint`` options). ``save_weights_only=True``
-    writes the model's weights alone instead of checkpoints: ``{model_prefix}-epoch{E}batch{B}
-    .weights.pt`` and ``{model_prefix}-best.weights.pt``, each a plain state dict of the unwrapped
-    module (no ``module.`` or ``_orig_mod.`` in its keys, tensors on the CPU) that plain PyTorch
+    writes the model's weights alone instead of checkpoints:
+    ``{model_prefix}-epoch{E}batch{B}.weights.pt`` and ``{model_prefix}-best.weights.pt``, each a
+    plain state dict of the unwrapped module (no ``module.`` or ``_orig_mod.`` in its keys, tensors on the CPU) that plain PyTorch
     loads: ``net.load_state_dict(torch.load(path, weights_only=True))``. ``save_best_only=True``
     writes no periodic file, only the best one, whenever ``monitor`` improves at a check (every
     ``epoch_period`` epochs and/or ``batch_period`` batches); ``initial_value_threshold`` makes

@@ -419,6 +419,35 @@ def test_resume_in_an_empty_directory_starts_fresh(tmp_path, estimatorch_log):
     assert periodic_files(tmp_path / "new") == [name(1, 4), name(2, 8)]
 
 
+def test_a_resume_with_nothing_to_resume_never_lets_save_best_overwrite_a_best_file(tmp_path):
+    small_fit(tmp_path, epochs=1, epoch_period=1)
+    for file in periodic_files(tmp_path):
+        os.replace(tmp_path / file, tmp_path / "model-best.pt")  # a best file, no periodic one
+    before = snapshot_dir(tmp_path)
+    estimator, counter = make_estimator(), EventCounter()
+    with pytest.raises(FileExistsError, match="no periodic checkpoint to resume from"):
+        small_fit(tmp_path, estimator=estimator, epochs=1, extra=[counter], resume_from_checkpoint=True,
+                  save_best=True, monitor=estimator.train_metrics[0])
+    assert counter.batches == 0 and snapshot_dir(tmp_path) == before
+    run = small_fit(tmp_path, epochs=1, resume_from_checkpoint=True)  # without save_best it never writes one
+    assert len(run.losses) == 4 and (tmp_path / "model-best.pt").read_bytes() == before["model-best.pt"][0]
+
+
+def test_the_save_schedule_follows_the_position_even_from_a_state_that_counted_wrong(tmp_path):
+    """Older files of an epoch_period handler hold current_batch 0 whatever ran: a resume with a
+    batch_period must still save at the run's batches N, 2N, ..."""
+    n_batches, period = 4, 3
+    small_fit(tmp_path, epochs=1, n_batches=n_batches, epoch_period=1)
+    path = tmp_path / name(1, n_batches)
+    payload = torch.load(path, weights_only=True)
+    payload["ranks"][0]["handlers"]["CheckpointHandler"]["current_batch"] = 0
+    torch.save(payload, path)
+    small_fit(tmp_path, epochs=3, n_batches=n_batches, epoch_period=None, batch_period=period,
+              max_checkpoints=None, resume_from_checkpoint=True)
+    steps = [step for _, step, _ in checkpoint.list_checkpoints(tmp_path, "model")][1:]
+    assert steps == list(range(period * (n_batches // period + 1), 3 * n_batches + 1, period))
+
+
 def test_in_process_resume_with_files_of_its_own_run(tmp_path):
     """fit(..., resume=True) continues the estimator's own run, whose files are in model_dir."""
     whole = small_fit(tmp_path / "whole", epochs=2, epoch_period=None, batch_period=1)

@@ -353,3 +353,20 @@ def test_an_exporters_state_is_saved_under_its_own_name_whatever_the_order(tmp_p
     assert all(name in saved for name in expected)
     handlers[0].name = "export"
     assert handlers[0].name == "export"
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_an_export_of_a_cuda_run_holds_cpu_tensors(tmp_path):
+    """A serving process without a GPU loads it without map_location; load_weights of a CUDA
+    run's checkpoint gives CPU tensors too."""
+    estimator = make_estimator(device="cuda")
+    estimator.fit(make_batches(2), epochs=1, event_handlers=[
+        CheckpointHandler(tmp_path, save_weights_only=True), CheckpointHandler(tmp_path, model_prefix="ckpt")])
+    final = {k: v.cpu() for k, v in estimator.net.state_dict().items()}
+    assert all(v.device.type == "cuda" for v in estimator.net.state_dict().values())
+    export = torch.load(tmp_path / checkpoint.weights_name("model", 1, 2), weights_only=True)
+    from_checkpoint = checkpoint.load_weights(tmp_path / checkpoint.checkpoint_name("ckpt", 1, 2))
+    for state in (export, from_checkpoint):
+        assert all(v.device.type == "cpu" for v in state.values())
+        assert_tree_equal(dict(state), final, "weights")
