@@ -5,7 +5,7 @@ PY := $(VENV)/bin/python
 # e.g. make demo DEMO_ARGS=--fresh (python -m estimatorch demo --help lists them)
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast benchmark clean
+.PHONY: demo test test-fast benchmark notebooks clean
 
 demo: $(VENV)/.demo-installed
 	$(PY) -m estimatorch demo $(DEMO_ARGS)
@@ -19,6 +19,10 @@ test-fast: $(VENV)/.dev-installed
 
 benchmark: $(VENV)/.dev-installed
 	$(PY) benchmarks/overhead.py
+
+# Run the notebooks and save them with their outputs (after editing one): make notebooks [NB=01_quickstart]
+notebooks: $(VENV)/.dev-installed
+	$(PY) -m tests.test_notebooks $(NB)
 
 $(PY):
 	@echo "Creating $(VENV) (first run only)"

@@ -36,15 +36,15 @@ def short_name(name: str) -> str:
 
 
 def fit_postfix(values: dict[str, str], room: int) -> dict[str, str]:
-    """The entries of ``values`` (in their order, with :func:`short_name` names) that fit in
-    ``room`` characters as tqdm shows them (``", name=value"`` each); the others are left out.
+    """The first entries of ``values`` (with :func:`short_name` names) that fit in ``room``
+    characters as tqdm shows them (``", name=value"`` each); the rest is left out.
 
     Example:
         >>> values = {"val_loss": "0.1234", "val_accuracy": "0.97", "train_loss": "0.1"}
         >>> fit_postfix(values, 41)
         {'val_loss': '0.1234', 'val_acc': '0.97', 'loss': '0.1'}
-        >>> fit_postfix(values, 31)
-        {'val_loss': '0.1234', 'val_acc': '0.97'}
+        >>> fit_postfix(values, 30)
+        {'val_loss': '0.1234'}
     """
     shown: dict[str, str] = {}
     used = 0
@@ -53,9 +53,10 @@ def fit_postfix(values: dict[str, str], room: int) -> dict[str, str]:
         if short in shown:  # two names shortened alike: keep the second one whole
             short = name
         cost = 2 + len(short) + 1 + len(value)
-        if used + cost <= room:
-            shown[short] = value
-            used += cost
+        if used + cost > room:
+            break  # what is shown stays a prefix of ``values``: the first ones matter most
+        shown[short] = value
+        used += cost
     return shown
 
 

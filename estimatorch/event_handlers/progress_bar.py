@@ -72,7 +72,8 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     is never cut short. In a Jupyter notebook (and no ``file``) the bars are one output of
     plain text, replaced at each redraw: the saved notebook shows their final state. Only
     global rank 0 draws; log lines printed to the console meanwhile go above the bars, never
-    into them, and bars never reach a log file. Bars are closed when training ends or raises.
+    into them, and bars never reach a log file. Bars are closed when training ends or raises;
+    a fit ended by an error or Ctrl-C leaves its batch bar, to show where it stopped.
     ``fit`` adds one when stderr is a terminal or in a notebook.
 
     Args:
@@ -217,6 +218,9 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._epoch_bar.update(1)
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        position = getattr(estimator, "position", None)
+        if self._batch_bar is not None and position is not None and not position.stop:
+            self._batch_bar.leave = True  # ended by an error or Ctrl-C: the bar stays to say where
         self._active = False
         self._shown = []
         self._close()

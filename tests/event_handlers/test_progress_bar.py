@@ -110,12 +110,14 @@ def test_every_line_fits_80_columns_with_a_real_bar(monkeypatch, n_val):
             assert name in {short_name(m) for m in history.metrics}, frame
             float(value)
     epochs = last(text, "epochs")
-    assert postfix(epochs), epochs
-    if n_val:
-        assert next(iter(postfix(epochs))) == "val_loss"  # val metrics first
+    candidates = [short_name(m.name) for m in (est.val_metrics if n_val else []) + est.train_metrics]
+    shown = list(postfix(epochs))
+    assert shown and shown == candidates[:len(shown)]  # val metrics first, then as many as fit
 
 
-def test_in_a_notebook_bars_are_one_plain_text_output(monkeypatch, capsys):
+@pytest.fixture
+def notebook(monkeypatch):
+    """Pretend to run in a Jupyter kernel; returns the texts the bars' display showed, in order."""
     updates = []
 
     class Handle:
@@ -125,6 +127,11 @@ def test_in_a_notebook_bars_are_one_plain_text_output(monkeypatch, capsys):
 
     monkeypatch.setattr(_bars, "in_notebook", lambda: True)
     monkeypatch.setattr(_bars, "_open_display", Handle)
+    return updates
+
+
+def test_in_a_notebook_bars_are_one_plain_text_output(notebook, capsys):
+    updates = notebook
     est = make_estimator()
     before = list(est.logger.handlers)
     during = []
@@ -302,3 +309,16 @@ def test_the_default_file_is_chosen_at_each_fit(monkeypatch):
         monkeypatch.setattr(sys, "stderr", stream)
         make_estimator().fit(make_batches(N_BATCHES), epochs=1, event_handlers=[bar])
     assert all("epochs:" in s.getvalue() for s in streams) and bar.file is None
+
+
+def test_a_fit_ended_by_an_error_leaves_its_batch_bar(notebook):
+    def boom(est, **kwargs):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=3, event_handlers=[
+            ProgressBarHandler(refresh_interval=0.0), LambdaHandler(batch_end=boom, once=N_BATCHES + 2)])
+    epochs, batches = notebook[-1].split("\n")
+    assert count(epochs) == (1, 3) and batches.startswith("epoch 2/3:") and count(batches) == (1, N_BATCHES)
+    make_estimator().fit(make_batches(N_BATCHES), epochs=3, event_handlers=[ProgressBarHandler(refresh_interval=0.0)])
+    assert "\n" not in notebook[-1]  # a finished fit shows its epochs bar alone
