@@ -136,7 +136,8 @@ def _demo_files(root: str) -> tuple[list[str], list[str]]:
         folders.append(folder)
         for parent, _, files in os.walk(folder):
             for file in files:
-                ours = file.startswith("events.out.tfevents.") if name == _TENSORBOARD_DIR else file.startswith(patterns)
+                prefixes = ("events.out.tfevents.",) if name == _TENSORBOARD_DIR else patterns
+                ours = file.startswith(prefixes)
                 if not ours:
                     foreign.append(os.path.join(parent, file))
     return folders, foreign

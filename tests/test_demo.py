@@ -73,8 +73,8 @@ def test_fresh_starts_over_and_deletes_only_what_the_demo_wrote(tmp_path):
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_and_a_rerun_resumes_it(tmp_path):
-    proc = subprocess.Popen([sys.executable, "-m", "estimatorch", "demo", "--epochs", "3", "--model-dir", str(tmp_path)],
-                            stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
+    command = [sys.executable, "-m", "estimatorch", "demo", "--epochs", "3", "--model-dir", str(tmp_path)]
+    proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
     for line in proc.stdout:  # Ctrl-C once the first run has written checkpoints

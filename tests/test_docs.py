@@ -145,10 +145,11 @@ def test_docs_are_self_contained():
 def test_the_readme_starts_with_the_two_commands_and_installs_honestly():
     text = read(README)
     first_block = re.search(r"```(\w*)\n(.*?)```", text, re.DOTALL)
-    assert first_block.group(1) == "bash" and "make demo" in first_block.group(2) and "make test" in first_block.group(2)
+    language, commands = first_block.groups()
+    assert language == "bash" and "make demo" in commands and "make test" in commands
     assert "not on PyPI yet" in section(text, "Install")
-    commands = [line for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for line in block.splitlines()]
-    assert not any(re.match(r"pip install estimatorch\b", line) for line in commands)
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for line in block.splitlines()]
+    assert not any(re.match(r"pip install estimatorch\b", line) for line in lines)
     for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
         assert f"notebooks/{notebook.name}" in text, f"the README does not link {notebook.name}"
     assert "docs/index.md" in text
