@@ -148,6 +148,12 @@ def _has_checkpoints(folder: str) -> bool:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """Run the demo with the command-line arguments ``argv`` (default: ``sys.argv[1:]``).
+
+    Returns:
+        The exit status: 0, 1 if the resumed run diverged, 2 for results of another demo
+        configuration in ``--model-dir``, 130 after Ctrl-C. Bad arguments exit with 2.
+    """
     parser = build_parser()
     args = parser.parse_args(argv)
     for name in ("epochs", "stop_at"):
