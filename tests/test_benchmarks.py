@@ -62,3 +62,12 @@ def test_checkpoint_cost_compares_with_torch_save():
     for size in out["results"].values():
         assert size["bytes"]["estimatorch"] >= size["bytes"]["raw"] > 0
         assert all(_positive(v[0]) for v in size["seconds"].values())
+
+
+def test_gpu_resnet_compares_fit_with_a_hand_written_loop():
+    """On the CPU with tiny settings: only that it runs and reports; the figures need a GPU."""
+    out = json.loads(_run("gpu_resnet.py", "--device", "cpu", "--steps", "2", "--repeats", "1", "--batch-size", "4",
+                          "--batches", "2", "--data", "loader", "--workers", "0", "--json"))
+    assert list(out["ratio_median"]) == ["raw", "fit-default", "fit-default+bar"]
+    assert out["ratio_median"]["raw"] == 1.0 and all(_positive(v) for v in out["ms_per_step"].values())
+    assert out["syncs_in_one_epoch_of_fit_default"] is None  # counted on CUDA only
