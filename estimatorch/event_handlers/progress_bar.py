@@ -229,7 +229,11 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     def _move(self, bar: Any, n: int) -> None:
         self._unshown = 0
         bar.n = bar.initial = bar.last_print_n = n  # rates count from the resume
-        bar.refresh()
+        read, bar.read_postfix = bar.read_postfix, None  # the metrics are restored after the handlers
+        try:
+            bar.refresh()
+        finally:
+            bar.read_postfix = read
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, self._state_attrs, self.name)

@@ -273,6 +273,7 @@ def test_a_resumed_fit_continues_the_counts():
     bar = ProgressBarHandler(refresh_interval=0.0, file=second)
     est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[bar, ctrl_c], resume=True)
     drawn = frames(second.getvalue())
+    assert not any("nan" in f for f in drawn)  # never the metrics of before their restore
     epoch_two = [count(f)[0] for f in drawn if f.startswith("epoch 2/3:")]
     assert epoch_two[1:] == list(range(2, N_BATCHES + 1))  # drawn empty, then moved to the saved batch
     assert not any(f.startswith("epoch 1/3:") for f in drawn)
