@@ -164,6 +164,19 @@ def main(argv: Optional[list[str]] = None) -> int:
     if not args.model_dir:
         parser.error("--model-dir must be a directory path, got ''")
     log = _default_logger()  # before the first line: headings print from the start
+    try:
+        return _run(args, log)
+    except KeyboardInterrupt:
+        log.warning("Interrupted. Run the demo again to resume from the newest checkpoints in %s "
+                    "(--fresh starts over).", args.model_dir)
+        return 130
+    except (ValueError, OSError) as err:  # e.g. results of a demo run with other arguments
+        log.error("The demo cannot go on with the results in %s: %s\nPass --fresh to start over, or choose "
+                  "another --model-dir.", args.model_dir, err)
+        return 2
+
+
+def _run(args: argparse.Namespace, log: Any) -> int:
     root = args.model_dir
     full_dir, crashed_dir = (os.path.join(root, name) for name in _CHECKPOINT_DIRS)
     tensorboard_dir = os.path.join(root, _TENSORBOARD_DIR)
@@ -176,8 +189,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         for folder in folders:
             shutil.rmtree(folder)
             log.info("Deleted %s (--fresh)", folder)
-    earlier = _has_checkpoints(full_dir) or _has_checkpoints(crashed_dir)
-    if earlier:
+    if _has_checkpoints(full_dir) or _has_checkpoints(crashed_dir):
         log.info("%s holds the results of an earlier demo: resuming from them. A finished run has nothing "
                  "left to train (a larger --epochs extends it); --fresh starts over.", root)
     period = min(_PERIOD, args.stop_at)  # at least one checkpoint before the crash
@@ -193,45 +205,35 @@ def main(argv: Optional[list[str]] = None) -> int:
                 EarlyStoppingHandler(est.val_metrics[0], patience=2),
                 TensorBoardHandler(tensorboard_dir, run_name=run_name)]
 
-    try:
-        log.info("== 1. Training with the default handlers (metrics, logging, progress, stopping, gradient "
-                 "update, validation, LR schedule), early stopping, checkpoints and TensorBoard ==")
-        est = make_estimator()
+    log.info("== 1. Training with the default handlers (metrics, logging, progress, stopping, gradient "
+             "update, validation, LR schedule), early stopping, checkpoints and TensorBoard ==")
+    est = make_estimator()
+    train, val = loaders()
+    history = est.fit(train, val_data=val, epochs=args.epochs,
+                      event_handlers=handlers(est, full_dir, "full", resume=_has_checkpoints(full_dir)))
+    log.info("History: %s", {k: [round(v, 4) for v in vals] for k, vals in history.to_dict().items()})
+
+    if _has_checkpoints(crashed_dir):
+        log.info("== 2. (%s already holds the second run's checkpoints: no new crash) ==", crashed_dir)
+    else:
+        log.info("== 2. The same run, crashing after batch %d (as a pre-emption or a power cut would) ==",
+                 args.stop_at)
+        stopped = make_estimator()
         train, val = loaders()
-        history = est.fit(train, val_data=val, epochs=args.epochs,
-                          event_handlers=handlers(est, full_dir, "full", resume=_has_checkpoints(full_dir)))
-        log.info("History: %s", {k: [round(v, 4) for v in vals] for k, vals in history.to_dict().items()})
+        try:
+            stopped.fit(train, val_data=val, epochs=args.epochs,
+                        event_handlers=[*handlers(stopped, crashed_dir, "crashed", resume=False),
+                                        _CrashAfter(args.stop_at)])
+        except _SimulatedCrash:
+            log.info("Crashed after batch %d", args.stop_at)
+    epoch, batch, last = list_checkpoints(crashed_dir, "model")[-1]
+    log.info("Newest checkpoint: %s (epoch %d, batch %d)", last, epoch, batch)
 
-        if _has_checkpoints(crashed_dir):
-            log.info("== 2. (%s already holds the second run's checkpoints: no new crash) ==", crashed_dir)
-        else:
-            log.info("== 2. The same run, crashing after batch %d (as a pre-emption or a power cut would) ==",
-                     args.stop_at)
-            stopped = make_estimator()
-            train, val = loaders()
-            try:
-                stopped.fit(train, val_data=val, epochs=args.epochs,
-                            event_handlers=[*handlers(stopped, crashed_dir, "crashed", resume=False),
-                                            _CrashAfter(args.stop_at)])
-            except _SimulatedCrash:
-                log.info("Crashed after batch %d", args.stop_at)
-        epoch, batch, last = list_checkpoints(crashed_dir, "model")[-1]
-        log.info("Newest checkpoint: %s (epoch %d, batch %d)", last, epoch, batch)
-
-        log.info("== 3. A brand-new estimator resumes from that checkpoint ==")
-        resumed = make_estimator()
-        train, val = loaders()
-        resumed.fit(train, val_data=val, epochs=args.epochs,
-                    event_handlers=handlers(resumed, crashed_dir, "crashed", resume=True))
-    except KeyboardInterrupt:
-        log.warning("Interrupted. Run the demo again to resume from the newest checkpoints in %s "
-                    "(--fresh starts over).", root)
-        return 130
-    except (ValueError, OSError) as err:  # e.g. results of a demo run with other arguments
-        log.error("The demo cannot go on with the results in %s: %s\nPass --fresh to start over, or choose "
-                  "another --model-dir.", root, err)
-        return 2
-
+    log.info("== 3. A brand-new estimator resumes from that checkpoint ==")
+    resumed = make_estimator()
+    train, val = loaders()
+    resumed.fit(train, val_data=val, epochs=args.epochs,
+                event_handlers=handlers(resumed, crashed_dir, "crashed", resume=True))
     same_params = all(torch.equal(a, b) for a, b in zip(est.net.state_dict().values(),
                                                           resumed.net.state_dict().values()))
     scores = resumed.evaluate(val)

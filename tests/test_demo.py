@@ -71,21 +71,32 @@ def test_fresh_starts_over_and_deletes_only_what_the_demo_wrote(tmp_path):
     assert mine.read_text() == "mine" and any(p.suffix == ".pt" for p in (tmp_path / "full").iterdir())
 
 
-@pytest.mark.slow
-def test_ctrl_c_stops_the_demo_and_a_rerun_resumes_it(tmp_path):
-    command = [sys.executable, "-m", "estimatorch", "demo", "--epochs", "3", "--model-dir", str(tmp_path)]
+def _interrupted_demo(model_dir):
+    """Run the demo and press Ctrl-C once its first run has trained an epoch (and written
+    checkpoints); returns (exit status, everything it printed)."""
+    command = [sys.executable, "-m", "estimatorch", "demo", "--epochs", "3", "--model-dir", str(model_dir)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
     seen = []
-    for line in proc.stdout:  # Ctrl-C once the first run has written checkpoints
+    for line in proc.stdout:
         seen.append(line)
-        if line.startswith("[Epoch 2/3]"):
+        if line.startswith("[Epoch 1/3]"):
             proc.send_signal(signal.SIGINT)
             break
     out, err = proc.communicate(timeout=300)
-    assert proc.returncode == 130, err[-2000:]
-    assert "Interrupted. Run the demo again to resume" in "".join(seen) + out + err
-    again = _run("demo", "--epochs", "3", "--model-dir", str(tmp_path))
+    return proc.returncode, "".join(seen) + out + err
+
+
+@pytest.mark.slow
+def test_ctrl_c_stops_the_demo_and_a_rerun_resumes_it(tmp_path):
+    for attempt in range(3):  # on a loaded machine the signal may land after the demo finished: again
+        model_dir = tmp_path / str(attempt)
+        code, printed = _interrupted_demo(model_dir)
+        if code != 0 or "== Result ==" not in printed:
+            break
+    assert code == 130, printed[-3000:]
+    assert "Interrupted. Run the demo again to resume" in printed and "Traceback" not in printed
+    again = _run("demo", "--epochs", "3", "--model-dir", str(model_dir))
     assert again.returncode == 0, again.stderr[-2000:]
     assert re.search(r"Resuming from .*full.model-epoch\d+batch\d+\.pt", again.stdout) and SAME in again.stdout
 
