@@ -22,9 +22,11 @@ from .event_handlers import (  # noqa: E402
 
 from . import statistics  # noqa: E402
 from .event_handlers import MeterHandler, TensorBoardHandler, TerminateOnNaNHandler  # noqa: E402
+from .event_handlers import CSVLoggerHandler, NonFiniteError  # noqa: E402
 
 __all__ = [
     "BatchProcessor",
+    "CSVLoggerHandler",
     "CheckpointHandler",
     "EarlyStoppingHandler",
     "Estimator",
@@ -34,6 +36,7 @@ __all__ = [
     "LambdaHandler",
     "LoggingHandler",
     "MetricHandler",
+    "NonFiniteError",
     "ProgressBarHandler",
     "StoppingHandler",
     "ValidationHandler",

@@ -29,6 +29,8 @@ import torch
 import torch.distributed as dist
 
 __all__ = [
+    "REDUCTIONS",
+    "all_reduce_states",
     "all_reduce_sum",
     "any_rank",
     "barrier",
@@ -45,6 +47,7 @@ __all__ = [
     "NullWriter",
     "RankFailedError",
     "rank_zero_writer",
+    "share_outcome",
     "spawn",
     "torchrun_env",
 ]
@@ -130,6 +133,95 @@ def all_reduce_sum(values: Mapping[str, Union[torch.Tensor, int, float]],
     return out
 
 
+#: the reductions :func:`all_reduce_states` knows (a metric state's ``reduce``).
+REDUCTIONS = ("sum", "mean", "min", "max", "cat")
+
+
+def _reduced_dtype(ref: torch.Tensor, reduction: str) -> torch.dtype:
+    if reduction == "mean" and not ref.is_floating_point():
+        return torch.float64
+    if ref.dtype == torch.bool and reduction == "sum":
+        return torch.int64
+    return ref.dtype
+
+
+def _local_cat(value: Any) -> Optional[torch.Tensor]:
+    """A ``cat`` state as one tensor (None for an empty list)."""
+    if isinstance(value, torch.Tensor):
+        return value
+    items = [torch.as_tensor(t) for t in value]
+    return torch.cat([t.reshape(1) if t.dim() == 0 else t for t in items]) if items else None
+
+
+def all_reduce_states(values: Mapping[str, Any], reductions: Mapping[str, str],
+                      device: Optional[torch.device] = None) -> dict[str, torch.Tensor]:
+    """Reduce each value over every rank by its own reduction, in at most three collectives.
+
+    ``reductions[key]`` is one of :data:`REDUCTIONS`:
+
+    - ``"sum"``, ``"mean"``, ``"min"``, ``"max"``: a tensor or a python number, of the same shape
+      on every rank. Sums and means travel in one ``all_reduce`` (in float64: integers are exact
+      up to 2**53), maxima and (negated) minima in a second; each only when some key needs it.
+      ``"mean"`` is the sum divided by the world size.
+    - ``"cat"``: a tensor, or a list of tensors, concatenated along dim 0, rank 0's first (sizes
+      along dim 0 may differ between ranks). All of them travel in one gather of objects through
+      the host. An empty list on every rank gives ``torch.zeros(0)``.
+
+    Every rank must call it with the same keys and reductions (as with any collective). Without
+    a process group it reduces over this process alone.
+
+    Args:
+        values: ``{key: tensor, number or list of tensors}``; not modified.
+        reductions: ``{key: reduction}`` for every key of ``values``.
+        device: where the results go. Defaults to the collective's device.
+
+    Returns:
+        ``{key: tensor}``: ``sum``/``min``/``max`` keep the value's dtype (python ints become
+        int64, floats float64), ``mean`` gives a floating dtype.
+
+    Example:
+        >>> out = all_reduce_states({"hits": 3, "best": torch.tensor(0.5), "seen": [torch.tensor([1, 2])]},
+        ...                         {"hits": "sum", "best": "max", "seen": "cat"})
+        >>> int(out["hits"]), float(out["best"]), out["seen"].tolist()
+        (3, 0.5, [1, 2])
+    """
+    keys = list(values)
+    for key in keys:
+        if reductions.get(key) not in REDUCTIONS:
+            raise ValueError(f"the reduction of {key!r} must be one of {list(REDUCTIONS)}, got {reductions.get(key)!r}")
+    out_device = device or collective_device()
+    world = get_world_size() if is_distributed() else 1
+    out: dict[str, torch.Tensor] = {}
+    for kinds, op in ((("sum", "mean"), "sum"), (("max", "min"), "max")):
+        group = [k for k in keys if reductions[k] in kinds]
+        if not group:
+            continue
+        refs = {k: torch.as_tensor(values[k]) for k in group}
+        flat = [refs[k].detach().to(collective_device(), torch.float64).reshape(-1) for k in group]
+        flat = [-t if reductions[k] == "min" else t for k, t in zip(group, flat)]
+        packed = torch.cat(flat)
+        if world > 1:
+            dist.all_reduce(packed, op=dist.ReduceOp.SUM if op == "sum" else dist.ReduceOp.MAX)
+        for key, part in zip(group, packed.split([t.numel() for t in flat])):
+            reduction, ref = reductions[key], refs[key]
+            if reduction == "min":
+                part = -part
+            elif reduction == "mean":
+                part = part / world
+            out[key] = part.reshape(ref.shape).to(device=out_device, dtype=_reduced_dtype(ref, reduction))
+    cats = [k for k in keys if reductions[k] == "cat"]
+    if cats:
+        local = {k: _local_cat(values[k]) for k in cats}
+        if world > 1:  # through the host: sizes may differ between ranks
+            every = gather_objects({k: None if t is None else t.detach().cpu() for k, t in local.items()})
+        else:
+            every = [local]
+        for key in cats:
+            parts = [rank_values[key] for rank_values in every if rank_values[key] is not None]
+            out[key] = torch.cat(parts).to(out_device) if parts else torch.zeros(0, device=out_device)
+    return {k: out[k] for k in keys}
+
+
 _FLAG_GROUP: Any = None
 
 
@@ -182,6 +274,34 @@ def gather_objects(obj: Any) -> list[Any]:
     out: list[Any] = [None] * get_world_size()
     dist.all_gather_object(out, obj, group=_flag_group())
     return out
+
+
+def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseException]]:
+    """Agree on whether a step every rank took went well, so that a failure on one rank is an
+    error on every rank instead of a hang in the next collective.
+
+    Every rank passes the exception it met (or None). Every rank gets ``(rank, exception)`` of the
+    lowest rank that failed (that rank its own exception object, the others a copy, or a
+    ``RuntimeError`` with its text when it cannot be pickled), or None when every rank
+    succeeded. One small collective (nothing without a process group).
+
+    Example:
+        >>> share_outcome(None) is None
+        True
+        >>> share_outcome(ValueError("bad"))
+        (0, ValueError('bad'))
+    """
+    if not is_distributed():
+        return None if error is None else (0, error)
+    rank = get_rank()
+    sent = None
+    if error is not None:
+        sent = _portable_exception(error) or RuntimeError(f"{type(error).__name__}: {error}")
+    outcomes = gather_objects(sent)
+    for failed, exception in enumerate(outcomes):
+        if exception is not None:
+            return failed, error if failed == rank else exception
+    return None
 
 
 def barrier() -> None:

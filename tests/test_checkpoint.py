@@ -203,7 +203,9 @@ def test_load_refuses_a_newer_format_naming_both_versions(reference, tmp_path):
     with pytest.raises(CheckpointError) as info:
         checkpoint.load(path)
     message = str(info.value)
-    assert f"format version {FORMAT_VERSION + 1}" in message and f"({FORMAT_VERSION})" in message
+    assert f"newer estimatorch (format {FORMAT_VERSION + 1};" in message
+    assert f"up to format {FORMAT_VERSION})" in message and "choose another model_dir" in message
+    assert isinstance(info.value, checkpoint.NewerFormatError)
 
 
 def _valid_payload(reference: SimpleNamespace) -> dict:
@@ -367,7 +369,7 @@ def test_cli_migrate_upgrades_in_place_keeps_the_original_and_refuses_newer(tmp_
     newer_bytes, upgraded = newer.read_bytes(), path.read_bytes()
     done = _run_cli("migrate", str(tmp_path))
     assert done.returncode == 2
-    assert f"format version {FORMAT_VERSION + 1}" in done.stdout and "model-epoch9batch99.pt" in done.stdout
+    assert f"(format {FORMAT_VERSION + 1};" in done.stdout and "model-epoch9batch99.pt" in done.stdout
     assert newer.read_bytes() == newer_bytes and path.read_bytes() == upgraded
     assert (tmp_path / f"{name}.v1").read_bytes() == original
 
@@ -388,7 +390,7 @@ def test_cli_reports_errors_with_exit_status_2(tmp_path, capsys):
     assert "missing.pt" in capsys.readouterr().err
     newer = save_raw({"format_version": FORMAT_VERSION + 1}, tmp_path / "model.pt")
     assert checkpoint.main(["inspect", newer]) == 2
-    assert f"format version {FORMAT_VERSION + 1}" in capsys.readouterr().err
+    assert f"(format {FORMAT_VERSION + 1};" in capsys.readouterr().err
 
 
 def test_atomic_save_syncs_the_file_then_renames_then_syncs_the_directory(tmp_path, monkeypatch):

@@ -41,7 +41,8 @@ from ..samplers.resumable import (
     ResumableSequentialSampler,
 )
 
-__all__ = ["TrainStream", "batch_size_of", "call_net", "make_train_stream", "split_batch", "to_device"]
+__all__ = ["TrainStream", "batch_size_of", "call_net", "make_train_stream", "split_batch", "split_inputs",
+           "to_device"]
 
 _LOADER_SALT = 0x10AD
 
@@ -94,6 +95,32 @@ def split_batch(batch: Any) -> tuple[Any, Any]:
         + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
         + ". Replace the BatchProcessor to train on other batch layouts."
     )
+
+
+def split_inputs(batch: Any) -> Any:
+    """The inputs of a batch to predict on: the batch without its label, when it has one.
+
+    - a tensor, or anything but a tuple, list or dict: the input itself;
+    - ``(x,)``: ``x`` (a ``TensorDataset(x)`` loader yields one-element batches);
+    - ``(data, label)`` or ``(x1, ..., label)``: the last element is the label, as in
+      :func:`split_batch`; for several inputs without a label, pass ``((x1, x2),)`` or a dict;
+    - a dict: without its ``"label"`` / ``"labels"`` key, if any (keyword inputs).
+
+    Example:
+        >>> import torch
+        >>> x, y = torch.zeros(2, 3), torch.ones(2)
+        >>> split_inputs(x) is x, split_inputs((x,)) is x, split_inputs((x, y)) is x
+        (True, True, True)
+        >>> split_inputs({"a": x, "label": y}).keys()
+        dict_keys(['a'])
+    """
+    if type(batch) is torch.Tensor:
+        return batch
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if k not in ("label", "labels")}
+    if isinstance(batch, (tuple, list)):
+        return batch[0] if len(batch) == 1 else split_batch(batch)[0]
+    return batch
 
 
 def call_net(net: Callable[..., Any], data: Any) -> Any:

@@ -4,19 +4,22 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._data import call_net, split_batch
+from ._data import call_net, split_batch, split_inputs
 
 __all__ = ["BatchProcessor"]
 
 
 class BatchProcessor:
-    """Forward and backward for one training batch, and the forward of one evaluation batch.
+    """Forward and backward for one training batch, and the forward of one evaluation or
+    prediction batch.
 
     Replace it (``Estimator(..., batch_processor=MyProcessor())``) to change the step, e.g. for
     several inputs or a custom loss, without subclassing :class:`~estimatorch.Estimator`. A
     custom ``fit_batch`` fires the forward and backward events with ``estimator.fire(...)`` and
     uses ``estimator.autocast()`` and ``estimator.backward(loss)`` to keep mixed precision
     working. It does not step the optimizer: ``GradientUpdateHandler`` does, at ``batch_end``.
+    A processor that reads batches its own way overrides ``predict_batch`` too (``predict``
+    calls it; one without a ``predict_batch`` method gets ``evaluate_batch``'s ``pred``).
 
     Example:
         >>> class TwoInputs(BatchProcessor):
@@ -66,3 +69,17 @@ class BatchProcessor:
             pred = call_net(estimator.val_net, data)
             loss = estimator.val_loss(pred, label)
         return data, label, pred, loss
+
+    def predict_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> Any:
+        """The forward of one prediction batch; ``predict`` runs it under ``torch.no_grad()``
+        with ``val_net`` in eval mode.
+
+        The inputs are the batch without its label: a bare tensor, ``x`` of ``(x,)``, a dict
+        without its ``"label"``/``"labels"`` key, or ``(inputs..., label)`` without its last
+        element (the convention of ``evaluate_batch``).
+
+        Returns:
+            ``pred``, the network's output (in the autocast dtype under mixed precision).
+        """
+        with estimator.autocast():
+            return call_net(estimator.val_net, split_inputs(batch))

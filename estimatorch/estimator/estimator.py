@@ -20,9 +20,11 @@ from torch import nn
 from .. import distributed, rng
 from ..event_handlers._base import check_positive_int
 from ..metrics import Accuracy, Loss
-from ..metrics.base import Metric, as_metric_list, metric_name, split_loss_metrics, update_metrics
+from ..metrics.base import Metric, as_metric_list, metric_name
 from ._data import TrainStream, make_train_stream, to_device
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
+from ._evaluation import check_inference_args, evaluate_batches
+from ._predict import run_prediction
 from .batch_processor import BatchProcessor
 from .history import History
 
@@ -571,10 +573,13 @@ class Estimator:
         self._run.boundary_actions.append(action)
 
     def _record_history(self, run: _Run, epoch: int) -> None:
+        from ..event_handlers.lr_scheduler import epoch_learning_rates
+
         values = {metric_name(m): m.compute() for m in self.train_metrics}
         if run.evaluated:
             values.update((metric_name(m), m.compute()) for m in self.val_metrics)
             run.evaluated = False
+        values.update(epoch_learning_rates(self))  # the rates the epoch trained with
         run.history.record(epoch + 1, values)
 
     # -- state: snapshots, resume -----------------------------------------------------------
@@ -587,6 +592,12 @@ class Estimator:
     def handlers(self) -> tuple[Any, ...]:
         """The current fit's handlers, in the order events reach them (empty outside fit)."""
         return tuple(self._dispatch.handlers)
+
+    @property
+    def boundary_actions_pending(self) -> bool:
+        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
+        for the current event to reach every handler; False outside ``fit``."""
+        return self._fitting and bool(self._run.boundary_actions)
 
     @property
     def validated(self) -> bool:
@@ -689,55 +700,52 @@ class Estimator:
         """True when the current fit will resume from a snapshot."""
         return self._fitting and self._run.pending is not None
 
-    # -- evaluate --------------------------------------------------------------------------
+    # -- evaluate, predict -----------------------------------------------------------------
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
         """Run ``val_net`` over ``val_data`` in eval mode without gradients.
 
         Resets and updates the val metrics, fires ``epoch_begin``, ``batch_begin``,
         ``batch_end`` and ``epoch_end`` to ``event_handlers``, and restores the network's
         training mode and every random generator afterwards (validating or not never changes
-        a training run's random stream).
+        a training run's random stream). Under torch.distributed, every rank calls it; a
+        map-style DataLoader is shared out so that each sample counts once, as in one process;
+        other data is each rank's own (see :mod:`estimatorch.estimator._sharding`).
 
         Returns:
             ``{metric name: value}`` for every val metric.
         """
-        _check_iterable(val_data, "val_data")
-        if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
-            raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
-        handlers = check_handlers(event_handlers)
-        if self._fitting:  # during fit: companions such as the progress bar's
-            for handler in self._run.dispatch.handlers:
-                companions = getattr(handler, "evaluation_handlers", None)
-                if companions is not None:
-                    handlers.extend(companions(val_data))
-        dispatch = Dispatch(order_handlers(handlers, []))
-        loss_metrics, other_metrics = split_loss_metrics(self.val_metrics)
-        for metric in self.val_metrics:
-            metric.reset()
-        net, was_training = self.val_net, self.val_net.training
-        net.eval()
-        try:
-            # A DataLoader draws its workers' base seed from the global generator: evaluation
-            # must not shift the training's random stream (dropout) by validating or not.
-            with torch.no_grad(), rng.keep_random_state():
-                dispatch.fire("epoch_begin", self)
-                seen = 0
-                for batch in val_data:
-                    batch = to_device(batch, self.device)
-                    dispatch.fire("batch_begin", self, batch=batch)
-                    _, label, pred, loss = self.batch_processor.evaluate_batch(self, batch, batch_axis)
-                    update_metrics(loss_metrics, other_metrics, pred, label, loss)
-                    dispatch.fire("batch_end", self, batch=batch, pred=pred, label=label, loss=loss)
-                    seen += 1
-                if seen == 0:
-                    raise ValueError("val_data yielded no batches")
-                dispatch.fire("epoch_end", self)
-        finally:
-            net.train(was_training)
+        handlers = check_inference_args(val_data, "val_data", batch_axis, event_handlers,
+                                        check_empty=not distributed.is_distributed())
+        evaluate_batches(self, val_data, batch_axis, handlers)
         self._eval_count += 1
         if self._fitting:
             self._run.evaluated = True
         return {metric_name(m): float(m.compute()) for m in self.val_metrics}
+
+    def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> Any:
+        """Run ``val_net`` over ``data`` as ``evaluate`` does; return its outputs in order, on the CPU.
+
+        Batches need no label (a tensor, ``(x,)``, a dict); a batch's last element (or its
+        ``"label"`` key) is dropped as a label (``BatchProcessor.predict_batch``). Tensor outputs
+        are concatenated along ``batch_axis``, tuples and dicts of them element-wise, lists
+        joined; other outputs give a list per batch (:func:`~estimatorch.estimator._predict.join_outputs`).
+        Events as in ``evaluate``, with ``label=None`` and ``loss=None``. Under
+        torch.distributed, a map-style DataLoader is shared out as in ``evaluate`` and every
+        rank (each must call it) returns all outputs in one process's order, without padding;
+        other data is this rank's own and gives this rank's outputs.
+
+        Args:
+            data: an iterable of batches (a DataLoader, a list...).
+            batch_axis: the axis outputs are joined along. Defaults to 0.
+            event_handlers: handlers of the four events. Defaults to None.
+
+        Example:
+            >>> net = nn.Linear(3, 2)
+            >>> est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> est.predict([torch.randn(4, 3), (torch.randn(2, 3), torch.randn(2, 2))]).shape
+            torch.Size([6, 2])
+        """
+        return run_prediction(self, data, batch_axis, event_handlers)
 
     # -- process-wide settings during fit ---------------------------------------------------
     @contextlib.contextmanager

@@ -13,19 +13,27 @@ __all__ = ["History"]
 
 
 class History:
-    """Per-epoch values of every metric, in the order epochs finished.
+    """Per-epoch values of every metric and of the learning rate, in the order epochs finished.
 
     ``history["train_loss"]`` is the list of values, one per recorded epoch; a metric that was
-    not computed in an epoch (validation every other epoch, say) holds ``nan`` there.
-    ``history.epochs`` holds the epoch numbers (1-based).
+    not computed in an epoch (validation every other epoch, say) holds ``nan`` there. Keys are
+    the metric names (``train_<name>``, ``val_<name>``: unique, the estimator refuses two
+    metrics of one name) and the learning rate each epoch trained with: ``lr`` for an optimizer
+    with one param group, else ``lr_group0``, ``lr_group1``... (the rate at the end of the
+    epoch's batches, before a per-epoch schedule steps: see
+    :func:`~estimatorch.event_handlers.lr_scheduler.epoch_learning_rates`). Learning rates come
+    after the metrics. ``history.epochs`` holds the epoch numbers (1-based). ``fit`` saves the
+    history with every checkpoint, so a resumed run returns the whole run's history.
 
     Example:
         >>> h = History()
-        >>> h.record(1, {"train_loss": 0.9, "val_loss": 1.0})
-        >>> h.record(2, {"train_loss": 0.5})
-        >>> h["train_loss"], h.epochs
-        ([0.9, 0.5], [1, 2])
-        >>> math.isnan(h["val_loss"][1])
+        >>> h.record(1, {"train_loss": 0.9, "lr": 0.1})
+        >>> h.record(2, {"train_loss": 0.5, "val_loss": 1.0, "lr": 0.05})
+        >>> h["train_loss"], h["lr"], h.epochs
+        ([0.9, 0.5], [0.1, 0.05], [1, 2])
+        >>> h.metrics, h.learning_rates
+        (['train_loss', 'val_loss'], ['lr'])
+        >>> math.isnan(h["val_loss"][0])
         True
     """
 
@@ -37,22 +45,35 @@ class History:
         """Append one epoch's values; metrics missing from ``values`` get ``nan``."""
         n = len(self.epochs)
         self.epochs.append(int(epoch))
+        added = False
         for name, value in values.items():
+            added = added or name not in self._values
             self._values.setdefault(name, [math.nan] * n).append(float(value))
         for name, column in self._values.items():
             if len(column) == n:
                 column.append(math.nan)
+        if added:  # learning rates stay after the metrics
+            self._values = dict(sorted(self._values.items(), key=lambda item: _is_learning_rate(item[0])))
 
     @property
     def metrics(self) -> list[str]:
-        """The recorded metric names."""
+        """The recorded metric names (the learning rates are :attr:`learning_rates`)."""
+        return [name for name in self._values if not _is_learning_rate(name)]
+
+    @property
+    def learning_rates(self) -> list[str]:
+        """The recorded learning-rate names: ``["lr"]``, or ``["lr_group0", ...]``."""
+        return [name for name in self._values if _is_learning_rate(name)]
+
+    def keys(self) -> list[str]:
+        """Every recorded name: :attr:`metrics`, then :attr:`learning_rates`."""
         return list(self._values)
 
     def __getitem__(self, name: str) -> list[float]:
         try:
             return self._values[name]
         except KeyError:
-            raise KeyError(f"no metric {name!r} in the history; it has {self.metrics}") from None
+            raise KeyError(f"no metric {name!r} in the history; it has {self.keys()}") from None
 
     def __contains__(self, name: object) -> bool:
         return name in self._values
@@ -87,8 +108,8 @@ class History:
         """Plot train vs validation curves, one panel per metric (needs matplotlib).
 
         Args:
-            metrics: base names to plot (``"loss"`` plots ``train_loss`` and ``val_loss``).
-                Defaults to every recorded metric.
+            metrics: base names to plot (``"loss"`` plots ``train_loss`` and ``val_loss``;
+                ``"lr"`` the learning rate). Defaults to every recorded metric.
             ax: a list of matplotlib axes to draw on, one per metric. Defaults to a new figure.
 
         Returns:
@@ -129,6 +150,10 @@ class History:
         check_state_keys(state, ("epochs", "values"), "History")
         self.epochs = list(state["epochs"])
         self._values = {k: list(v) for k, v in state["values"].items()}
+
+
+def _is_learning_rate(name: str) -> bool:
+    return name == "lr" or (name.startswith("lr_group") and name[len("lr_group"):].isdigit())
 
 
 def _base_names(names: list[str]) -> list[str]:

@@ -7,6 +7,7 @@ handlers by ``priority`` (lower first).
 from ._base import StatefulHandler
 from ._schedule import EventFilter
 from .checkpoint_handler import CheckpointHandler
+from .csv_logger import CSVLoggerHandler
 from .early_stopping import EarlyStoppingHandler
 from .gradient_update import GradientUpdateHandler
 from .lambda_handler import LambdaHandler
@@ -30,7 +31,7 @@ from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler
 from .validation import ValidationHandler
 from .tensorboard import TensorBoardHandler
-from .terminate_on_nan import TerminateOnNaNHandler
+from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
 from .meter import MeterHandler
 
 __all__ = [
@@ -39,6 +40,7 @@ __all__ = [
     "BackwardEnd",
     "BatchBegin",
     "BatchEnd",
+    "CSVLoggerHandler",
     "CheckpointHandler",
     "EarlyStoppingHandler",
     "EpochBegin",
@@ -51,6 +53,7 @@ __all__ = [
     "LambdaHandler",
     "LoggingHandler",
     "MetricHandler",
+    "NonFiniteError",
     "ProgressBarHandler",
     "StatefulHandler",
     "StoppingHandler",

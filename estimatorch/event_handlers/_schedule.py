@@ -17,6 +17,9 @@ __all__ = ["EventFilter"]
 class EventFilter:
     """Decide from an occurrence count whether an action fires. All given conditions must hold.
 
+    Conditions that no count can meet together (``before=3, after=5``; ``once=3, every=2``) are
+    refused with a ``ValueError``: such a filter would never fire.
+
     Args:
         every: fire on counts divisible by ``every``. Defaults to None (no condition).
         once: fire only on this count, or on each count of an iterable. Defaults to None.
@@ -53,6 +56,25 @@ class EventFilter:
             raise TypeError(f"predicate must be callable, got {predicate!r}")
         self.predicate = predicate
         self._always = every is None and once is None and before is None and after is None and predicate is None
+        if not self._can_fire():
+            given = ", ".join(f"{k}={v!r}" for k, v in (("every", every), ("once", once), ("before", before),
+                                                         ("after", after)) if v is not None)
+            raise ValueError(f"{given} can never fire: no count (1, 2, ...) is > after, < before, "
+                             "divisible by every and one of once at the same time")
+
+    def _can_fire(self) -> bool:
+        """Whether some count passes every/once/before/after (the predicate is not asked)."""
+        if self.once is not None:
+            return any(self._passes(n) for n in self.once)
+        first = (self.after or 0) + 1
+        if self.every is not None:
+            first = -(-first // self.every) * self.every  # the first multiple of every from there
+        return self.before is None or first < self.before
+
+    def _passes(self, count: int) -> bool:
+        return ((self.every is None or count % self.every == 0)
+                and (self.before is None or count < self.before)
+                and (self.after is None or count > self.after))
 
     def __call__(self, count: int) -> bool:
         if self._always:

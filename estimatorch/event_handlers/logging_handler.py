@@ -12,8 +12,10 @@ from .. import distributed
 from ..estimator._data import batch_size_of
 from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler, check_file_prefix, check_state_keys
+from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from ._schedule import EventFilter
 from ._subscribe import with_events
+from .lr_scheduler import epoch_learning_rates
 from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["LoggingHandler", "format_metrics"]
@@ -24,29 +26,43 @@ def format_metrics(values: dict[str, float]) -> str:
     return ", ".join(f"{name}: {value:.4f}" for name, value in values.items())
 
 
+def _format_rates(rates: dict[str, float]) -> str:
+    """``"lr: 0.001"``: learning rates keep their significant digits (``1e-05``, not ``0.0000``)."""
+    return ", ".join(f"{name}: {value:.4g}" for name, value in rates.items())
+
+
 class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd):
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
     Metric values are read from the device only on the lines that show them (a collective under
     ``torch.distributed``: every rank computes, rank 0 prints); val metrics are shown in the
-    epochs that validated. Runs last (priority +inf), after validation and checkpoints. What a
-    run prints::
+    epochs that validated, and the epoch line ends with the learning rate the epoch trained with
+    (``lr``, or ``lr_group<i>`` per param group: the values ``History`` records). Runs last
+    (priority +inf), after validation and checkpoints. What a run prints::
 
         Training begin: SGD (lr 0.1) on cpu, 3 epochs, seed 0, 1 process
         [Epoch 1/3][Batch 50][Samples 400] 0.120s/50 batches, train_loss: 1.0321, ...
-        [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123
+        [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123, lr: 0.1
         Train finished in 0.760s: 3 epochs, 300 batches. train_loss: 0.5012, ...
 
-    A fit ended by an error or Ctrl-C ends with ``Train interrupted after ...`` instead.
+    A fit ended by an error or Ctrl-C ends with ``Train interrupted after ...`` instead. After a
+    resume, times count this process only and the lines say how many batches ran since the
+    resume: ``100 batches (40 since resume)``.
 
     Args:
-        log_interval: ``"epoch"`` for a line per epoch, or an int for a line every that many
-            batches as well. Defaults to ``"epoch"``.
-        metrics: the metrics to show. Defaults to every train and val metric of the estimator.
+        log_interval: ``"epoch"`` for a line per epoch, or an int ``N`` for a line every ``N``
+            batches as well, at batches ``N``, ``2N``, ... of each epoch (counted from 1 in each
+            epoch; Gluon's handler counts from 0 and so also logs the first batch). Defaults to
+            ``"epoch"``.
+        metrics: the metrics to show (names are unique: the estimator refuses two metrics of
+            one name). Defaults to every train and val metric of the estimator.
         log_dir: also write the lines to ``<log_dir>/<run_name>_<MonthDay_H-M-S>.log`` (created
-            if missing). A run resumed from a checkpoint keeps writing to its first file.
-            Defaults to None (no file).
+            if missing; the path is logged at the start). A resumed run continues the file of
+            the run it resumes when that file is in this ``log_dir`` (found by its name: the
+            saved state holds the run's time stamp, never a path). Must be a directory this
+            process can write in or create: ``fit`` checks before any work. Defaults to None
+            (no file).
         run_name: the log file's prefix. Defaults to ``"train"``.
 
     Example:
@@ -55,7 +71,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     """
 
     priority = float("inf")
-    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "log_file")
+    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
 
     def __new__(cls, log_interval: Union[str, int] = "epoch", *args: Any, **kwargs: Any) -> "LoggingHandler":
         # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
@@ -67,21 +83,39 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                                         or log_interval < 1):
             raise ValueError(f"log_interval must be 'epoch' or a positive int, got {log_interval!r}")
         check_file_prefix(run_name, "run_name")
-        if log_dir is not None and (not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir)):
-            raise TypeError(f"log_dir must be a directory path or None, got {log_dir!r}")
         self.log_interval = log_interval
         self.metrics = None if metrics is None else as_metric_list(metrics, "metrics")
         self._filter = None if log_interval == "epoch" else EventFilter(every=log_interval)
-        self.log_dir = None if log_dir is None else os.fspath(log_dir)
+        self.log_dir = None if log_dir is None else path_argument(log_dir, "log_dir")
         self.run_name = run_name
         self.current_epoch = 0
-        self.batch_in_epoch = 0
-        self.samples_in_epoch = 0
+        #: the time stamp in this run's log file name (None without a file)
+        self.run_id: Optional[str] = None
+        #: this run's log file (on global rank 0, with ``log_dir``), else None
         self.log_file: Optional[str] = None
         self._file_handler: Optional[logging.FileHandler] = None
         self._logger: Optional[logging.Logger] = None
+        self._estimator: Any = None
+        self._in_fit = False
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
+        self._reset_counts()
+
+    @property
+    def batch_lines(self) -> bool:
+        """Whether lines are logged every ``log_interval`` batches (batches are counted then)."""
+        return self._filter is not None
+
+    def _reset_counts(self) -> None:
+        # batches and samples of the epoch: counted only for batch lines (None otherwise)
+        self.batch_in_epoch: Optional[int] = 0 if self.batch_lines else None
+        self.samples_in_epoch: Optional[int] = 0 if self.batch_lines else None
+        self._interval_batches = 0  # batches run in this process since the last batch line
+        self._resumed = False
+        self._continued = False  # a resume continues an earlier run's log file
+        self._resume_step: Optional[int] = None  # the step a resume continued from (known at its first boundary)
+        self._resume_epoch: Optional[int] = None  # the epoch it resumed in, when mid-epoch
+        self._resume_batch = 0
 
     # -- helpers ---------------------------------------------------------------------------
     def _shown(self, estimator: Any, with_val: bool) -> list[Any]:
@@ -98,6 +132,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         total = f"/{estimator.max_epoch}" if estimator.max_epoch else ""
         return f"[Epoch {self.current_epoch + 1}{total}]"
 
+    def _path(self, run_id: str) -> str:
+        return os.path.join(self.log_dir, f"{self.run_name}_{run_id}.log")  # type: ignore[arg-type]
+
     def _open_file(self, logger: logging.Logger, path: str, mode: str) -> None:
         handler = logging.FileHandler(path, mode=mode, encoding="utf-8")
         handler.setFormatter(logging.Formatter("%(asctime)s %(message)s"))
@@ -110,54 +147,74 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self._file_handler.close()
         self._file_handler = None
 
+    def _check_fit(self, estimator: Any, resume: bool) -> None:
+        """Before any work: the log directory can be written (on rank 0, which writes it)."""
+        if self.log_dir is not None and distributed.is_main_process():
+            check_output_dir(self.log_dir, "log_dir")
+
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_epoch = self.batch_in_epoch = self.samples_in_epoch = 0
+        self.current_epoch = 0
+        self._reset_counts()
         self._validated = False  # any validation in this fit: the final line shows val metrics
         self._train_start = time.perf_counter()
-        self._logger = estimator.logger
+        self._logger, self._estimator, self._in_fit = estimator.logger, estimator, True
         self._close_file()
-        self.log_file = None
+        self.log_file = self.run_id = None
         if self.log_dir is not None and distributed.is_main_process():
             os.makedirs(self.log_dir, exist_ok=True)
-            stamp = time.strftime("%b%d_%H-%M-%S")
-            path = os.path.join(self.log_dir, f"{self.run_name}_{stamp}.log")
-            n = 1
-            while os.path.exists(path):  # never append to another run's file
-                n += 1
-                path = os.path.join(self.log_dir, f"{self.run_name}_{stamp}_{n}.log")
-            self.log_file = path
-            self._open_file(estimator.logger, path, "w")
+            self.run_id = new_run_id(lambda run_id: os.path.exists(self._path(run_id)))  # never another run's
+            self.log_file = self._path(self.run_id)
+            self._open_file(estimator.logger, self.log_file, "w")
         optimizer = estimator.optimizer
         lrs = ", ".join(f"{g['lr']:.6g}" for g in optimizer.param_groups)
         plan = f"{estimator.max_epoch} epochs" if estimator.max_epoch else f"{estimator.max_batch} batches"
         estimator.logger.info("Training begin: %s (lr %s) on %s, %s, seed %d, %d process%s",
                               type(optimizer).__name__, lrs, estimator.device, plan, estimator.seed,
                               distributed.get_world_size(), "es" if distributed.get_world_size() > 1 else "")
+        if self.log_file is not None:
+            if estimator.resume_pending:  # it may continue the resumed run's file: say which once known
+                estimator.at_boundary(self._announce_file)
+            else:
+                estimator.logger.info("Log file: %s", self.log_file)
+
+    def _announce_file(self) -> None:
+        if self._logger is not None and self.log_file is not None:
+            self._logger.info("Log file: %s%s", "continuing " if self._continued else "", self.log_file)
 
     def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.batch_in_epoch = self.samples_in_epoch = 0
+        if self.batch_lines:
+            self.batch_in_epoch = self.samples_in_epoch = 0
+        self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
 
     def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
         """Subscribed only with an int ``log_interval``."""
+        if self.batch_in_epoch is None:  # resumed from a state that did not count them
+            self.batch_in_epoch = estimator.position.batch
         self.batch_in_epoch += 1
-        self.samples_in_epoch += batch_size_of(label, estimator.batch_axis)
-        if self._filter is None or not self._filter(self.batch_in_epoch):
+        if self.samples_in_epoch is not None:
+            self.samples_in_epoch += batch_size_of(label, estimator.batch_axis)
+        self._interval_batches += 1
+        if not self._filter(self.batch_in_epoch):  # type: ignore[misc]
             return
         now = time.perf_counter()
         values = self._values(self._shown(estimator, with_val=False))
-        estimator.logger.info("%s[Batch %d][Samples %d] %.3fs/%d batches, %s", self._epoch_label(estimator),
-                              self.batch_in_epoch, self.samples_in_epoch, now - self._interval_start,
-                              self.log_interval, format_metrics(values))
-        self._interval_start = now
+        samples = "" if self.samples_in_epoch is None else f"[Samples {self.samples_in_epoch}]"
+        estimator.logger.info("%s[Batch %d]%s %.3fs/%d batches, %s", self._epoch_label(estimator),
+                              self.batch_in_epoch, samples, now - self._interval_start,
+                              self._interval_batches, format_metrics(values))
+        self._interval_start, self._interval_batches = now, 0
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
         elapsed = time.perf_counter() - self._epoch_start
         self._validated = self._validated or estimator.validated
-        values = self._values(self._shown(estimator, with_val=estimator.validated))
-        estimator.logger.info("%s Finished in %.3fs, %d batches: %s", self._epoch_label(estimator),
-                              elapsed, estimator.position.batch, format_metrics(values))
+        values = format_metrics(self._values(self._shown(estimator, with_val=estimator.validated)))
+        rates = _format_rates(epoch_learning_rates(estimator))
+        batches = estimator.position.batch
+        ran = f" ({batches - self._resume_batch} since resume)" if self._resume_epoch == self.current_epoch else ""
+        estimator.logger.info("%s Finished in %.3fs, %d batches%s: %s", self._epoch_label(estimator),
+                              elapsed, batches, ran, ", ".join(v for v in (values, rates) if v))
         self.current_epoch += 1
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
@@ -169,25 +226,56 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                 values = "(stopped early; values not reduced across processes)"
             # the loop returns only once a stop was requested: otherwise an error or Ctrl-C ended it
             ended = "finished in" if estimator.position.stop else "interrupted after"
-            estimator.logger.info("Train %s %.3fs: %d epochs, %d batches. %s", ended, elapsed,
-                                  self.current_epoch, estimator.position.step, values)
+            steps = estimator.position.step
+            since = steps - self._resume_step if self._resume_step is not None else 0  # None: none ran
+            ran = f" ({since} since resume)" if self._resumed else ""
+            estimator.logger.info("Train %s %.3fs: %d epochs, %d batches%s. %s", ended, elapsed,
+                                  self.current_epoch, steps, ran, values)
         finally:
+            self._in_fit = False
             self._close_file()
 
     # -- state -----------------------------------------------------------------------------
+    def _mark_resume(self) -> None:
+        """At the first boundary after a resume: where it continued from (one batch ago)."""
+        position = self._estimator.position
+        self._resume_step = position.step - 1
+        if position.batch > 1:  # it resumed in the middle of this epoch
+            self._resume_epoch, self._resume_batch = self.current_epoch, position.batch - 1
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(state, self._state_attrs, self.name)
-        saved_file, current = state["log_file"], self.log_file
-        for attr in self._state_attrs:
-            if attr != "log_file":
-                setattr(self, attr, state[attr])
-        if saved_file and current and saved_file != current and os.path.exists(saved_file):
-            # A resumed run continues its first file: move this run's opening lines there.
-            logger = self._logger
-            self._close_file()
-            with open(current, encoding="utf-8") as src, open(saved_file, "a", encoding="utf-8") as dst:
-                shutil.copyfileobj(src, dst)
-            os.remove(current)
-            self.log_file = saved_file
+        """Continue the saved counts; with ``log_dir``, continue the saved run's log file if this
+        ``log_dir`` holds it (a state that names a path is not obeyed)."""
+        check_state_keys(state, ("current_epoch", "batch_in_epoch", "samples_in_epoch"), self.name)
+        self.current_epoch = int(state["current_epoch"])
+        if self.batch_lines:  # None: the saved run did not count them
+            self.batch_in_epoch = None if state["batch_in_epoch"] is None else int(state["batch_in_epoch"])
+            self.samples_in_epoch = None if state["samples_in_epoch"] is None else int(state["samples_in_epoch"])
+        self._interval_batches = 0
+        self._epoch_start = self._interval_start = time.perf_counter()
+        if self._in_fit:  # a resume: learn at its first boundary where it continued from
+            self._resumed = True
+            self._estimator.at_boundary(self._mark_resume)
+        saved_id = check_run_id(state.get("run_id"))
+        if saved_id is None and "log_file" in state:  # written by an older version: its name only
+            saved_id = legacy_run_id(state["log_file"], self.run_name, ".log")
+        self._continue_file(saved_id)
+
+    def _continue_file(self, saved_id: Optional[str]) -> None:
+        current = self.log_file
+        if saved_id is None or current is None or saved_id == self.run_id:
+            return
+        saved_file = self._path(saved_id)
+        logger = self._logger
+        if not os.path.isfile(saved_file):
             if logger is not None:
-                self._open_file(logger, saved_file, "a")
+                logger.info("No log file %s to continue in log_dir", saved_file)
+            return
+        # A resumed run continues its first file: move this run's opening lines there.
+        self._close_file()
+        with open(current, encoding="utf-8") as src, open(saved_file, "a", encoding="utf-8") as dst:
+            shutil.copyfileobj(src, dst)
+        os.remove(current)
+        self.log_file, self.run_id, self._continued = saved_file, saved_id, True
+        if logger is not None:
+            self._open_file(logger, saved_file, "a")

@@ -2,20 +2,73 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
-from ..metrics.base import is_metric
+from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler, check_state_keys
 from ._subscribe import with_events
 from .mixins import TrainBegin
 
-__all__ = ["LRSchedulerHandler"]
+__all__ = ["LRSchedulerHandler", "epoch_learning_rates", "learning_rate_names"]
 
 
 def _is_plateau(scheduler: Any) -> bool:
     from torch.optim.lr_scheduler import ReduceLROnPlateau
 
     return isinstance(scheduler, ReduceLROnPlateau)
+
+
+def learning_rate_names(groups: int) -> list[str]:
+    """The names learning rates are recorded under: ``lr`` for one param group, else ``lr_group<i>``.
+
+    Example:
+        >>> learning_rate_names(1), learning_rate_names(2)
+        (['lr'], ['lr_group0', 'lr_group1'])
+    """
+    return ["lr"] if groups == 1 else [f"lr_group{i}" for i in range(groups)]
+
+
+def _rates(optimizer: Any) -> list[float]:
+    return [float(group["lr"]) for group in optimizer.param_groups]
+
+
+def epoch_learning_rates(estimator: Any) -> dict[str, float]:
+    """The learning rate of each param group in the epoch that is ending, by
+    :func:`learning_rate_names`: the rate at the end of its batches, before any
+    :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end``. For a per-epoch schedule
+    or ``ReduceLROnPlateau`` that is the rate the epoch trained with (as Keras records
+    ``learning_rate``); a per-batch schedule shows the rate after the epoch's last step. This is
+    what ``History``, ``LoggingHandler``, ``CSVLoggerHandler`` and ``TensorBoardHandler`` show.
+    (A rate changed at ``epoch_end`` by your own handler shows as changed.)
+
+    Call it from ``epoch_end`` (or after it, before the next epoch begins).
+    """
+    epoch = estimator.position.epoch
+    for handler in estimator.handlers:
+        if isinstance(handler, LRSchedulerHandler) and handler._before_step is not None \
+                and handler._before_step[0] == epoch:
+            rates = handler._before_step[1]  # the first to step: the rates the epoch ended with
+            break
+    else:
+        rates = _rates(estimator.optimizer)
+    return dict(zip(learning_rate_names(len(rates)), rates))
+
+
+def _reset_plateau(scheduler: Any) -> None:
+    """Start ``ReduceLROnPlateau``'s watch afresh (best value, patience and cooldown counters),
+    as Keras does at every ``fit``; the learning rate itself is the optimizer's and stays."""
+    scheduler.best = scheduler.mode_worse
+    scheduler.num_bad_epochs = 0
+    scheduler.cooldown_counter = 0
+    scheduler.last_epoch = 0
+    scheduler._last_lr = _rates(scheduler.optimizer)
+
+
+def _describe_rates(before: list[float], after: list[float]) -> str:
+    if len(after) == 1:
+        return f"{before[0]:.6g} -> {after[0]:.6g}"
+    return ", ".join(f"{name} {b:.6g} -> {a:.6g}" for name, b, a in zip(learning_rate_names(len(after)), before, after)
+                     if b != a)
 
 
 class LRSchedulerHandler(StatefulHandler, TrainBegin):
@@ -26,8 +79,17 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
     (``GradientUpdateHandler(accumulation_steps=k)``) it steps once per optimizer step, not once
     per batch, so a schedule sized in optimizer steps (``OneCycleLR(total_steps=...)``) fits.
 
+    When an epoch step changes a learning rate, a line says so after the epoch's line, e.g.
+    ``[Epoch 5] Learning rate 0.1 -> 0.01 (ReduceLROnPlateau, val_loss 0.5321)``; per-batch
+    steps are not logged one by one (``History`` and the epoch line show each epoch's rate, see
+    :func:`epoch_learning_rates`).
+
     ``fit`` adds one for ``Estimator(lr_scheduler=...)``. The scheduler's state is saved: the
-    estimator's own with the checkpoint, another one in this handler's state.
+    estimator's own with the checkpoint, another one in this handler's state, and a resume
+    continues it. A new ``fit`` continues a schedule where the last one left it (like the
+    optimizer, its position is training state), but starts ``ReduceLROnPlateau``'s watch afresh:
+    its best value, patience count and cooldown are reset (as Keras' ``ReduceLROnPlateau`` does),
+    while the learning rate it reached stays the optimizer's.
 
     Args:
         scheduler: Defaults to the estimator's ``lr_scheduler``.
@@ -58,6 +120,8 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._updaters: list[Any] = []
         self.monitor = monitor
         self._scheduler: Any = scheduler
+        #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
+        self._before_step: Optional[tuple[int, list[float]]] = None
 
     @staticmethod
     def _check_monitor(scheduler: Any, monitor: Any) -> None:
@@ -77,12 +141,19 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
 
         self._scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         self._updaters = [h for h in estimator.handlers if isinstance(h, GradientUpdateHandler)]
+        self._before_step = None
+        # A resume brings the watch back (this fit's resume is known here, or it is restored
+        # after this: a CheckpointHandler later in train_begin, the handler states at the resume)
+        if _is_plateau(self._scheduler) and not estimator.resume_pending:
+            _reset_plateau(self._scheduler)
 
-    def _step(self) -> None:
+    def _step(self) -> Optional[float]:
         if self.monitor is not None:
-            self._scheduler.step(float(self.monitor.compute()))
-        else:
-            self._scheduler.step()
+            value = float(self.monitor.compute())
+            self._scheduler.step(value)
+            return value
+        self._scheduler.step()
+        return None
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         """Subscribed with ``step_on="batch"``: after each optimizer step."""
@@ -91,7 +162,20 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
         """Subscribed with ``step_on="epoch"``."""
-        self._step()
+        optimizer = getattr(self._scheduler, "optimizer", None)
+        ours = optimizer is estimator.optimizer
+        before = _rates(optimizer) if ours else []
+        epoch = estimator.position.epoch
+        if ours:
+            self._before_step = (epoch, before)
+        value = self._step()
+        after = _rates(optimizer) if ours else []
+        if before != after:  # said after the epoch's own line
+            reason = type(self._scheduler).__name__
+            if value is not None:
+                reason += f", {metric_name(self.monitor)} {value:.6g}"
+            message = f"[Epoch {epoch + 1}] Learning rate {_describe_rates(before, after)} ({reason})"
+            estimator.at_boundary(lambda: estimator.logger.info(message))
 
     def state_dict(self) -> dict[str, Any]:
         own = self.scheduler is not None

@@ -17,7 +17,10 @@ class MetricHandler(StatefulHandler, EpochBegin):
 
     Loss metrics are updated with the batch loss, the others with ``(pred, label)``; the values
     stay on the device (no host sync per step). Runs at priority -1000, before handlers that
-    read the metrics. The metrics' accumulators are saved with the estimator's metrics.
+    read the metrics. The metrics' accumulators are saved with the estimator's metrics, by
+    name: metric names must be unique (the estimator refuses two metrics of one name; names get
+    a ``train_`` / ``val_`` prefix), and they are the keys of ``History``, the log lines and the
+    CSV and TensorBoard columns.
 
     Args:
         metrics: the metric objects to update, normally ``est.train_metrics``.

@@ -11,8 +11,10 @@ from ..estimator._data import batch_size_of
 from ..metrics.base import metric_name
 from ._base import StatefulHandler, check_file_prefix, check_positive_int, check_state_keys
 from ._event_files import carry_over_events, event_files
+from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from ._schedule import EventFilter
 from ._subscribe import with_events
+from .lr_scheduler import epoch_learning_rates, learning_rate_names
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["TensorBoardHandler"]
@@ -21,18 +23,13 @@ __all__ = ["TensorBoardHandler"]
 EPOCH_PREFIX = "epoch/"
 
 
-def _fresh_run_dir(log_dir: str, run_name: str) -> str:
-    """Create and return ``<log_dir>/<run_name>_<MonthDay_H-M-S>`` (``_2``... if taken)."""
-    stamp = time.strftime("%b%d_%H-%M-%S")
-    base = os.path.join(log_dir, f"{run_name}_{stamp}")
-    path, n = base, 1
-    while True:
-        try:
-            os.makedirs(path)
-            return path
-        except FileExistsError:
-            n += 1
-            path = f"{base}_{n}"
+def _claim(path: str) -> bool:
+    """Create the directory ``path``; False when it exists already (another run's)."""
+    try:
+        os.makedirs(path)
+        return False
+    except FileExistsError:
+        return True
 
 
 class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
@@ -43,28 +40,33 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     - ``epoch/<metric>`` (``epoch/train_loss``, ``epoch/val_accuracy``...): every train metric,
       and every val metric in epochs that validated, at step = epoch number (1, 2, ...): the
       values ``fit``'s :class:`~estimatorch.History` records.
-    - ``epoch/lr_group<i>``: each param group's learning rate at the epoch's end;
-      ``epoch/samples_per_sec``: the epoch's throughput over all processes.
+    - ``epoch/lr`` (``epoch/lr_group<i>`` per param group with several): the learning rate the
+      epoch trained with, as ``History`` records it; ``epoch/samples_per_sec``: the epoch's
+      throughput over all processes (counting only this process's batches after a resume).
     - with ``log_interval=N``, every N batches: ``batch/<train metric>`` (the running value in
-      the epoch), ``batch/lr_group<i>``, ``batch/samples_per_sec``, at step = global batch count
-      (1, 2, ... over the run).
+      the epoch), ``batch/lr`` (or ``batch/lr_group<i>``), ``batch/samples_per_sec``, at step =
+      global batch count (1, 2, ... over the run).
     - with ``histogram_period=N``, every N batches: ``weights/<parameter>`` (after the optimizer
       step) and ``gradients/<parameter>`` (after backward), at step = global batch count.
 
-    Events go to ``<log_dir>/<run_name>_<MonthDay_H-M-S>/`` (the directory is part of the state).
-    A resumed run appends to that same directory and first deletes the events written past the
-    resume point (epoch tags past its epoch, the others past its batch), so curves never fork.
+    Events go to ``<log_dir>/<run_name>_<MonthDay_H-M-S>/``, created at the first step's end and
+    logged then, with the command that shows it. The state holds the run's time stamp, never a
+    path: a resumed run continues ``<log_dir>/<run_name>_<stamp>/`` of its own arguments (a new
+    directory of that name if it is not there), and first deletes the events written there past
+    the resume point (epoch tags past its epoch, the others past its batch), so curves never
+    fork.
 
     Only global rank 0 writes: the other ranks hold a writer that does nothing
     (:func:`estimatorch.distributed.rank_zero_writer`) but still take part in the metrics'
     reductions. Values cross to the host only when they are written. Runs at priority -500:
     after the optimizer step, the metric updates and validation, before handlers at 0 (an LR
     scheduler), so the learning rate written is the one the batch or epoch used. The event file
-    is opened at the first write. Pass it to :class:`MeterHandler` as ``writer=`` to put
-    statistics in the same run.
+    is opened at the first step's end (or at the first write before it). Pass it to
+    :class:`MeterHandler` as ``writer=`` to put statistics in the same run.
 
     Args:
-        log_dir: the directory that holds the runs (created if missing).
+        log_dir: the directory that holds the runs (created if missing). Must be a directory
+            this process can write in or create: ``fit`` checks before any work.
         run_name: the run directory's prefix. Defaults to ``"train"``.
         log_interval: also write batch-level scalars every this many batches. Defaults to None
             (epoch-level only).
@@ -80,7 +82,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     """
 
     priority = -500
-    _state_attrs = ("run_dir", "current_epoch", "total_batches")
+    _state_attrs = ("current_epoch", "total_batches", "run_id")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "TensorBoardHandler":
         if kwargs.get("histogram_period") is not None:  # gradients are read at backward_end
@@ -90,20 +92,22 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     def __init__(self, log_dir: Union[str, os.PathLike], *, run_name: str = "train",
                  log_interval: Optional[int] = None, histogram_period: Optional[int] = None,
                  flush_secs: int = 120):
-        if not isinstance(log_dir, (str, os.PathLike)) or not os.fspath(log_dir):
-            raise TypeError(f"log_dir must be a directory path, got {log_dir!r}")
+        self.log_dir = path_argument(log_dir, "log_dir")
         check_file_prefix(run_name, "run_name")
-        self.log_dir = os.fspath(log_dir)
         self.run_name = run_name
         self.log_interval = check_positive_int(log_interval, "log_interval", allow_none=True)
         self.histogram_period = check_positive_int(histogram_period, "histogram_period", allow_none=True)
         self.flush_secs = check_positive_int(flush_secs, "flush_secs")
         self._batch_filter = EventFilter(every=log_interval) if log_interval else None
         self._histogram_filter = EventFilter(every=histogram_period) if histogram_period else None
+        #: the time stamp in this run's directory name, once chosen (on rank 0)
+        self.run_id: Optional[str] = None
+        #: ``<log_dir>/<run_name>_<run_id>``, once chosen (on rank 0)
         self.run_dir: Optional[str] = None
         self.current_epoch = 0
         self.total_batches = 0
         self._writer: Any = None
+        self._logger: Any = None
         self._resume_at: Optional[tuple[int, int]] = None
         self._reset_counters()
 
@@ -116,11 +120,19 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             self._writer = distributed.rank_zero_writer(self._open)
         return self._writer
 
+    def _path(self, run_id: str) -> str:
+        return os.path.join(self.log_dir, f"{self.run_name}_{run_id}")
+
     def _open(self) -> Any:
         from torch.utils.tensorboard import SummaryWriter
 
-        if self.run_dir is None:
-            self.run_dir = _fresh_run_dir(self.log_dir, self.run_name)
+        if self.run_id is None:
+            self.run_id = new_run_id(lambda run_id: _claim(self._path(run_id)))
+            continuing = False
+        else:  # a resumed run: its directory, found by name under this log_dir
+            continuing = os.path.isdir(self._path(self.run_id))
+            os.makedirs(self._path(self.run_id), exist_ok=True)
+        self.run_dir = self._path(self.run_id)
         stale = event_files(self.run_dir) if self._resume_at is not None else []
         writer = SummaryWriter(self.run_dir, flush_secs=self.flush_secs)
         if stale:
@@ -128,6 +140,9 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             carry_over_events(stale, lambda tag, step: step <= (epoch if tag.startswith(EPOCH_PREFIX) else batch),
                               writer.file_writer)
         self._resume_at = None
+        if self._logger is not None:
+            self._logger.info("TensorBoard: %s %s (view with: tensorboard --logdir %s)",
+                              "continuing" if continuing else "writing to", self.run_dir, self.log_dir)
         return writer
 
     def _close(self) -> None:
@@ -141,12 +156,23 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._epoch_start = self._interval_start = now
         self._epoch_samples = self._interval_samples = 0
 
+    def _check_fit(self, estimator: Any, resume: bool) -> None:
+        """Before any work: the log directory can be written (on rank 0, which writes it)."""
+        if distributed.is_main_process():
+            check_output_dir(self.log_dir, "log_dir")
+
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self._close()
-        self.run_dir = None
+        self.run_dir = self.run_id = None
         self.current_epoch = self.total_batches = 0
         self._resume_at = None
+        self._logger = estimator.logger
         self._reset_counters()
+        # the run's directory is known once a resume (if any) is in: open and name it then
+        estimator.at_boundary(self._open_writer)
+
+    def _open_writer(self) -> None:
+        self.writer  # noqa: B018 (opens it)
 
     def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
         self._reset_counters()
@@ -159,8 +185,13 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         return samples / elapsed if elapsed > 0 else float("nan")
 
     def _write_lrs(self, estimator: Any, prefix: str, step: int) -> None:
-        for i, group in enumerate(estimator.optimizer.param_groups):
-            self.writer.add_scalar(f"{prefix}lr_group{i}", float(group["lr"]), step)
+        if prefix == EPOCH_PREFIX:
+            rates = epoch_learning_rates(estimator)
+        else:
+            groups = estimator.optimizer.param_groups
+            rates = dict(zip(learning_rate_names(len(groups)), (float(g["lr"]) for g in groups)))
+        for name, rate in rates.items():
+            self.writer.add_scalar(f"{prefix}{name}", rate, step)
 
     def backward_end(self, estimator: Any, **kwargs: Any) -> None:
         """Gradient histograms (subscribed only with ``histogram_period``)."""
@@ -207,11 +238,14 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
 
     # -- state -----------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Continue the saved run: same directory, events past the saved point deleted at the
-        next write."""
-        check_state_keys(state, self._state_attrs, self.name)
+        """Continue the saved run: its directory under this handler's ``log_dir`` (a state that
+        names a path is not obeyed), events past the saved point deleted when it is opened."""
+        check_state_keys(state, ("current_epoch", "total_batches"), self.name)
         self._close()
-        self.run_dir = state["run_dir"]
+        run_id = check_run_id(state.get("run_id"))
+        if run_id is None and "run_dir" in state:  # written by an older version: its name only
+            run_id = legacy_run_id(state["run_dir"], self.run_name)
+        self.run_id, self.run_dir = run_id, None
         self.current_epoch = int(state["current_epoch"])
         self.total_batches = int(state["total_batches"])
         self._resume_at = (self.current_epoch, self.total_batches)

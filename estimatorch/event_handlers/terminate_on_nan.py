@@ -13,27 +13,54 @@ from ._base import StatefulHandler, check_positive_int, check_state_keys
 from ._schedule import EventFilter
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
 
-__all__ = ["TerminateOnNaNHandler"]
+__all__ = ["NonFiniteError", "TerminateOnNaNHandler"]
+
+
+class NonFiniteError(RuntimeError):
+    """Raised by ``TerminateOnNaNHandler(raise_error=True)``: the loss or a monitored metric is
+    nan or infinite.
+
+    Attributes:
+        reason: which value (``"loss"`` or the metric's name).
+        batch: the batch (counted over the run, from 1) with the first non-finite value found.
+    """
+
+    def __init__(self, message: str, reason: str, batch: int):
+        super().__init__(message)
+        self.reason = reason
+        self.batch = batch
 
 
 class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, EpochEnd):
-    """Stop training when the loss, or a monitored metric, is nan or infinite.
+    """Stop training, or raise, when the loss or a monitored metric is nan or infinite.
 
     Every batch folds ``isfinite(loss)`` into a tally that stays on the loss's device (tensor
-    ops, no host sync); the tally is read on the host every ``check_every`` batches and at every
-    epoch's end, and tells which batch was the first with a non-finite loss. Monitored metrics
-    are computed at the same checks (val metrics at the end of epochs that validated). On a
-    non-finite value the handler logs which value and the batch, and stops training (after that
-    batch, or that epoch when found at its end).
+    ops, no host sync); the tally is read on the host every ``check_every`` batches, at every
+    epoch's end, and at every boundary where work waits to run (a ``CheckpointHandler`` save:
+    see :attr:`Estimator.boundary_actions_pending`), and tells which batch was the first with a
+    non-finite loss. Monitored metrics are computed at the same checks (val metrics at the end
+    of epochs that validated). On a non-finite value the handler logs which value and the batch,
+    then stops training (after that batch, or that epoch when found at its end), or with
+    ``raise_error=True`` raises :class:`NonFiniteError` there.
+
+    Checkpoints: the handler runs at priority 1000, after the handlers that ask for a save at a
+    boundary (``CheckpointHandler`` at 0), and checks whenever a save is pending. With
+    ``raise_error=True`` no checkpoint of a non-finite state is written: the error leaves the
+    loop before the save, the ``train_end`` handlers run, and the newest checkpoint is the last
+    good one. Stopping instead (the default) lets the stop boundary's save run, so at most that
+    one checkpoint holds the non-finite state.
 
     Under ``torch.distributed`` every rank checks at the same batches and a non-finite loss on
-    any rank stops every rank; only rank 0 logs.
+    any rank stops every rank; only rank 0 logs. (Every rank must then register the same
+    boundary work, as ``CheckpointHandler`` does.)
 
     Args:
         check_every: read the tally every this many batches; 1 checks every batch at the cost
             of one host-device sync per step. Defaults to 100.
         monitor: a metric the estimator owns, or a list of them (e.g. ``est.val_metrics[0]``).
             Defaults to None (the loss only).
+        raise_error: raise :class:`NonFiniteError` instead of stopping, so that a pipeline
+            fails loudly (Keras' ``TerminateOnNaN(raise_error=True)``). Defaults to False.
 
     Attributes:
         stopped_batch: the batch (counted over the run, from 1) with the first non-finite value
@@ -53,11 +80,15 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         (2, 'loss')
     """
 
+    priority = 1000
     _state_attrs = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
 
-    def __init__(self, check_every: int = 100, monitor: Any = None):
+    def __init__(self, check_every: int = 100, monitor: Any = None, *, raise_error: bool = False):
         self.check_every = check_positive_int(check_every, "check_every")
         self.monitor = as_metric_list(monitor, "monitor")
+        if not isinstance(raise_error, bool):
+            raise TypeError(f"raise_error must be a bool, got {raise_error!r}")
+        self.raise_error = raise_error
         self._filter = EventFilter(every=check_every)
         self._val_ids: set[int] = set()
         self._reset()
@@ -88,7 +119,10 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
             finite = torch.isfinite(loss.detach())
             self.finite.logical_and_(finite.all() if finite.dim() else finite)
             self.good.add_(self.finite)
-        if self.reason is not None or not self._filter(self.total_batches):
+        if self.reason is not None:
+            return False
+        # a save waiting for this boundary must not write a non-finite state: check first
+        if not self._filter(self.total_batches) and not getattr(estimator, "boundary_actions_pending", False):
             return False
         return self._check(estimator, at_epoch_end=False)
 
@@ -127,8 +161,10 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         self.reason, self.stopped_batch = what, batch
         shown = "the loss is not finite (nan or inf)" if what == "loss" else f"{what} is {value}"
         found = "" if batch == self.total_batches else f", found at the check after batch {self.total_batches}"
-        estimator.logger.error("Terminating: %s at batch %d (batch %d of the epoch)%s",
-                               shown, batch, batch_in_epoch, found)
+        message = f"{shown} at batch {batch} (batch {batch_in_epoch} of the epoch){found}"
+        estimator.logger.error("Terminating: %s", message)
+        if self.raise_error:
+            raise NonFiniteError(f"Training stopped: {message}", what, batch)
         return True
 
     # -- state -----------------------------------------------------------------------------

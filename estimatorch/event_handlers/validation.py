@@ -2,10 +2,10 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
-from ._base import StatefulHandler, check_positive_int
+from ._base import StatefulHandler, check_positive_int, check_state_keys
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events
 from .mixins import TrainBegin
@@ -17,10 +17,13 @@ class ValidationHandler(StatefulHandler, TrainBegin):
     """Call ``eval_fn(val_data, batch_axis=..., event_handlers=...)`` on a schedule.
 
     Runs at priority -1000: after the optimizer step and metric updates, before checkpoints and
-    early stopping, which then see fresh validation values.
+    early stopping, which then see fresh validation values. It subscribes only to the events
+    of the periods set, so with ``epoch_period`` alone a step calls nothing; the counts it keeps
+    for its periods (epochs, and batches over the run) are its state, restored on resume (None
+    for a period not set). ``est.position`` tells where training stands.
 
     Args:
-        val_data: the validation batches.
+        val_data: the validation batches: a re-iterable (a ``DataLoader``, a list), not empty.
         eval_fn: normally ``est.evaluate``.
         epoch_period: evaluate every this many epochs; None for never. Defaults to 1.
         batch_period: evaluate every this many batches (counted over the run). Defaults to None.
@@ -38,7 +41,6 @@ class ValidationHandler(StatefulHandler, TrainBegin):
     """
 
     priority = -1000
-    _state_attrs = ("current_epoch", "current_batch")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "ValidationHandler":
         return super().__new__(with_events(cls, periodic_events(cls, args, kwargs)))  # only the periods set
@@ -49,6 +51,11 @@ class ValidationHandler(StatefulHandler, TrainBegin):
 
         if not isinstance(val_data, Iterable) or isinstance(val_data, (str, bytes)):
             raise TypeError(f"val_data must be an iterable of batches, got {type(val_data).__name__}")
+        if isinstance(val_data, Iterator):
+            raise TypeError(f"val_data is an iterator ({type(val_data).__name__}), which can be read only once; "
+                            "pass a list or a DataLoader")
+        if _length(val_data) == 0:
+            raise ValueError(f"val_data is empty: a {type(val_data).__name__} of length 0")
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable (e.g. est.evaluate), got {eval_fn!r}")
         self.val_data = val_data
@@ -60,22 +67,55 @@ class ValidationHandler(StatefulHandler, TrainBegin):
         self.event_handlers = check_handlers(event_handlers, "event_handlers")
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
-        self.current_epoch = 0
-        self.current_batch = 0
+        self._reset()
+
+    def _reset(self) -> None:
+        # counted only for a period that is set: the events of the others are not subscribed
+        self._epochs: Optional[int] = 0 if self._epoch_filter is not None else None
+        self._batches: Optional[int] = 0 if self._batch_filter is not None else None
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_epoch = 0
-        self.current_batch = 0
+        self._reset()
 
     def _evaluate(self, estimator: Any) -> None:
         self.eval_fn(self.val_data, batch_axis=estimator.batch_axis, event_handlers=self.event_handlers)
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_batch += 1
-        if self._batch_filter is not None and self._batch_filter(self.current_batch):
+        if self._batch_filter is None:
+            return
+        if self._batches is None:  # resumed from a state that did not count them
+            self._batches = estimator.position.step
+        self._batches += 1
+        if self._batch_filter(self._batches):
             self._evaluate(estimator)
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_epoch += 1
-        if self._epoch_filter is not None and self._epoch_filter(self.current_epoch):
+        if self._epoch_filter is None:
+            return
+        if self._epochs is None:  # resumed from a state that did not count them
+            self._epochs = estimator.position.epoch
+        self._epochs += 1
+        if self._epoch_filter(self._epochs):
             self._evaluate(estimator)
+
+    # -- state -----------------------------------------------------------------------------
+    def state_dict(self) -> dict[str, Any]:
+        """``{"current_epoch": epochs, "current_batch": batches}`` counted for the periods (None
+        for a period not set)."""
+        return {"current_epoch": self._epochs, "current_batch": self._batches}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, ("current_epoch", "current_batch"), self.name)
+        for key, attr, counted in (("current_epoch", "_epochs", self._epoch_filter is not None),
+                                   ("current_batch", "_batches", self._batch_filter is not None)):
+            value = state[key]
+            if value is not None:
+                value = check_positive_int(value, f"state of {self.name}: {key}", minimum=0)
+            setattr(self, attr, value if counted else None)
+
+
+def _length(data: Any) -> Optional[int]:
+    try:
+        return len(data)
+    except TypeError:  # no length (e.g. a DataLoader over an IterableDataset)
+        return None

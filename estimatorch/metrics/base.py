@@ -18,12 +18,26 @@ class Metric:
     Subclasses declare their accumulators with :meth:`add_state` and implement :meth:`update`
     and :meth:`_value`. Tensor accumulators live on the metric's device: ``update`` never moves a
     value to the host. :meth:`compute` is the only place where a value crosses to the host; under
-    ``torch.distributed`` it sums the accumulators over every rank first (so every rank must call
-    it, as with any collective).
+    ``torch.distributed`` it first reduces every accumulator over the ranks (so every rank must
+    call it, as with any collective), each by the ``reduce`` it was declared with:
+
+    - ``"sum"`` (the default): counts and totals;
+    - ``"mean"``: the average of the ranks' values;
+    - ``"min"`` / ``"max"``: a smallest or largest value seen (declare it with the identity as
+      default, ``+inf`` / ``-inf``, so a rank that saw nothing does not count);
+    - ``"cat"``: a list of tensors that ``update`` appends to (default ``[]``), or a tensor;
+      :meth:`_value` receives the concatenation along dim 0 of every rank's items, rank 0's
+      first (``torch.zeros(0)`` when there are none anywhere).
+
+    :meth:`_value` receives the reduced states the same way in one process, so a metric gives
+    the value over all ranks' samples. The reduction costs one collective for sums and means,
+    one for maxima and minima, and one host gather for ``cat`` states, each only if used.
 
     Batched updates: a subclass may hand an update to :meth:`_defer` instead of applying it; up
     to ``max_pending`` updates (holding at most ``max_pending_bytes`` of tensors) are then folded
-    into the accumulators in one vectorised pass by its :meth:`_fold`, which saves a training
+    into the accumulators in one vectorised pass by its :meth:`_fold` (whose results are combined
+    with each state by its ``reduce``: added for sums and means, the larger or smaller kept for
+    maxima and minima, appended for ``cat``), which saves a training
     step several small device operations. ``compute`` folds pending updates into a copy, and
     folds are committed only every ``max_pending`` updates, so results do not depend on when a
     value was read; pending updates are part of :meth:`state_dict`, so a resumed run folds
@@ -42,6 +56,23 @@ class Metric:
         >>> acc.update(torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))
         >>> acc.compute()
         0.5
+
+        A custom metric whose state is a maximum (summed, it would be wrong across ranks):
+
+        >>> class MaxError(Metric):
+        ...     higher_is_better = False
+        ...     def __init__(self):
+        ...         super().__init__("max_error")
+        ...         self.add_state("worst", torch.tensor(float("-inf")), reduce="max")
+        ...     def update(self, preds, target):
+        ...         self.worst = torch.maximum(self.worst, (preds - target).abs().max())
+        ...     def _value(self, states):
+        ...         return states["worst"]
+        >>> m = MaxError()
+        >>> m.update(torch.tensor([1.0, 5.0]), torch.tensor([0.0, 0.0]))
+        >>> m.update(torch.tensor([3.0]), torch.tensor([0.0]))
+        >>> m.compute()
+        5.0
     """
 
     default_name = "metric"
@@ -60,22 +91,49 @@ class Metric:
         self.name = name or self.default_name
         self.device = torch.device(device) if device is not None else torch.device("cpu")
         self._defaults: dict[str, Any] = {}
+        self._reductions: dict[str, str] = {}
         self._pending: list[Any] = []
         self._pending_bytes = 0
 
     # -- declaration -----------------------------------------------------------------------
-    def add_state(self, attr: str, default: Union[torch.Tensor, int, float]) -> None:
-        """Declare an accumulator: a tensor (kept on ``self.device``) or a python number.
+    def add_state(self, attr: str, default: Union[torch.Tensor, int, float, list], reduce: str = "sum") -> None:
+        """Declare an accumulator: a tensor (kept on ``self.device``), a python number, or a list
+        of tensors.
 
         Python numbers suit counts known on the host (batch sizes); tensors suit values computed
-        on the device. Both are summed across ranks by :meth:`compute`.
+        on the device; a list (``reduce="cat"``) collects per-update tensors. :meth:`reset`
+        returns the state to a copy of ``default``.
+
+        Args:
+            attr: the attribute that holds the state (not ``"pending"``, which ``state_dict``
+                uses).
+            default: the state's value after :meth:`reset`.
+            reduce: how :meth:`compute` combines this state over the ranks: ``"sum"``,
+                ``"mean"``, ``"min"``, ``"max"`` or ``"cat"`` (see the class notes).
+                Defaults to ``"sum"``.
         """
+        if not isinstance(attr, str) or not attr.isidentifier() or attr == "pending":
+            raise ValueError(f"attr must be an identifier other than 'pending', got {attr!r}")
+        if reduce not in distributed.REDUCTIONS:
+            raise ValueError(f"reduce must be one of {list(distributed.REDUCTIONS)}, got {reduce!r}")
+        if isinstance(default, list):
+            if reduce != "cat":
+                raise ValueError(f"a list state ({attr!r}) must use reduce='cat', got reduce={reduce!r}")
+            if not all(isinstance(t, torch.Tensor) for t in default):
+                raise TypeError(f"the default of {attr!r} must be a list of tensors, got {default!r}")
+        elif reduce == "cat" and not isinstance(default, torch.Tensor):
+            raise TypeError(f"a 'cat' state ({attr!r}) needs a list or a tensor default, got {default!r}")
+        elif isinstance(default, bool) or not isinstance(default, (torch.Tensor, int, float)):
+            raise TypeError(f"the default of {attr!r} must be a tensor, an int or a float, got {default!r}")
         self._defaults[attr] = default
+        self._reductions[attr] = reduce
         setattr(self, attr, self._fresh(default))
 
     def _fresh(self, default: Any) -> Any:
         if isinstance(default, torch.Tensor):
             return default.detach().clone().to(self.device)
+        if isinstance(default, list):
+            return [t.detach().clone().to(self.device) for t in default]
         return default
 
     # -- the metric protocol ---------------------------------------------------------------
@@ -102,14 +160,18 @@ class Metric:
         if self._pending:
             items, self._pending, self._pending_bytes = self._pending, [], 0
             for attr, increment in self._fold(items).items():
-                getattr(self, attr).add_(increment)
+                state = getattr(self, attr)
+                if self._reductions[attr] in ("sum", "mean") and isinstance(state, torch.Tensor):
+                    state.add_(increment)
+                else:
+                    setattr(self, attr, _combine(self._reductions[attr], state, increment))
 
     def _states(self) -> dict[str, Any]:
         """The accumulators with the pending updates folded in (into copies)."""
         states = {attr: getattr(self, attr) for attr in self._defaults}
         if self._pending:
             for attr, increment in self._fold(self._pending).items():
-                states[attr] = states[attr] + increment
+                states[attr] = _combine(self._reductions[attr], states[attr], increment)
         return states
 
     def reset(self) -> None:
@@ -122,12 +184,16 @@ class Metric:
         """Return the metric's value as a python float (``nan`` before any update).
 
         Args:
-            sync: sum the accumulators over every rank first. Every rank must then call it.
-                Defaults to True; pass False for a rank-local value (e.g. a progress bar).
+            sync: reduce the accumulators over every rank first (each by its ``reduce``). Every
+                rank must then call it. Defaults to True; pass False for a rank-local value
+                (e.g. a progress bar).
         """
         states = self._states()
         if sync and distributed.get_world_size() > 1:
-            states = distributed.all_reduce_sum(states, self.device)
+            states = distributed.all_reduce_states(states, self._reductions, self.device)
+        else:  # this rank alone: ``cat`` states concatenated as a reduction would
+            states = {k: _concatenated(v, self.device) if self._reductions[k] == "cat" else v
+                      for k, v in states.items()}
         value = self._value(states)
         return float(value) if isinstance(value, torch.Tensor) else float(value)
 
@@ -138,6 +204,8 @@ class Metric:
             value = getattr(self, attr)
             if isinstance(value, torch.Tensor):
                 setattr(self, attr, value.to(self.device))
+            elif isinstance(value, list):
+                setattr(self, attr, [t.to(self.device) for t in value])
         self._pending = _map_tensors(self._pending, lambda t: t.to(self.device))
         return self
 
@@ -145,10 +213,7 @@ class Metric:
         """The accumulators and pending updates (tensors cloned: later updates do not change it)."""
         if self._fold_order_free:
             self._commit_pending()
-        state = {
-            attr: (value.detach().clone() if isinstance(value, torch.Tensor) else value)
-            for attr, value in ((a, getattr(self, a)) for a in self._defaults)
-        }
+        state = {attr: _copy_state(getattr(self, attr)) for attr in self._defaults}
         state["pending"] = _map_tensors(self._pending, lambda t: t.detach().clone())
         return state
 
@@ -162,7 +227,12 @@ class Metric:
             if attr not in state:
                 raise ValueError(f"state of metric {self.name!r} is missing the key {attr!r}")
             value = state[attr]
-            if isinstance(default, torch.Tensor):
+            if isinstance(default, list):
+                if not isinstance(value, (list, tuple)):
+                    raise ValueError(f"state of metric {self.name!r}: {attr!r} must be a list of tensors, "
+                                     f"got {type(value).__name__}")
+                value = [torch.as_tensor(t).to(self.device).clone() for t in value]
+            elif isinstance(default, torch.Tensor):
                 value = torch.as_tensor(value).to(device=self.device, dtype=default.dtype).clone()
             setattr(self, attr, value)
         pending = _map_tensors(list(state.get("pending", [])), lambda t: t.to(self.device).clone())
@@ -172,6 +242,37 @@ class Metric:
 
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _combine(reduce: str, state: Any, increment: Any) -> Any:
+    """A state with a folded increment, by the state's reduction (a new object)."""
+    if reduce in ("sum", "mean"):
+        return state + increment
+    if reduce in ("max", "min"):
+        if not isinstance(state, torch.Tensor) and not isinstance(increment, torch.Tensor):
+            return max(state, increment) if reduce == "max" else min(state, increment)
+        pick = torch.maximum if reduce == "max" else torch.minimum
+        ref = increment if isinstance(increment, torch.Tensor) else state
+        return pick(torch.as_tensor(state, device=ref.device), torch.as_tensor(increment, device=ref.device))
+    if isinstance(state, list):
+        return state + (list(increment) if isinstance(increment, (list, tuple)) else [increment])
+    return torch.cat([state, increment])
+
+
+def _concatenated(value: Any, device: torch.device) -> torch.Tensor:
+    """A ``cat`` state as one tensor, as :func:`distributed.all_reduce_states` gives it."""
+    if isinstance(value, torch.Tensor):
+        return value
+    items = [t.reshape(1) if t.dim() == 0 else t for t in value]
+    return torch.cat(items) if items else torch.zeros(0, device=device)
+
+
+def _copy_state(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    if isinstance(value, list):
+        return [t.detach().clone() for t in value]
+    return value
 
 
 def _map_tensors(items: list[Any], fn: Any) -> list[Any]:

@@ -393,7 +393,16 @@ class SkipSampler(_Wrapper):
 
     def __init__(self, sampler: Iterable[Any], skip: int = 0):
         super().__init__(sampler)
-        self.skip = check_positive_int(skip, "skip", minimum=0)
+        self.skip = skip
+
+    @property
+    def skip(self) -> int:
+        """What the next iteration skips; assigning it is checked like the argument."""
+        return self._skip
+
+    @skip.setter
+    def skip(self, skip: int) -> None:
+        self._skip = check_positive_int(skip, "skip", minimum=0)
 
     def set_epoch(self, epoch: int) -> None:
         """Pass ``epoch`` on to the wrapped sampler (when it has ``set_epoch``)."""
@@ -405,14 +414,14 @@ class SkipSampler(_Wrapper):
     def __iter__(self) -> Iterator[Any]:
         # A generator: the skip is spent when iteration begins, not when iter() is called, so an
         # iterator created and dropped unused (DataLoader does so with workers) does not spend it.
-        start, self.skip = self.skip, 0
+        start, self._skip = self._skip, 0
         yield from _iter_from(self._inner, start)
 
     def _own_state(self) -> dict[str, Any]:
         return {"skip": self.skip}
 
     def _load_own(self, state: dict[str, Any]) -> None:
-        self.skip = check_positive_int(state["skip"], "skip", minimum=0)
+        self.skip = state["skip"]
 
 
 class SkipBatchSampler(SkipSampler):

@@ -17,6 +17,9 @@ Example:
     True
     >>> list(s) == full              # the start was used once: Helios's trap avoided
     True
+    >>> s.start_iter = 4             # the Helios way: the same as set_start_iter(4)
+    >>> list(s) == full[8:]
+    True
 """
 
 from __future__ import annotations
@@ -56,8 +59,9 @@ class ResumableSampler(Sampler[int]):
     """Base class: settable epoch and starting batch, and a ``state_dict``.
 
     Subclasses implement :meth:`epoch_indices`, the full order of an epoch for this rank, as a
-    pure function of the epoch. :meth:`set_start_iter` skips whole batches (``batch_size``
-    samples each) in the next iteration only; later iterations start at 0 again.
+    pure function of the epoch. :meth:`set_start_iter` (or assigning :attr:`start_iter`) skips
+    whole batches (``batch_size`` samples each) in the next iteration only; later iterations
+    start at 0 again.
 
     Args:
         batch_size: samples per batch, so that a start counted in batches skips the right number
@@ -67,7 +71,6 @@ class ResumableSampler(Sampler[int]):
     def __init__(self, batch_size: int = 1):
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.epoch = 0
-        self.start_iter = 0
         self._start_index = 0
 
     # -- positioning -----------------------------------------------------------------------
@@ -75,15 +78,26 @@ class ResumableSampler(Sampler[int]):
         """Select the epoch whose order the next iteration yields."""
         self.epoch = check_positive_int(epoch, "epoch", minimum=0)
 
+    @property
+    def start_iter(self) -> int:
+        """Whole batches the next iteration skips (0 once an iteration has started).
+
+        Assigning it positions the sampler exactly like :meth:`set_start_iter` (Helios users
+        resume with ``sampler.start_iter = k``).
+        """
+        return self._start_index // self.batch_size
+
+    @start_iter.setter
+    def start_iter(self, start_iter: int) -> None:
+        self.set_start_iter(start_iter)
+
     def set_start_iter(self, start_iter: int) -> None:
         """Skip ``start_iter`` batches in the next iteration (and only that one)."""
-        self.start_iter = check_positive_int(start_iter, "start_iter", minimum=0)
-        self._start_index = start_iter * self.batch_size
+        self._start_index = check_positive_int(start_iter, "start_iter", minimum=0) * self.batch_size
 
     def set_start_index(self, start_index: int) -> None:
         """Skip ``start_index`` samples in the next iteration (and only that one)."""
         self._start_index = check_positive_int(start_index, "start_index", minimum=0)
-        self.start_iter = start_index // self.batch_size
 
     # -- order -----------------------------------------------------------------------------
     @property
@@ -98,7 +112,7 @@ class ResumableSampler(Sampler[int]):
     def __iter__(self) -> Iterator[int]:
         # A generator: the start is taken when iteration begins, not when iter() is called, so an
         # iterator created and dropped unused (DataLoader does so with workers) does not spend it.
-        start, self._start_index, self.start_iter = self._start_index, 0, 0
+        start, self._start_index = self._start_index, 0
         if start < self.num_samples:
             yield from _iterate(self.epoch_indices(self.epoch)[start:])
 
@@ -209,8 +223,13 @@ class ResumableDistributedSampler(ResumableSampler):
     def num_samples(self) -> int:
         return self._per_rank
 
+    def epoch_order(self, epoch: int) -> torch.Tensor:
+        """The whole order of ``epoch`` before padding and sharding: what one process would see
+        (``evaluate`` and ``predict`` split it over the ranks without padding)."""
+        return _permutation(self.n, self.seed, epoch) if self.shuffle else torch.arange(self.n)
+
     def epoch_indices(self, epoch: int) -> torch.Tensor:
-        order = _permutation(self.n, self.seed, epoch) if self.shuffle else torch.arange(self.n)
+        order = self.epoch_order(epoch)
         total = self._per_rank * self.num_replicas
         if total > self.n:
             repeats = -(-total // max(self.n, 1))

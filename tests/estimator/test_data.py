@@ -15,6 +15,7 @@ from estimatorch.estimator._data import (
     call_net,
     make_train_stream,
     split_batch,
+    split_inputs,
     to_device,
 )
 from estimatorch.event_handlers import BatchEnd
@@ -37,6 +38,18 @@ def test_split_batch_conventions():
         split_batch(x)
     with pytest.raises(TypeError, match="length 1"):
         split_batch((x,))
+
+
+def test_split_inputs_conventions():
+    x, y, z = torch.zeros(2), torch.ones(2), torch.full((2,), 2.0)
+    assert split_inputs(x) is x
+    assert split_inputs((x,)) is x and split_inputs([x]) is x
+    assert split_inputs((x, y)) is x  # a pair is (data, label), as in fit and evaluate
+    assert split_inputs((x, y, z)) == (x, y)
+    assert split_inputs(((x, y),)) == (x, y)  # two inputs without a label
+    assert split_inputs({"a": x, "labels": y}) == {"a": x}
+    assert split_inputs({"a": x, "b": y}) == {"a": x, "b": y}
+    assert split_inputs("text") == "text"
 
 
 def test_call_net_unpacks_tuples_and_dicts():

@@ -28,8 +28,27 @@ def test_record_fills_missing_values_with_nan():
     assert h["train_loss"] == [0.9, 0.7, 0.5, 0.4]
     assert math.isnan(h["val_loss"][1]) and math.isnan(h["val_loss"][3])
     assert [math.isnan(v) for v in h["lr"]] == [True, True, True, False]
-    assert h.metrics == ["train_loss", "train_accuracy", "val_loss", "lr"]
-    assert "val_loss" in h and "val_accuracy" not in h
+    assert h.metrics == ["train_loss", "train_accuracy", "val_loss"] and h.learning_rates == ["lr"]
+    assert "val_loss" in h and "val_accuracy" not in h and "lr" in h
+
+
+def test_learning_rates_come_after_the_metrics():
+    """Validation first seen in epoch 2 does not land after the learning rates."""
+    h = History()
+    h.record(1, {"train_loss": 0.9, "lr_group0": 0.1, "lr_group1": 0.2})
+    h.record(2, {"train_loss": 0.8, "val_loss": 0.7, "lr_group0": 0.1, "lr_group1": 0.2})
+    assert h.keys() == ["train_loss", "val_loss", "lr_group0", "lr_group1"]
+    assert list(h.to_dict()) == ["epoch", *h.keys()]
+    assert h.learning_rates == ["lr_group0", "lr_group1"] and h.metrics == ["train_loss", "val_loss"]
+
+
+def test_a_history_saved_without_learning_rates_continues_with_nan_for_them():
+    """A checkpoint written before learning rates were recorded: the earlier epochs' rates are
+    unknown (nan), the resumed epochs have theirs."""
+    h = History()
+    h.load_state_dict({"epochs": [1], "values": {"train_loss": [0.9]}})
+    h.record(2, {"train_loss": 0.8, "lr": 0.05})
+    assert math.isnan(h["lr"][0]) and h["lr"][1] == 0.05
 
 
 def test_an_unknown_metric_names_the_known_ones():
@@ -83,6 +102,7 @@ def test_fit_returns_the_history_of_every_metric_per_epoch():
     h = est.fit(make_batches(4), epochs=3, event_handlers=[val])
     assert h.epochs == [1, 2, 3]
     assert h.metrics == ["train_loss", "train_accuracy", "val_loss", "val_accuracy"]
+    assert h.learning_rates == ["lr"] and h["lr"] == [est.optimizer.param_groups[0]["lr"]] * 3
     assert [math.isnan(v) for v in h["val_loss"]] == [True, False, True]
     assert h["train_loss"][-1] == est.train_metrics[0].compute()
     assert repr(h).startswith("History(epochs=3, last={'train_loss'")

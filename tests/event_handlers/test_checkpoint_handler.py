@@ -273,6 +273,7 @@ class ScriptedValLoss:
 def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """Every file written from now on, in order, as (file name, position) for checkpoints and
     (file name, text) for the latest pointer."""
+    _files = getattr(checkpoint, "_files", checkpoint)  # the module write_latest's atomic_save lives in
     written: list[tuple[str, Any]] = []
     real_save = checkpoint.atomic_save
 
@@ -280,7 +281,8 @@ def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
         written.append((os.path.basename(path), obj["ranks"][0]["position"] if isinstance(obj, dict) else obj))
         real_save(obj, path, **kwargs)
 
-    monkeypatch.setattr(checkpoint, "atomic_save", recording_save)
+    monkeypatch.setattr(checkpoint, "atomic_save", recording_save)  # the handler's checkpoint files
+    monkeypatch.setattr(_files, "atomic_save", recording_save)  # the pointer (write_latest)
     return written
 
 
@@ -651,3 +653,83 @@ def test_subscribes_only_to_the_periods_set(tmp_path):
     assert isinstance(CheckpointHandler(tmp_path), EpochEnd)
     per_batch = CheckpointHandler(tmp_path, batch_period=5, epoch_period=None)
     assert isinstance(per_batch, BatchEnd) and not isinstance(per_batch, EpochEnd)
+
+
+# -- write order and pruning ------------------------------------------------------------------------
+def test_the_pointer_is_written_before_pruning_and_never_names_a_removed_file(tmp_path, writes, monkeypatch):
+    """With max_checkpoints=1 a kill between prune and pointer used to leave model-latest naming
+    a deleted file: now the pointer is rewritten first."""
+    events = []
+    real_remove = os.remove
+
+    def remove(path, *args, **kwargs):
+        pointer = latest(tmp_path)
+        events.append(("remove", os.path.basename(path), pointer, (tmp_path / pointer).exists()))
+        return real_remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", remove)
+    small_fit(tmp_path, epochs=1, n_batches=3, epoch_period=None, batch_period=1, max_checkpoints=1)
+    assert [file for _, file, _, _ in events] == [name(0, 1), name(0, 2)]
+    for _, file, pointer, exists in events:  # at each removal the pointer already names the newer file
+        assert pointer != file and exists
+    files = [file for file, _ in writes]
+    assert files == [name(0, 1), "model-latest", name(0, 2), "model-latest", name(0, 3), "model-latest"]
+
+
+def test_prune_tolerates_a_file_removed_by_someone_else_meanwhile(tmp_path, monkeypatch):
+    """The exists-then-remove race: another process deletes the file just before we do."""
+    real_remove = os.remove
+
+    def remove_after_someone_else(path, *args, **kwargs):
+        if os.path.exists(path):
+            real_remove(path)  # the other process wins the race
+        return real_remove(path, *args, **kwargs)
+
+    monkeypatch.setattr(os, "remove", remove_after_someone_else)
+    run = small_fit(tmp_path, epochs=1, n_batches=4, epoch_period=None, batch_period=1, max_checkpoints=2)
+    assert len(run.losses) == 4
+    assert periodic_files(tmp_path) == [name(0, 3), name(0, 4)]
+
+
+def test_pruning_never_deletes_an_unreadable_file_or_one_skipped_as_unusable(tmp_path, estimatorch_log):
+    small_fit(tmp_path, epochs=1, n_batches=4, epoch_period=None, batch_period=1, max_checkpoints=None)
+    (tmp_path / name(0, 1)).write_bytes(b"not a checkpoint: kept, never counted")
+    foreign = name(5, 99)  # the newest name, another model's file: skipped, never pruned
+    payload = torch.load(tmp_path / name(0, 4), weights_only=True)
+    payload["model"] = nn.Linear(2, 2).state_dict()
+    torch.save(payload, tmp_path / foreign)
+    foreign_bytes = (tmp_path / foreign).read_bytes()
+
+    small_fit(tmp_path, epochs=2, n_batches=4, epoch_period=None, batch_period=1, max_checkpoints=1,
+              resume_from_checkpoint=True)
+    assert any(foreign in r.getMessage() and "another model" in r.getMessage() for r in estimatorch_log)
+    assert periodic_files(tmp_path) == [name(0, 1), name(1, 8), foreign]
+    assert (tmp_path / name(0, 1)).read_bytes() == b"not a checkpoint: kept, never counted"
+    assert (tmp_path / foreign).read_bytes() == foreign_bytes
+    assert latest(tmp_path) == name(1, 8)
+
+
+class WritesAfterTheChecks(BatchEnd):
+    """Another fit finishing in ``directory`` between our start checks and our lock: it runs its
+    ``_check_fit`` after the CheckpointHandler's and writes a checkpoint there."""
+
+    def __init__(self, directory: Any, source: Any) -> None:
+        self.directory, self.source = directory, source
+
+    def _check_fit(self, estimator: Any, resume: bool) -> None:
+        shutil.copy(self.source, self.directory)
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        pass
+
+
+def test_files_appearing_between_the_start_checks_and_the_lock_are_refused_untouched(tmp_path):
+    small_fit(tmp_path / "other", epochs=1, epoch_period=1)
+    (tmp_path / "new").mkdir()
+    counter = EventCounter()
+    with pytest.raises(FileExistsError, match="resume_from_checkpoint=True"):
+        small_fit(tmp_path / "new", epochs=1, epoch_period=1, max_checkpoints=1,
+                  extra=[counter, WritesAfterTheChecks(tmp_path / "new", tmp_path / "other" / name(1, 4))])
+    assert counter.batches == 0
+    assert (tmp_path / "new" / name(1, 4)).read_bytes() == (tmp_path / "other" / name(1, 4)).read_bytes()
+    assert sorted(os.listdir(tmp_path / "new")) == [name(1, 4)]

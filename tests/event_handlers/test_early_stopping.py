@@ -73,6 +73,10 @@ def decisions(values, **kwargs):
     ({"min_delta": "0"}, "min_delta", "'0'"),
     ({"mode": "maximum"}, "mode", "'maximum'"),
     ({"baseline": "1"}, "baseline", "'1'"),
+    ({"baseline": math.nan}, "baseline", "nan"),
+    ({"baseline": math.inf}, "baseline", "inf"),
+    ({"start_from_epoch": -1}, "start_from_epoch", "-1"),
+    ({"start_from_epoch": 1.0}, "start_from_epoch", "1.0"),
 ])
 def test_bad_arguments_name_argument_and_value(kwargs, arg, shown):
     with pytest.raises(ValueError) as info:
@@ -167,10 +171,17 @@ def test_min_delta_max_mode():
 def test_baseline_must_be_beaten():
     out, h = decisions([2.0, 1.5, 0.9], baseline=1.0, patience=2)
     assert out == [False, True]  # 2.0 and 1.5 do not beat 1.0
-    assert h.best == 1.0 and h.best_epoch == 0
+    assert h.best == 1.5 and h.best_epoch == 2  # the best seen all the same
     out, h = decisions([0.9, 0.8], baseline=1.0, patience=0)
     assert out == [False, False]
     assert h.best == 0.8
+
+
+def test_an_improvement_that_does_not_beat_the_baseline_does_not_reset_the_wait():
+    out, h = decisions([3.0, 2.0, 1.5, 0.5, 0.7], baseline=1.0, patience=3)
+    assert out == [False, False, True]  # improving on 3.0 and 2.0, but never under 1.0 in 3 epochs
+    out, h = decisions([3.0, 2.0, 0.5, 0.7, 0.8, 0.9], baseline=1.0, patience=3)
+    assert out == [False, False, False, False, False, True] and (h.best, h.best_epoch) == (0.5, 3)
 
 
 def test_baseline_in_max_mode_with_min_delta():
@@ -292,6 +303,68 @@ def test_restore_best_weights_in_max_mode():
     assert same_weights(est.net.state_dict(), weights.epochs[1])
 
 
+def test_restore_best_weights_when_the_baseline_is_never_beaten(estimatorch_log):
+    """The docstring promises the best epoch's weights: it was never stored before."""
+    est, history, weights, h = fit_scripted([3.0, 1.5, 2.0, 2.5], epochs=4, patience=3, baseline=1.0,
+                                            restore_best_weights=True)
+    assert len(history) == 3 and h.stopped_epoch == 3  # 3 epochs without beating 1.0
+    assert (h.best, h.best_epoch) == (1.5, 2)
+    assert same_weights(est.net.state_dict(), weights.epochs[1])
+    messages = [r.getMessage() for r in estimatorch_log]
+    assert "[Epoch 3] Early stopping: train_scripted has not beaten the baseline 1 in 3 epoch(s) " \
+           "(best 1.5 at epoch 2)" in messages
+    assert "Restored the weights of epoch 2 (best train_scripted: 1.5)" in messages
+
+
+# -- start_from_epoch ----------------------------------------------------------------------------
+def test_start_from_epoch_ignores_the_warm_up_epochs():
+    # without it, 1.0 at epoch 1 is the best and patience 2 stops at epoch 3
+    values = [1.0, 4.0, 3.0, 2.0, 2.5, 2.6]
+    assert decisions(values, patience=2)[0] == [False, False, True]
+    out, h = decisions(values, patience=2, start_from_epoch=2)
+    assert out == [False, False, False, False, False, True]
+    assert (h.best, h.best_epoch, h.stopped_epoch) == (2.0, 4, 6)
+
+
+def test_start_from_epoch_does_not_read_the_monitor_while_warming_up():
+    """A val metric before the first validation is nan: not read, so no nan warning either."""
+    metric = Scripted([math.nan, 1.0])
+    h = EarlyStoppingHandler(metric, start_from_epoch=1)
+    h.train_begin(Est())
+    reads = []
+    compute = metric.compute
+    metric.compute = lambda *a, **k: reads.append(1) or compute(*a, **k)
+    metric.next()
+    assert h.epoch_end(Est()) is False and reads == []
+    metric.next()
+    assert h.epoch_end(Est()) is False and len(reads) == 1 and h.best == 1.0
+
+
+def test_warm_up_epochs_never_give_the_restored_weights():
+    est, _, weights, h = fit_scripted([0.1, 3.0, 2.0, 2.5], epochs=4, patience=5, start_from_epoch=1,
+                                      restore_best_weights=True)
+    assert h.best_epoch == 3 and same_weights(est.net.state_dict(), weights.epochs[2])
+
+
+def test_start_from_epoch_holds_after_a_resume():
+    """The epoch count is state: a run resumed in its warm-up still ignores the rest of it."""
+    metric = Scripted([1.0, 9.0, 8.0, 9.5])
+    h = EarlyStoppingHandler(metric, patience=1, start_from_epoch=2)
+    h.train_begin(Est())
+    metric.next()
+    h.epoch_end(Est())
+    resumed = EarlyStoppingHandler(metric, patience=1, start_from_epoch=2)
+    resumed.train_begin(Est())
+    resumed.load_state_dict(h.state_dict())
+    out = []
+    for _ in range(3):
+        metric.next()
+        out.append(resumed.epoch_end(Est()))
+    # epoch 2 ignored, 8.0 the best at epoch 3, 9.5 no better: a count restarted at the resume
+    # would have ignored epoch 3 and taken 9.5 as the first value
+    assert out == [False, False, True] and (resumed.best, resumed.best_epoch) == (8.0, 3)
+
+
 # -- state and reuse ----------------------------------------------------------------------------
 def assert_state_equal(a, b):
     assert a.keys() == b.keys()
@@ -350,3 +423,30 @@ def test_one_instance_serves_two_fits():
     assert (h.best, h.best_epoch, h.stopped_epoch) == (state_first["best"], state_first["best_epoch"], 4)
     assert same_weights(est.net.state_dict(), weights.epochs[1])
     assert not same_weights(weights.epochs[1], best_first)
+
+
+def test_best_weights_use_plain_keys_and_restore_into_a_compiled_or_plain_net():
+    """The best weights are saved in checkpoints: with torch.compile's ``_orig_mod.`` keys they
+    could not be restored after a compiled run resumed into a plain net (or the reverse)."""
+    import torch
+    from torch import nn
+
+    from estimatorch import Estimator
+    from estimatorch.event_handlers.early_stopping import _load_plain_weights
+    from tests.conftest import make_batches
+
+    def build(compiled):
+        torch.manual_seed(1)
+        plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        net = torch.compile(plain, backend="eager") if compiled else plain
+        return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.5)), plain
+
+    est, _ = build(compiled=True)
+    stopper = EarlyStoppingHandler(est.train_metrics[0], patience=100, restore_best_weights=True)
+    est.fit(make_batches(4), epochs=3, event_handlers=[stopper])
+    best = stopper.state_dict()["best_weights"]
+    assert best and not any("_orig_mod" in k for k in best)
+    for compiled in (False, True):  # a resumed run of either kind restores them
+        other, plain = build(compiled)
+        _load_plain_weights(other.net, best)
+        assert all(torch.equal(value, best[key]) for key, value in plain.state_dict().items())

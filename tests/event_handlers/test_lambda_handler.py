@@ -55,6 +55,14 @@ def test_bad_filters(kwargs, arg):
     assert arg in str(info.value) and repr(next(iter(kwargs.values()))) in str(info.value)
 
 
+def test_filters_that_can_never_fire_are_refused():
+    """LambdaHandler(before=3, after=5) was accepted and never called its function."""
+    with pytest.raises(ValueError, match="before=3, after=5 can never fire"):
+        LambdaHandler(batch_end=noop, before=3, after=5)
+    with pytest.raises(ValueError, match="can never fire"):
+        LambdaHandler(epoch_end=noop, once=[1, 3], every=2)
+
+
 @pytest.mark.parametrize("bad", ["high", None, math.nan, True])
 def test_bad_priority(bad):
     with pytest.raises(ValueError) as info:

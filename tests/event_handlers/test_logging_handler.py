@@ -2,17 +2,29 @@
 
 from __future__ import annotations
 
+import copy
 import logging
 import os
 import re
+import shutil
 import signal
 
 import pytest
+import torch
+from torch import nn
+from torch.optim.lr_scheduler import StepLR
 
-from estimatorch import distributed
-from estimatorch.event_handlers import BatchEnd, CheckpointHandler, LambdaHandler, LoggingHandler, ValidationHandler
+from estimatorch import Estimator, distributed
+from estimatorch.event_handlers import (
+    BatchEnd,
+    CheckpointHandler,
+    LambdaHandler,
+    LoggingHandler,
+    LRSchedulerHandler,
+    ValidationHandler,
+)
 from estimatorch.event_handlers.logging_handler import format_metrics
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import Count, make_batches, make_estimator
 
 N_BATCHES = 4  # per epoch
 FILE_NAME = re.compile(r"(?P<run>.+)_[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}(_\d+)?\.log")
@@ -50,7 +62,7 @@ def test_a_line_every_log_interval_batches_and_every_epoch(lines):
     epoch_lines = [ln for ln in lines if "Finished in" in ln and ln.startswith("[Epoch")]
     for epoch, line in enumerate(epoch_lines):
         values = {name: history[name][epoch] for name in history.metrics}
-        assert line.endswith(f"{N_BATCHES} batches: {format_metrics(values)}")
+        assert line.endswith(f"{N_BATCHES} batches: {format_metrics(values)}, lr: {history['lr'][epoch]:.4g}")
     final = {name: history[name][-1] for name in history.metrics}
     assert lines[-1].startswith("Train finished in") and lines[-1].endswith(
         f"2 epochs, {2 * N_BATCHES} batches. {format_metrics(final)}")
@@ -118,6 +130,8 @@ def test_a_run_resumed_from_a_checkpoint_continues_its_file(tmp_path):
     with open(first.log_file, encoding="utf-8") as f:
         text = f.read()
     assert text.count("Training begin") == 2
+    # the file is named once per run, and only the file that holds the lines
+    assert re.findall(r"Log file: (.*)", text) == [first.log_file, f"continuing {first.log_file}"]
     assert [int(e) for e in re.findall(r"\[Epoch (\d)/3\] Finished", text)] == [1, 2, 3]
 
 
@@ -168,9 +182,184 @@ def test_state_round_trip():
     handler = LoggingHandler(log_interval=2)
     est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler])
     state = handler.state_dict()
-    assert (state["current_epoch"], state["batch_in_epoch"], state["samples_in_epoch"]) == (2, N_BATCHES, 32)
+    assert state == {"current_epoch": 2, "batch_in_epoch": N_BATCHES, "samples_in_epoch": 32, "run_id": None}
     other = LoggingHandler(log_interval=2)
     other.load_state_dict(state)
     assert other.state_dict() == state
-    with pytest.raises(ValueError, match="log_file"):
-        other.load_state_dict({k: v for k, v in state.items() if k != "log_file"})
+    with pytest.raises(ValueError, match="batch_in_epoch"):
+        other.load_state_dict({k: v for k, v in state.items() if k != "batch_in_epoch"})
+
+
+def test_a_line_per_epoch_keeps_no_batch_count_that_would_lie():
+    """Without batch lines the handler does not see batches: it keeps no count of them (None),
+    rather than a 0 that says nothing ran."""
+    handler = LoggingHandler()
+    make_estimator().fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler])
+    assert (handler.batch_in_epoch, handler.samples_in_epoch, handler.current_epoch) == (None, None, 2)
+    assert handler.state_dict()["batch_in_epoch"] is None
+
+
+def test_batch_lines_resumed_from_a_state_without_batch_counts_number_from_the_position(lines):
+    """A run saved with log_interval='epoch', resumed with batch lines: batch numbers come from
+    the position; the sample count of that epoch is unknown and not shown."""
+    est = make_estimator()
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[LoggingHandler(), ctrl_c_at(5)])
+    lines.clear()
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[LoggingHandler(log_interval=1)], resume=True)
+    assert [re.match(r"\[Epoch 2/2\](\[Batch \d\])(\[Samples \d+\])?", ln).groups()
+            for ln in lines if "[Batch" in ln] == [("[Batch 2]", None), ("[Batch 3]", None), ("[Batch 4]", None)]
+
+
+# -- the learning rate ---------------------------------------------------------------------------
+def test_the_epoch_line_shows_the_rate_the_epoch_trained_with_and_changes_are_logged(lines):
+    """Gluon logged the rate every epoch, Keras logs reductions: here the epoch line shows the rate
+    the epoch trained with, and a line after it says when a schedule changed it."""
+    est = make_estimator(lr=0.1)
+    est.lr_scheduler = StepLR(est.optimizer, step_size=2, gamma=0.5)
+    history = est.fit(make_batches(N_BATCHES), epochs=4, event_handlers=[LoggingHandler(), LRSchedulerHandler()])
+    rates = [0.1, 0.1, 0.05, 0.05]  # derived: halved after every second epoch
+    assert history["lr"] == pytest.approx(rates)
+    shown = [ln for ln in lines if ln.startswith("[Epoch")]
+    assert [float(ln.rsplit("lr: ", 1)[1]) for ln in shown if "Finished" in ln] == pytest.approx(rates)
+    changes = [ln for ln in shown if "Learning rate" in ln]
+    assert changes == ["[Epoch 2] Learning rate 0.1 -> 0.05 (StepLR)", "[Epoch 4] Learning rate 0.05 -> 0.025 (StepLR)"]
+    assert shown.index(changes[0]) == shown.index(next(ln for ln in shown if ln.startswith("[Epoch 2/4] Finished"))) + 1
+
+
+def test_learning_rates_of_several_param_groups(lines):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    opt = torch.optim.SGD([{"params": net[0].parameters(), "lr": 0.1}, {"params": net[2].parameters(), "lr": 1e-5}])
+    history = Estimator(net, nn.CrossEntropyLoss(), optimizer=opt).fit(make_batches(N_BATCHES), epochs=1)
+    assert history.learning_rates == ["lr_group0", "lr_group1"]
+    assert [ln for ln in lines if "Finished" in ln][0].endswith("lr_group0: 0.1, lr_group1: 1e-05")
+
+
+# -- after a resume ------------------------------------------------------------------------------
+def test_lines_after_a_resume_count_what_ran_in_this_process(lines):
+    est = make_estimator()
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LoggingHandler(log_interval=2), ctrl_c_at(5)])
+    lines.clear()
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LoggingHandler(log_interval=2)], resume=True)
+    # resumed after batch 1 of epoch 2: batch 2's line covers 1 batch, the epoch ran 3 of its 4
+    assert [re.search(r"/(\d+) batches", ln).group(1) for ln in lines if "[Batch" in ln] == ["1", "2", "2", "2"]
+    finished = [ln for ln in lines if "Finished" in ln]
+    assert f"{N_BATCHES} batches ({N_BATCHES - 1} since resume):" in finished[0]
+    assert "since resume" not in finished[1]
+    assert lines[-1].startswith("Train finished in") and \
+        f"3 epochs, {3 * N_BATCHES} batches ({3 * N_BATCHES - 5} since resume)." in lines[-1]
+
+
+def test_a_resume_at_an_epoch_boundary_counts_from_there(lines):
+    est = make_estimator()
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=3,
+                event_handlers=[LoggingHandler(), LambdaHandler(epoch_end=lambda e, **k: signal.raise_signal(
+                    signal.SIGINT), once=1)])
+    lines.clear()
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LoggingHandler()], resume=True)
+    assert all("since resume" not in ln for ln in lines if "Finished in" in ln and ln.startswith("[Epoch"))
+    assert f"({2 * N_BATCHES} since resume)" in lines[-1]
+
+
+def test_a_resume_with_nothing_left_to_run_ran_nothing(lines):
+    est = make_estimator()
+    est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[LoggingHandler()])
+    lines.clear()
+    est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[LoggingHandler()], resume=True)
+    assert lines[-1].startswith("Train finished in") and "(0 since resume)" in lines[-1]
+
+
+# -- files come from the arguments ---------------------------------------------------------------
+def test_the_log_file_is_logged_once_at_the_start(tmp_path, lines):
+    handler = LoggingHandler(log_dir=tmp_path)
+    make_estimator().fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler])
+    assert [ln for ln in lines if handler.log_file in ln] == [f"Log file: {handler.log_file}"]
+    assert lines.index(f"Log file: {handler.log_file}") == 1
+
+
+def test_a_state_that_names_another_file_is_not_obeyed(tmp_path):
+    """A plain-data checkpoint naming another log file once made the resumed run append to it."""
+    elsewhere = tmp_path / "elsewhere"
+    elsewhere.mkdir()
+    victim = elsewhere / "train_Jan01_00-00-00.log"
+    victim.write_text("someone else's file\n")
+    est = make_estimator()
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[LoggingHandler(log_dir=tmp_path / "logs"),
+                                                                   ctrl_c_at(5)])
+    interrupted = est._last  # what a checkpoint holds: plain data anyone could edit
+    for state in ({"log_file": str(victim)}, {"log_file": str(victim), "run_id": None},
+                  {"run_id": "../elsewhere/train_Jan01_00-00-00"},
+                  {"run_id": str(elsewhere)}):
+        snapshot = est._last = copy.deepcopy(interrupted)
+        snapshot["handlers"]["LoggingHandler"] = dict(snapshot["handlers"]["LoggingHandler"], **state)
+        handler = LoggingHandler(log_dir=tmp_path / "logs")
+        est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler], resume=True)
+        assert victim.read_text() == "someone else's file\n"
+        assert os.path.dirname(handler.log_file) == str(tmp_path / "logs")
+
+
+def test_a_resumed_run_finds_its_file_by_name_under_its_own_log_dir(tmp_path):
+    """The state names the run (its time stamp); the directory is the handler's own: a run moved
+    to another log_dir continues the file found there."""
+    est = make_estimator()
+    first = LoggingHandler(log_dir=tmp_path / "old")
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[first, ctrl_c_at(5)])
+    shutil.move(str(tmp_path / "old"), str(tmp_path / "new"))
+    second = LoggingHandler(log_dir=tmp_path / "new")
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[second], resume=True)
+    assert second.log_file == str(tmp_path / "new" / os.path.basename(first.log_file))
+    assert os.listdir(tmp_path / "new") == [os.path.basename(first.log_file)]
+    with open(second.log_file, encoding="utf-8") as f:
+        assert f.read().count("Training begin") == 2
+
+
+# -- bad log_dir at the door ---------------------------------------------------------------------
+def _bad_dirs(tmp_path):
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    dangling = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere", dangling)
+    return {
+        "a file": (a_file, "is a file, not a directory"),
+        "under a file": (a_file / "logs", "cannot be created: .* is a file, not a directory"),
+        "a dangling symlink": (dangling, "is a symbolic link to .*, which does not exist"),
+        "/dev/null": ("/dev/null", "is a device, not a directory"),
+    }
+
+
+@pytest.mark.parametrize("case", ["a file", "under a file", "a dangling symlink", "/dev/null"])
+def test_a_log_dir_that_cannot_hold_files_is_refused_before_any_step(tmp_path, case, lines):
+    path, reason = _bad_dirs(tmp_path)[case]
+    count = Count()
+    before = sorted(os.listdir(tmp_path))
+    with pytest.raises(ValueError, match=f"log_dir '{re.escape(str(path))}' {reason}"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=1, event_handlers=[count, LoggingHandler(log_dir=path)])
+    assert count.batches == 0 and lines == [] and sorted(os.listdir(tmp_path)) == before
+
+
+def test_a_log_dir_this_process_cannot_write_is_refused(tmp_path, monkeypatch):
+    """os.access decides (as root every directory is writable, so the refusal is simulated)."""
+    real_access = os.access
+    monkeypatch.setattr(os, "access", lambda p, mode, **kw: False if str(p).startswith(str(tmp_path)) else
+                        real_access(p, mode, **kw))
+    with pytest.raises(ValueError, match="is a directory this process cannot write in"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=1, event_handlers=[LoggingHandler(log_dir=tmp_path)])
+    with pytest.raises(ValueError, match=r"'.*new' cannot be created: this process cannot write in"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=1,
+                             event_handlers=[LoggingHandler(log_dir=tmp_path / "new")])
+
+
+@pytest.mark.skipif(os.geteuid() == 0, reason="root may write in any directory: the mode bits decide nothing")
+def test_a_read_only_log_dir_is_refused(tmp_path):
+    tmp_path.chmod(0o500)
+    try:
+        with pytest.raises(ValueError, match="cannot"):
+            make_estimator().fit(make_batches(N_BATCHES), epochs=1,
+                                 event_handlers=[LoggingHandler(log_dir=tmp_path / "logs")])
+    finally:
+        tmp_path.chmod(0o700)

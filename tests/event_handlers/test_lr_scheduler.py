@@ -2,12 +2,14 @@
 
 from __future__ import annotations
 
+import signal
+
 import pytest
 import torch
 from torch.optim.lr_scheduler import ExponentialLR, ReduceLROnPlateau, StepLR
 
 from estimatorch import Estimator
-from estimatorch.event_handlers import BatchBegin, LRSchedulerHandler
+from estimatorch.event_handlers import BatchBegin, LambdaHandler, LRSchedulerHandler
 from estimatorch.metrics import Loss, Metric
 from tests.conftest import make_batches, make_estimator
 
@@ -224,3 +226,74 @@ def test_subscribes_only_to_the_event_it_steps_on():
     assert isinstance(LRSchedulerHandler(), EpochEnd) and not isinstance(LRSchedulerHandler(), BatchEnd)
     per_batch = LRSchedulerHandler(step_on="batch")
     assert isinstance(per_batch, BatchEnd) and not isinstance(per_batch, EpochEnd)
+
+
+# -- state across fits: a new fit watches afresh, a resume continues -----------------------------
+def plateau_fit(est, handler, epochs, **kwargs):
+    rec = LRs()
+    est.fit(make_batches(N_BATCHES), epochs=epochs, event_handlers=[rec, handler], **kwargs)
+    return rec.lrs[::N_BATCHES]
+
+
+@pytest.mark.parametrize("own", [True, False], ids=["its-own-scheduler", "the-estimators"])
+def test_a_new_fit_starts_the_plateau_watch_afresh(own):
+    """Reused for a second fit, ReduceLROnPlateau kept the first fit's best value, patience
+    count and cooldown (Keras fixed the same bug, keras-team/keras#20256)."""
+    values = [3.0, 2.0, 2.5]  # patience 1: epoch 3 is one bad epoch, no cut yet
+    est = make_estimator(lr=LR, train_metrics=[Loss(), Scripted(values * 2)])
+    sched = ReduceLROnPlateau(est.optimizer, mode="min", factor=0.1, patience=1, cooldown=2)
+    if not own:
+        est.lr_scheduler = sched
+    h = LRSchedulerHandler(sched if own else None, monitor=est.train_metrics[1])
+    first = plateau_fit(est, h, epochs=3)
+    assert (sched.best, sched.num_bad_epochs) == (2.0, 1)
+    # the same values again: with the old watch, 3.0 is a second bad epoch and cuts the rate
+    second = plateau_fit(est, h, epochs=3)
+    assert first == second == [LR] * 3
+    assert (sched.best, sched.num_bad_epochs, sched.last_epoch) == (2.0, 1, 3)
+
+
+def test_a_resumed_fit_continues_the_plateau_watch():
+    values = [3.0, 2.0, 2.5, 2.6, 2.7]  # patience 1: the cut comes after epoch 4
+    est = make_estimator(lr=LR, train_metrics=[Loss(), Scripted(values)])
+    est.lr_scheduler = ReduceLROnPlateau(est.optimizer, mode="min", factor=0.1, patience=1)
+    ctrl_c = LambdaHandler(epoch_end=lambda e, **k: signal.raise_signal(signal.SIGINT), once=3)
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=5,
+                event_handlers=[LRSchedulerHandler(monitor=est.train_metrics[1]), ctrl_c])
+    assert est.lr_scheduler.num_bad_epochs == 1
+    lrs = plateau_fit(est, LRSchedulerHandler(monitor=est.train_metrics[1]), epochs=5, resume=True)
+    assert lrs == pytest.approx([LR, LR * 0.1])  # epoch 4 was the second bad one: cut before epoch 5
+
+
+# -- the learning rate in the history and the log ------------------------------------------------
+def test_the_history_records_the_rate_each_epoch_trained_with():
+    est, rec = make_estimator(lr=LR), LRs()
+    sched = StepLR(est.optimizer, step_size=1, gamma=GAMMA)
+    history = est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[rec, LRSchedulerHandler(sched)])
+    assert history["lr"] == rec.lrs[::N_BATCHES] == pytest.approx([LR, LR * GAMMA, LR * GAMMA ** 2])
+    assert history.learning_rates == ["lr"] and "lr" not in history.metrics
+
+
+def test_a_per_batch_schedule_records_the_rate_at_the_epochs_end():
+    est = make_estimator(lr=LR)
+    history = est.fit(make_batches(N_BATCHES), epochs=2,
+                      event_handlers=[LRSchedulerHandler(ExponentialLR(est.optimizer, gamma=GAMMA), step_on="batch")])
+    assert history["lr"] == pytest.approx([LR * GAMMA ** N_BATCHES, LR * GAMMA ** (2 * N_BATCHES)])
+
+
+def test_a_plateau_cut_is_logged_with_its_reason(estimatorch_log):
+    est = make_estimator(lr=LR, train_metrics=[Loss(), Scripted([3.0, 3.0])])
+    sched = ReduceLROnPlateau(est.optimizer, mode="min", factor=0.1, patience=0)
+    history = est.fit(make_batches(N_BATCHES), epochs=2,
+                      event_handlers=[LRSchedulerHandler(sched, monitor=est.train_metrics[1])])
+    messages = [r.getMessage() for r in estimatorch_log]
+    assert [m for m in messages if "Learning rate" in m] == [
+        f"[Epoch 2] Learning rate {LR:.6g} -> {LR * 0.1:.6g} (ReduceLROnPlateau, train_scripted 3)"]
+    assert history["lr"] == [LR, LR]  # both epochs trained at LR; the cut applies from epoch 3
+
+
+def test_an_unchanged_rate_is_not_logged(estimatorch_log):
+    est = make_estimator(lr=LR)
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LRSchedulerHandler(StepLR(est.optimizer, 5))])
+    assert not any("Learning rate" in r.getMessage() for r in estimatorch_log)

@@ -68,7 +68,26 @@ def test_before_and_after_are_strict():
     assert fired(EventFilter(before=4)) == [1, 2, 3]
     assert fired(EventFilter(after=27)) == [28, 29, 30]
     assert fired(EventFilter(after=3, before=6)) == [4, 5]
-    assert fired(EventFilter(before=1)) == []
+    assert fired(EventFilter(after=3, before=5)) == [4]
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"before": 1}, {"before": 3, "after": 5}, {"before": 5, "after": 4}, {"once": 3, "every": 2},
+    {"once": [2, 9], "after": 2, "before": 9}, {"every": 4, "after": 4, "before": 8},
+])
+def test_conditions_that_can_never_fire_are_refused(kwargs):
+    """Such a filter would be accepted and silently never fire: refused, naming what was given."""
+    with pytest.raises(ValueError, match="can never fire") as info:
+        EventFilter(**kwargs)
+    assert all(f"{k}={v!r}" in str(info.value) for k, v in kwargs.items())
+
+
+@pytest.mark.parametrize("kwargs", [
+    {"before": 2}, {"before": 6, "after": 4}, {"every": 4, "after": 4, "before": 9}, {"once": [3, 4], "every": 2},
+])
+def test_the_narrowest_conditions_that_can_fire_are_accepted(kwargs):
+    f = EventFilter(**kwargs)
+    assert len(fired(f)) == 1
 
 
 def test_predicate():

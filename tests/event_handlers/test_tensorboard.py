@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
+import copy
 import math
 import os
 import re
+import shutil
 import signal
 
 import numpy as np
@@ -21,7 +23,7 @@ from estimatorch.event_handlers import (
     ValidationHandler,
 )
 from estimatorch.event_handlers._event_files import carry_over_events, event_files
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import Count, make_batches, make_estimator
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -61,7 +63,7 @@ def test_epoch_scalars_match_the_history(tmp_path):
     scalars, _ = read_events(tb.run_dir)
     for name in history.metrics:
         assert scalars[f"epoch/{name}"] == [(e, f32(v)) for e, v in zip(history.epochs, history[name])]
-    assert [s for s, _ in scalars["epoch/lr_group0"]] == history.epochs
+    assert scalars["epoch/lr"] == [(e, f32(v)) for e, v in zip(history.epochs, history["lr"])]
     assert all(v > 0 for _, v in scalars["epoch/samples_per_sec"])
     assert not any(tag.startswith("batch/") for tag in scalars)  # no log_interval: epoch level only
 
@@ -86,7 +88,7 @@ def test_batch_scalars_every_log_interval_at_the_global_batch_count(tmp_path):
     scalars, _ = read_events(tb.run_dir)
     steps = list(range(3, 3 * N_BATCHES + 1, 3))
     assert scalars["batch/train_loss"] == [(s, f32(v)) for s, v in zip(steps, running)]
-    for tag in ("batch/train_accuracy", "batch/lr_group0", "batch/samples_per_sec"):
+    for tag in ("batch/train_accuracy", "batch/lr", "batch/samples_per_sec"):
         assert [s for s, _ in scalars[tag]] == steps
 
 
@@ -144,13 +146,17 @@ def test_the_run_directory_is_named_after_the_run_and_new_for_every_fit(tmp_path
         assert len(event_files(run_dir)) == 1
 
 
-def test_the_event_file_is_opened_at_the_first_write(tmp_path):
+def test_the_run_directory_is_opened_and_logged_once_at_the_first_steps_end(tmp_path, estimatorch_log):
+    """Not at train_begin: a resume (known only after it) may name the run's directory."""
     est = make_estimator()
     seen = []
     probe = LambdaHandler(batch_end=lambda e, **kw: seen.append(os.listdir(tmp_path)))
-    est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[TensorBoardHandler(tmp_path), probe])
-    assert seen == [[]] * N_BATCHES  # nothing on disk before the epoch's scalars
-    assert len(os.listdir(tmp_path)) == 1
+    tb = TensorBoardHandler(tmp_path)
+    est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[tb, probe])
+    assert seen[0] == [] and all(s == [os.path.basename(tb.run_dir)] for s in seen[1:])
+    assert len(event_files(tb.run_dir)) == 1
+    logged = [r.getMessage() for r in estimatorch_log if tb.run_dir in r.getMessage()]
+    assert logged == [f"TensorBoard: writing to {tb.run_dir} (view with: tensorboard --logdir {tmp_path})"]
 
 
 def test_other_ranks_write_nothing(tmp_path, monkeypatch):
@@ -268,10 +274,82 @@ def test_state_round_trip_and_missing_key(tmp_path):
     tb = TensorBoardHandler(tmp_path)
     est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[tb])
     state = tb.state_dict()
-    assert state == {"run_dir": tb.run_dir, "current_epoch": 2, "total_batches": 2 * N_BATCHES}
+    assert state == {"run_id": tb.run_id, "current_epoch": 2, "total_batches": 2 * N_BATCHES}
+    assert tb.run_dir == str(tmp_path / f"train_{tb.run_id}")  # the state holds a name, not the path
     other = TensorBoardHandler(tmp_path)
     other.load_state_dict(state)
     assert other.state_dict() == state
-    del state["run_dir"]
-    with pytest.raises(ValueError, match="run_dir"):
+    del state["total_batches"]
+    with pytest.raises(ValueError, match="total_batches"):
         other.load_state_dict(state)
+
+
+# -- files come from the arguments ------------------------------------------------------------
+def _interrupted(tmp_path, at=6):
+    """An estimator whose fit with a TensorBoardHandler on ``tmp_path / "runs"`` was stopped at ``at``."""
+    est = make_estimator()
+    tb = TensorBoardHandler(tmp_path / "runs", log_interval=1)
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[tb, ctrl_c_at(at)])
+    return est, tb
+
+
+def test_a_state_that_names_another_directory_is_not_obeyed(tmp_path):
+    """A plain-data checkpoint naming another run_dir once made the resumed run write there and
+    delete the event files it found."""
+    victim = tmp_path / "victim"
+    writer = __import__("torch.utils.tensorboard", fromlist=["SummaryWriter"]).SummaryWriter(victim)
+    for step in (1, 2, 3, 50):
+        writer.add_scalar("batch/train_loss", float(step), step)
+    writer.close()
+    before = {f: os.path.getsize(f) for f in event_files(str(victim))}
+    est, _ = _interrupted(tmp_path)
+    interrupted = est._last  # what a checkpoint holds: plain data anyone could edit
+    for state in ({"run_dir": str(victim)}, {"run_dir": str(victim), "run_id": None}, {"run_id": str(victim)},
+                  {"run_id": "../../victim"}):
+        snapshot = est._last = copy.deepcopy(interrupted)
+        saved = {k: v for k, v in snapshot["handlers"]["TensorBoardHandler"].items() if k != "run_id"}
+        snapshot["handlers"]["TensorBoardHandler"] = dict(saved, **state)
+        tb = TensorBoardHandler(tmp_path / "runs", log_interval=1)
+        est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[tb], resume=True)
+        assert os.path.dirname(tb.run_dir) == str(tmp_path / "runs")
+        assert {f: os.path.getsize(f) for f in event_files(str(victim))} == before
+    assert sorted(os.listdir(tmp_path)) == ["runs", "victim"]
+
+
+def test_a_resumed_run_finds_its_directory_by_name_under_its_own_log_dir(tmp_path):
+    est, first = _interrupted(tmp_path)
+    shutil.move(str(tmp_path / "runs"), str(tmp_path / "moved"))
+    tb = TensorBoardHandler(tmp_path / "moved", log_interval=1)
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[tb], resume=True)
+    assert tb.run_dir == str(tmp_path / "moved" / os.path.basename(first.run_dir))
+    assert os.listdir(tmp_path / "moved") == [os.path.basename(first.run_dir)]
+    scalars, _ = read_events(tb.run_dir)
+    assert [s for s, _ in scalars["batch/train_loss"]] == list(range(1, 3 * N_BATCHES + 1))
+
+
+def test_a_state_from_an_older_version_continues_its_run_by_name(tmp_path):
+    """Older states held the run directory's path: its name is looked for under this log_dir."""
+    est, first = _interrupted(tmp_path)
+    snapshot = est._last
+    run_id = snapshot["handlers"]["TensorBoardHandler"].pop("run_id")
+    snapshot["handlers"]["TensorBoardHandler"]["run_dir"] = f"/somewhere/else/train_{run_id}"
+    tb = TensorBoardHandler(tmp_path / "runs", log_interval=1)
+    est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[tb], resume=True)
+    assert tb.run_dir == first.run_dir and not os.path.exists("/somewhere/else")
+
+
+@pytest.mark.parametrize("case", ["a file", "a dangling symlink", "/dev/null"])
+def test_a_log_dir_that_cannot_hold_runs_is_refused_before_any_step(tmp_path, case):
+    """TensorBoardHandler(log_dir=<a file>) once failed after 4 steps."""
+    a_file = tmp_path / "a_file"
+    a_file.write_text("x")
+    dangling = tmp_path / "dangling"
+    os.symlink(tmp_path / "nowhere", dangling)
+    path, reason = {"a file": (a_file, "is a file, not a directory"),
+                    "a dangling symlink": (dangling, "is a symbolic link to .*, which does not exist"),
+                    "/dev/null": ("/dev/null", "is a device, not a directory")}[case]
+    count = Count()
+    with pytest.raises(ValueError, match=f"log_dir '{re.escape(str(path))}' {reason}"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=1, event_handlers=[count, TensorBoardHandler(path)])
+    assert count.batches == 0 and sorted(os.listdir(tmp_path)) == ["a_file", "dangling"]

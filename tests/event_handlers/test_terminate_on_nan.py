@@ -4,13 +4,14 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 
 import pytest
 import torch
 from torch import nn
 
-from estimatorch import Estimator
-from estimatorch.event_handlers import TerminateOnNaNHandler, ValidationHandler
+from estimatorch import Estimator, NonFiniteError, checkpoint
+from estimatorch.event_handlers import CheckpointHandler, LambdaHandler, TerminateOnNaNHandler, ValidationHandler
 from estimatorch.metrics import Loss
 from tests.conftest import make_batches
 
@@ -170,3 +171,88 @@ def test_a_monitor_the_estimator_does_not_own_is_refused_at_fit_start():
     est = make(nn.CrossEntropyLoss())
     with pytest.raises(ValueError, match="does not own"):
         est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[TerminateOnNaNHandler(monitor=Loss())])
+
+
+# -- raise_error ----------------------------------------------------------------------------------
+def test_raise_error_raises_a_named_error_after_the_train_end_handlers(estimatorch_log):
+    ended = []
+    est = make(NanLossAt(6))
+    h = TerminateOnNaNHandler(check_every=1, raise_error=True)
+    with pytest.raises(NonFiniteError, match=r"the loss is not finite \(nan or inf\) at batch 6") as info:
+        est.fit(make_batches(N_BATCHES), epochs=5,
+                event_handlers=[h, LambdaHandler(train_end=lambda e, **k: ended.append(e.position.step))])
+    assert isinstance(info.value, RuntimeError) and (info.value.reason, info.value.batch) == ("loss", 6)
+    assert ended == [5]  # train_end ran; the poisoned step 6 never reached its boundary
+    assert errors(estimatorch_log)[0] == "Terminating: the loss is not finite (nan or inf) at batch 6 " \
+                                          "(batch 2 of the epoch)"
+
+
+def test_raise_error_for_a_monitored_metric_at_an_epoch_end():
+    est = make(nn.CrossEntropyLoss(), val_metrics=[Loss(), InfAfter(0)])
+    h = TerminateOnNaNHandler(check_every=100, monitor=est.val_metrics[1], raise_error=True)
+    with pytest.raises(NonFiniteError, match="val_weird is inf") as info:
+        est.fit(make_batches(N_BATCHES), val_data=make_batches(2, seed=1), epochs=3, event_handlers=[h])
+    assert info.value.reason == "val_weird" and est.position.epoch == 0  # epoch 1's end never passed
+
+
+def saved_steps(directory):
+    return sorted(step for _, step, _ in checkpoint.list_checkpoints(directory, "model"))
+
+
+@pytest.mark.parametrize("first", ["terminate", "checkpoint"])
+@pytest.mark.parametrize("check_every", [1, 100])
+def test_no_checkpoint_of_a_non_finite_state_is_written(tmp_path, first, check_every):
+    """A CheckpointHandler saving every batch between two checks would save the poisoned state
+    (the tally is read only every check_every batches): a pending save forces a check first."""
+    bad = 6
+    est = make(NanLossAt(bad))
+    h = TerminateOnNaNHandler(check_every=check_every, raise_error=True)
+    ckpt = CheckpointHandler(tmp_path, batch_period=1, max_checkpoints=None)
+    with pytest.raises(NonFiniteError):
+        est.fit(make_batches(N_BATCHES), epochs=5, event_handlers=[h, ckpt] if first == "terminate" else [ckpt, h])
+    assert saved_steps(tmp_path) == sorted([*range(1, bad), N_BATCHES])  # each good step, and epoch 1's end
+    latest = checkpoint.find_latest(tmp_path, "model")[0]
+    assert os.path.basename(latest) == checkpoint.checkpoint_name("model", 1, bad - 1)
+    params = checkpoint.load(latest)["model"]
+    assert all(torch.isfinite(v).all() for v in params.values())
+
+
+def test_a_pending_save_at_an_epoch_end_is_checked_first(tmp_path):
+    """The last batch of epoch 2 is bad and the tally is not due: the epoch end's save waits for
+    the check, which raises."""
+    est = make(NanLossAt(2 * N_BATCHES))
+    ckpt = CheckpointHandler(tmp_path, epoch_period=1)
+    with pytest.raises(NonFiniteError):
+        est.fit(make_batches(N_BATCHES), epochs=5,
+                event_handlers=[TerminateOnNaNHandler(check_every=100, raise_error=True), ckpt])
+    assert saved_steps(tmp_path) == [N_BATCHES]
+
+
+def test_stopping_writes_at_most_the_stop_boundarys_checkpoint(tmp_path):
+    """Without raise_error the stop's own boundary is saved (it is where the run stops); the
+    forced check keeps it to that one, rather than every save until the next due check."""
+    bad = 6
+    est = make(NanLossAt(bad))
+    ckpt = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, max_checkpoints=None)
+    est.fit(make_batches(N_BATCHES), epochs=5, event_handlers=[TerminateOnNaNHandler(check_every=100), ckpt])
+    assert est.position.step == bad and saved_steps(tmp_path) == list(range(1, bad + 1))
+
+
+def test_checks_follow_pending_saves_only(monkeypatch):
+    """Between due checks the tally is read only where a save waits: the cost of a check comes
+    with the cost of a save."""
+    est = make(nn.CrossEntropyLoss())
+    h = TerminateOnNaNHandler(check_every=100)
+    checks = []
+    original = h._check
+    monkeypatch.setattr(h, "_check", lambda e, at_epoch_end: checks.append(e.position.step) or original(e, at_epoch_end))
+    save_every_3 = LambdaHandler(batch_end=lambda e, **k: e.at_boundary(lambda: None), every=3)
+    est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[save_every_3, h])
+    # during batch_end the position still names the previous step: steps 3 and 6 are at 2 and 5;
+    # the epoch ends (4, 8) check anyway
+    assert checks == [2, N_BATCHES, 5, 2 * N_BATCHES]
+
+
+def test_raise_error_must_be_a_bool():
+    with pytest.raises(TypeError, match="raise_error must be a bool, got 1"):
+        TerminateOnNaNHandler(raise_error=1)

@@ -7,9 +7,11 @@ import torch
 from torch import nn
 
 from estimatorch.event_handlers import BatchEnd, EpochBegin, EpochEnd, ValidationHandler
+from estimatorch.estimator.estimator import Position
 from tests.conftest import Count, make_batches, make_estimator
 
 N_BATCHES = 4
+ONE = [(torch.zeros(1, 4), torch.zeros(1, dtype=torch.long))]  # val data where its content does not matter
 
 
 class FakeEval:
@@ -42,7 +44,7 @@ def run(epochs=4, **handler_kwargs):
 @pytest.mark.parametrize("bad", [0, -2, 1.5, True])
 def test_bad_periods(arg, bad):
     with pytest.raises(ValueError) as info:
-        ValidationHandler([], lambda *a, **k: None, **{arg: bad})
+        ValidationHandler(ONE, lambda *a, **k: None, **{arg: bad})
     assert arg in str(info.value) and repr(bad) in str(info.value)
 
 
@@ -50,9 +52,20 @@ def test_bad_val_data_and_eval_fn():
     with pytest.raises(TypeError, match="val_data"):
         ValidationHandler(5, lambda *a, **k: None)
     with pytest.raises(TypeError, match="eval_fn"):
-        ValidationHandler([], "evaluate")
+        ValidationHandler(ONE, "evaluate")
+    with pytest.raises(TypeError, match="iterator"):
+        ValidationHandler(iter(ONE), lambda *a, **k: None)
+
+
+def test_empty_val_data_is_refused_before_any_training():
+    """Accepted, it trained an epoch (and wrote checkpoints) before evaluate found no batch."""
+    count = Count()
+    with pytest.raises(ValueError, match="val_data is empty: a list of length 0"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=2,
+                             event_handlers=[count, ValidationHandler([], lambda *a, **k: None)])
+    assert count.batches == 0
     with pytest.raises(TypeError, match="event_handlers"):
-        ValidationHandler([], lambda *a, **k: None, event_handlers=[object()])
+        ValidationHandler(ONE, lambda *a, **k: None, event_handlers=[object()])
 
 
 # -- schedule -----------------------------------------------------------------------------------
@@ -85,14 +98,14 @@ def test_epoch_and_batch_period_together():
 
 def test_both_periods_none_is_refused():
     with pytest.raises(ValueError, match="epoch_period and batch_period are both None"):
-        ValidationHandler([], lambda *a, **k: None, epoch_period=None)
+        ValidationHandler(ONE, lambda *a, **k: None, epoch_period=None)
 
 
 def test_subscribes_only_to_the_periods_set():
     from estimatorch.event_handlers import BatchEnd, EpochEnd
 
     def handler(**periods):
-        return ValidationHandler([], lambda *a, **k: None, **periods)
+        return ValidationHandler(ONE, lambda *a, **k: None, **periods)
 
     assert isinstance(handler(), EpochEnd) and not isinstance(handler(), BatchEnd)
     only_batches = handler(epoch_period=None, batch_period=3)
@@ -162,9 +175,20 @@ def test_state_round_trip():
     _, h, val = run(epochs=2, batch_period=3)
     state = h.state_dict()
     assert state == {"current_epoch": 2, "current_batch": 2 * N_BATCHES}
-    fresh = ValidationHandler(val, lambda *a, **k: None)
+    fresh = ValidationHandler(val, lambda *a, **k: None, batch_period=3)
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
+
+
+@pytest.mark.parametrize("periods, counted", [
+    ({"epoch_period": 2}, {"current_epoch": 3, "current_batch": None}),
+    ({"epoch_period": None, "batch_period": 5}, {"current_epoch": None, "current_batch": 3 * N_BATCHES}),
+])
+def test_the_state_holds_only_the_counts_kept(periods, counted):
+    """A count of events the handler does not listen to would stay 0 and lie: it is None."""
+    _, h, _ = run(epochs=3, **periods)
+    assert h.state_dict() == counted
+    assert not hasattr(h, "current_batch") and not hasattr(h, "current_epoch")  # no public counter that lies
 
 
 def test_loaded_counters_continue_the_schedule():
@@ -181,13 +205,35 @@ def test_loaded_counters_continue_the_schedule():
     assert len(calls) == 2
 
 
+def test_a_count_the_saved_run_did_not_keep_comes_from_the_position():
+    """Resumed with a batch_period the saved run did not have: batches count from the position."""
+    calls = []
+    h = ValidationHandler([1], lambda data, **kw: calls.append(1), epoch_period=None, batch_period=5)
+
+    class Est:
+        batch_axis = 0
+        position = Position(epoch=1, batch=0, step=8)
+
+    h.train_begin(Est())
+    h.load_state_dict({"current_epoch": 1, "current_batch": None})
+    h.batch_end(Est())  # batch 9
+    h.batch_end(Est())  # batch 10
+    assert len(calls) == 1 and h.state_dict() == {"current_epoch": None, "current_batch": 10}
+
+
 @pytest.mark.parametrize("key", ["current_epoch", "current_batch"])
 def test_load_missing_key(key):
-    h = ValidationHandler([], lambda *a, **k: None)
+    h = ValidationHandler(ONE, lambda *a, **k: None)
     state = h.state_dict()
     del state[key]
     with pytest.raises(ValueError, match=key):
         h.load_state_dict(state)
+
+
+def test_load_a_bad_count():
+    h = ValidationHandler(ONE, lambda *a, **k: None)
+    with pytest.raises(ValueError, match="current_epoch"):
+        h.load_state_dict({"current_epoch": -1, "current_batch": None})
 
 
 def test_one_instance_serves_two_fits():

@@ -238,12 +238,13 @@ def test_compute_sync_reduces_over_ranks_and_sync_false_does_not(monkeypatch):
     other_rank = {"total": 10.0, "count": 2}
     calls = []
 
-    def fake_all_reduce_sum(values, device=None):
+    def fake_all_reduce_states(values, reductions, device=None):
         calls.append(sorted(values))
+        assert reductions == {"total": "sum", "count": "sum"}
         return {k: torch.as_tensor(values[k], dtype=torch.float64) + other_rank[k] for k in values}
 
     monkeypatch.setattr(metric_base.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(metric_base.distributed, "all_reduce_sum", fake_all_reduce_sum)
+    monkeypatch.setattr(metric_base.distributed, "all_reduce_states", fake_all_reduce_states)
     m = Loss()
     m.update(torch.tensor(1.0), torch.zeros(2))  # this rank: total 2 over 2 samples
     assert m.compute(sync=False) == 1.0
@@ -255,8 +256,9 @@ def test_compute_sync_reduces_over_ranks_and_sync_false_does_not(monkeypatch):
 
 def test_compute_sync_with_no_samples_anywhere_is_nan(monkeypatch):
     monkeypatch.setattr(metric_base.distributed, "get_world_size", lambda: 2)
-    monkeypatch.setattr(metric_base.distributed, "all_reduce_sum",
-                        lambda values, device=None: {k: torch.as_tensor(v, dtype=torch.float64) for k, v in values.items()})
+    monkeypatch.setattr(metric_base.distributed, "all_reduce_states",
+                        lambda values, reductions, device=None: {k: torch.as_tensor(v, dtype=torch.float64)
+                                                                 for k, v in values.items()})
     assert math.isnan(Accuracy().compute())
 
 
@@ -418,3 +420,168 @@ def test_reset_drops_pending_updates():
     m.reset()
     m.update(torch.tensor(1.0), torch.zeros(2))
     assert m.compute() == 1.0
+
+
+# -- per-state reduction (issue 10) ----------------------------------------------------------------
+class Extremes(Metric):
+    """One state per reduction; updates are deferred, so folds go through every reduction too.
+    ``_value`` keeps the (reduced) states it was given for the tests to read."""
+
+    default_name = "extremes"
+    max_pending = 3
+
+    def __init__(self):
+        super().__init__()
+        self.add_state("total", torch.zeros((), dtype=torch.float64))
+        self.add_state("count", 0)
+        self.add_state("largest", torch.tensor(float("-inf")), reduce="max")
+        self.add_state("smallest", torch.tensor(float("inf")), reduce="min")
+        self.add_state("level", torch.zeros((), dtype=torch.float64), reduce="mean")
+        self.add_state("seen", [], reduce="cat")
+        self.states = None
+
+    def update(self, preds, target=None):
+        self._defer((preds.detach(),), 8)
+        self.count += preds.numel()
+
+    def _fold(self, items):
+        values = torch.cat([p for p, in items])
+        return {"total": values.double().sum(), "largest": values.max(), "smallest": values.min(), "seen": values}
+
+    def _value(self, states):
+        self.states = {k: (v.tolist() if isinstance(v, torch.Tensor) else v) for k, v in states.items()}
+        return states["largest"]
+
+
+UPDATES = [torch.tensor([1.0, 3.0]), torch.tensor([-2.0]), torch.tensor([7.0, 0.5]), torch.tensor([4.0])]
+
+
+def _expected(updates):
+    flat = torch.cat(updates).tolist()
+    return {"total": sum(flat), "count": len(flat), "largest": max(flat), "smallest": min(flat), "seen": flat}
+
+
+def test_each_state_folds_and_reads_by_its_reduction():
+    m = Extremes()
+    for values in UPDATES:  # 3 folded into the states, 1 pending
+        m.update(values)
+    assert len(m._pending) == 1 and isinstance(m.seen, list) and len(m.seen) == 1
+    assert m.compute() == max(torch.cat(UPDATES).tolist())
+    assert {k: m.states[k] for k in _expected(UPDATES)} == _expected(UPDATES)
+    assert len(m._pending) == 1, "compute folds pending updates into copies"
+
+
+def test_list_states_and_pending_updates_round_trip():
+    whole, first = Extremes(), Extremes()
+    for values in UPDATES:
+        whole.update(values)
+    for values in UPDATES[:2]:
+        first.update(values)
+    state = first.state_dict()
+    assert state["seen"] == [] and len(state["pending"]) == 2
+    first.update(UPDATES[2])  # the saved state is a copy
+    assert state["seen"] == [] and len(state["pending"]) == 2
+    resumed = Extremes()
+    resumed.load_state_dict(state)
+    for values in UPDATES[2:]:
+        resumed.update(values)
+    assert resumed.compute() == whole.compute() and resumed.states == whole.states
+    with pytest.raises(ValueError, match="'seen' must be a list of tensors"):
+        Extremes().load_state_dict(dict(state, seen=3))
+
+
+def test_reset_gives_a_fresh_list_and_cat_of_nothing_is_empty():
+    m = Extremes()
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    m.update(torch.tensor([1.0, 2.0, 3.0]))
+    m.reset()
+    assert m.seen == [] and m.seen is not m._defaults["seen"]
+    m.compute()
+    assert m.states["seen"] == [] and m.states["largest"] == float("-inf")
+
+
+@pytest.mark.parametrize("args, error, match", [
+    (("x", torch.zeros(()), "median"), ValueError, r"reduce must be one of \['sum', 'mean', 'min', 'max', 'cat'\], got 'median'"),
+    (("x", [], "sum"), ValueError, "a list state \\('x'\\) must use reduce='cat', got reduce='sum'"),
+    (("x", [1, 2], "cat"), TypeError, "the default of 'x' must be a list of tensors"),
+    (("x", 0, "cat"), TypeError, "a 'cat' state \\('x'\\) needs a list or a tensor default, got 0"),
+    (("x", "0", "sum"), TypeError, "the default of 'x' must be a tensor, an int or a float, got '0'"),
+    (("pending", 0, "sum"), ValueError, "attr must be an identifier other than 'pending', got 'pending'"),
+])
+def test_add_state_checks_its_arguments(args, error, match):
+    with pytest.raises(error, match=match):
+        Metric().add_state(*args)
+
+
+def test_all_reduce_states_in_one_process_and_its_checks():
+    from estimatorch import distributed
+
+    out = distributed.all_reduce_states(
+        {"n": 3, "mean": 2, "low": torch.tensor([1, -4]), "items": torch.zeros(0, 2), "none": []},
+        {"n": "sum", "mean": "mean", "low": "min", "items": "cat", "none": "cat"}, torch.device("cpu"))
+    assert out["n"].dtype == torch.int64 and int(out["n"]) == 3
+    assert out["mean"].dtype == torch.float64 and float(out["mean"]) == 2.0
+    assert out["low"].tolist() == [1, -4] and out["low"].dtype == torch.int64
+    assert out["items"].shape == (0, 2) and out["none"].shape == (0,)
+    with pytest.raises(ValueError, match="the reduction of 'n' must be one of .*got 'median'"):
+        distributed.all_reduce_states({"n": 1}, {"n": "median"})
+
+
+def _reduce_on_two_ranks():
+    import torch.distributed as dist
+
+    from estimatorch import distributed
+
+    rank = distributed.get_rank()
+    calls = {"all_reduce": 0, "gather": 0}
+    real_all_reduce, real_gather = dist.all_reduce, distributed.gather_objects
+
+    def counting_all_reduce(*args, **kwargs):
+        calls["all_reduce"] += 1
+        return real_all_reduce(*args, **kwargs)
+
+    def counting_gather(obj):
+        calls["gather"] += 1
+        return real_gather(obj)
+
+    dist.all_reduce, distributed.gather_objects = counting_all_reduce, counting_gather
+    try:
+        m = Extremes()
+        for values in (UPDATES[:2] if rank == 0 else UPDATES[2:]):
+            m.update(values)
+        m.level = torch.tensor(2.0 * rank, dtype=torch.float64)
+        local_value = m.compute(sync=False)
+        local_calls = dict(calls)
+        value = m.compute()
+        extremes_calls = {k: calls[k] - local_calls[k] for k in calls}
+        loss = Loss()
+        loss.update(torch.tensor(float(rank + 1)), torch.zeros(rank + 1))
+        before = dict(calls)
+        loss_value = loss.compute()
+        loss_calls = {k: calls[k] - before[k] for k in calls}
+    finally:
+        dist.all_reduce, distributed.gather_objects = real_all_reduce, real_gather
+    return {"value": value, "local": local_value, "states": m.states, "local_calls": local_calls,
+            "extremes_calls": extremes_calls, "loss": loss_value, "loss_calls": loss_calls}
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_each_state_reduces_over_two_ranks_by_its_reduction():
+    """A max state over ranks holding 3 and 7 is 7 (summed, it was 10): each state chooses."""
+    from estimatorch import distributed
+
+    results = distributed.spawn(_reduce_on_two_ranks, 2, backend="gloo")
+    rank_updates = [UPDATES[:2], UPDATES[2:]]
+    want = _expected(UPDATES)  # rank 0's updates, then rank 1's: the cat order
+    for rank, got in enumerate(results):
+        assert got["local"] == max(torch.cat(rank_updates[rank]).tolist())
+        assert got["value"] == want["largest"] != sum(max(torch.cat(u).tolist()) for u in rank_updates)
+        assert {k: got["states"][k] for k in want} == want
+        assert got["states"]["level"] == (0.0 + 2.0) / 2
+        assert got["local_calls"] == {"all_reduce": 0, "gather": 0}
+        # one all_reduce for sums and means, one for maxima and minima, one gather for cat
+        assert got["extremes_calls"] == {"all_reduce": 2, "gather": 1}
+        assert got["loss_calls"] == {"all_reduce": 1, "gather": 0}  # built-ins: sums only
+        assert got["loss"] == (1.0 * 1 + 2.0 * 2) / (1 + 2)

@@ -177,6 +177,16 @@ def test_skip_sampler_skips_once(skip):
     assert list(sampler) == items, "the skip is used in the first iteration only"
 
 
+def test_assigning_skip_positions_like_the_argument_and_is_checked():
+    sampler = SkipBatchSampler(BatchSampler(range(9), 2, drop_last=False))
+    sampler.skip = 3
+    assert len(sampler) == 2 and list(sampler) == [[6, 7], [8]]
+    for bad in (-1, 1.5):
+        with pytest.raises(ValueError, match="skip must be a non-negative int"):
+            sampler.skip = bad
+    assert sampler.skip == 0
+
+
 def test_skip_batch_sampler_skips_batches_once():
     batches = list(BatchSampler(range(9), 2, drop_last=False))
     for skip in range(len(batches) + 2):

@@ -343,3 +343,55 @@ def test_dataloader_yields_the_resumed_batches(num_workers):
         assert [b.tolist() for b in loader] == expected[k:]
         if num_workers:
             break
+
+
+# -- start_iter as an attribute (issue 10) -------------------------------------------------------
+
+@pytest.mark.parametrize("make", [
+    lambda: ResumableSequentialSampler(10, batch_size=3),
+    lambda: ResumableRandomSampler(10, seed=SEED, batch_size=3),
+    lambda: ResumableDistributedSampler(20, 2, 1, seed=SEED, batch_size=3),
+], ids=["sequential", "random", "distributed"])
+@pytest.mark.parametrize("k", [1, 2])
+def test_assigning_start_iter_positions_like_set_start_iter(make, k):
+    """Helios users resume with ``sampler.start_iter = k``: it used to be silently ignored."""
+    by_method, by_attribute, full = make(), make(), make()
+    for sampler in (by_method, by_attribute, full):
+        sampler.set_epoch(1)
+    by_method.set_start_iter(k)
+    by_attribute.start_iter = k
+    assert by_attribute.start_iter == k and len(by_attribute) == len(by_method) == full.num_samples - 3 * k
+    expected = list(full)[3 * k:]
+    assert list(by_attribute) == list(by_method) == expected
+    assert by_attribute.start_iter == 0, "spent by the iteration"
+    assert list(by_attribute) == list(full), "used for one iteration only"
+
+
+def test_start_iter_reads_a_start_set_in_samples_and_a_loaded_state():
+    sampler = ResumableSequentialSampler(10, batch_size=4)
+    sampler.set_start_index(9)
+    assert sampler.start_iter == 2  # whole batches: 9 samples are 2 batches and a part
+    other = ResumableSequentialSampler(10, batch_size=4)
+    other.load_state_dict({"epoch": 0, "start_index": 8})
+    assert other.start_iter == 2 and list(other) == [8, 9]
+
+
+@pytest.mark.parametrize("bad", [-1, 1.5, True, None])
+def test_assigning_a_bad_start_iter_is_refused(bad):
+    sampler = ResumableRandomSampler(10, seed=SEED, batch_size=2)
+    with pytest.raises((ValueError, TypeError), match="start_iter must be a non-negative int"):
+        sampler.start_iter = bad
+    assert sampler.start_iter == 0 and len(list(sampler)) == 10
+
+
+@pytest.mark.parametrize("shuffle", [False, True])
+@pytest.mark.parametrize("w, n", [(2, 7), (3, 10), (2, 8)])
+def test_epoch_order_is_the_unpadded_order_the_ranks_share(w, n, shuffle):
+    """What evaluate and predict split over the ranks: every index once, the padded epoch's head."""
+    samplers = [ResumableDistributedSampler(n, w, r, shuffle=shuffle, seed=SEED) for r in range(w)]
+    order = samplers[0].epoch_order(2).tolist()
+    assert sorted(order) == list(range(n))
+    assert order == (spec_permutation(n, SEED, 2) if shuffle else list(range(n)))
+    for r, sampler in enumerate(samplers):
+        sampler.set_epoch(2)
+        assert list(sampler)[:len(order[r::w])] == order[r::w]

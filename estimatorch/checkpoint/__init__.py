@@ -1,0 +1,80 @@
+"""The checkpoint file: format, atomic save, safe load, validation against a fit, discovery of the
+newest usable file, the directory lock, and migration of older format versions.
+
+A checkpoint is one ``torch.save`` file holding only tensors and plain python values, loaded with
+``torch.load(weights_only=True)``: opening a checkpoint can never run code. Format version 2:
+
+- ``format_version``, ``estimatorch_version``, ``torch_version``, ``world_size``;
+- ``model``, ``optimizer``, ``lr_scheduler``, ``grad_scaler``: their ``state_dict()`` (or None);
+  the model's keys are the plain module's, whatever wraps it (``torch.compile``, DDP);
+- ``optimizer_class``: the optimizer's class name (absent from older files);
+- ``ranks``: one snapshot per rank, each with ``position`` (epoch, batch, step, phase, stop),
+  ``plan``, ``handlers`` (every handler's state by name), ``metrics`` (accumulators),
+  ``history``, ``data`` (data-stream state), ``fingerprint`` (what shapes the data stream:
+  dataset length, batch size, drop_last, world size, seed, sampler) and ``rng`` (every
+  generator of that rank).
+
+Version 1 (estimatorch's first layout) held one process's snapshot at the top level;
+:func:`migrate` upgrades it. A file newer than this library is refused
+(:class:`NewerFormatError`), never skipped, pruned or overwritten.
+
+A directory written by :class:`~estimatorch.CheckpointHandler` holds
+``{prefix}-epoch{E}batch{B}.pt`` files, ``{prefix}-best.pt``, the ``{prefix}-latest`` pointer and,
+while a fit writes, the lock file ``.estimatorch.lock``.
+
+Command line::
+
+    python -m estimatorch.checkpoint migrate DIR       # upgrade every older file in DIR
+    python -m estimatorch.checkpoint inspect FILE      # print what a file holds
+"""
+
+from ._cli import main
+from ._files import (
+    atomic_save,
+    best_name,
+    checkpoint_name,
+    latest_name,
+    list_checkpoints,
+    read_latest,
+    remove_orphan_temporaries,
+    write_latest,
+)
+from ._format import (
+    FORMAT_VERSION,
+    MIGRATIONS,
+    CheckpointError,
+    NewerFormatError,
+    build_payload,
+    file_digest,
+    load,
+    migrate,
+    rank_snapshot,
+    read_format_version,
+    validate,
+)
+from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
+from ._model import load_model_state, model_state, plain_key, plain_module
+from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
+from ._validate import check_against_fit, check_training_state, restore_training_state
+
+__all__ = [
+    "FORMAT_VERSION",
+    "LOCK_NAME",
+    "CheckpointError",
+    "DirectoryLock",
+    "DirectoryLockedError",
+    "NewerFormatError",
+    "atomic_save",
+    "build_payload",
+    "check_against_fit",
+    "checkpoint_name",
+    "find_latest",
+    "list_checkpoints",
+    "load",
+    "load_model_state",
+    "migrate",
+    "model_state",
+    "rank_snapshot",
+    "restore_training_state",
+    "validate",
+]

@@ -1,0 +1,225 @@
+"""The files of a checkpoint directory: names, atomic writes, the latest pointer and orphaned
+temporaries."""
+
+from __future__ import annotations
+
+import errno
+import logging
+import os
+import re
+import secrets
+from typing import Any, Callable, Optional, Union
+
+import torch
+
+__all__ = [
+    "atomic_save",
+    "best_name",
+    "checkpoint_name",
+    "latest_name",
+    "list_checkpoints",
+    "read_latest",
+    "remove_orphan_temporaries",
+    "write_latest",
+]
+
+logger = logging.getLogger("estimatorch")
+PathLike = Union[str, "os.PathLike[str]"]
+
+#: ``.{target}.{12 hex digits}.tmp``: the temporary file :func:`atomic_save` writes first.
+_TEMPORARY = re.compile(r"\.(?P<target>.+)\.[0-9a-f]{12}\.tmp")
+#: the targets estimatorch writes (any prefix): periodic, best and pointer files.
+_TARGET = re.compile(r".+-(?:epoch\d+batch\d+\.pt|best\.pt|latest)")
+#: temporaries this process is writing right now (never orphans).
+_IN_FLIGHT: set[str] = set()
+#: errors of a directory fsync that mean "not supported here", not "failed".
+_NO_DIR_FSYNC = {errno.EINVAL, errno.EBADF, errno.EACCES, getattr(errno, "ENOTSUP", errno.EINVAL)}
+
+
+# -- names --------------------------------------------------------------------------------------
+def checkpoint_name(prefix: str, epoch: int, batch: int) -> str:
+    """``{prefix}-epoch{E}batch{B}.pt``: E epochs completed and B batches trained when written."""
+    return f"{prefix}-epoch{epoch}batch{batch}.pt"
+
+
+def best_name(prefix: str) -> str:
+    """``{prefix}-best.pt``: the checkpoint where the monitored metric was best."""
+    return f"{prefix}-best.pt"
+
+
+def latest_name(prefix: str) -> str:
+    """``{prefix}-latest``: a text file naming the newest periodic checkpoint."""
+    return f"{prefix}-latest"
+
+
+def _pattern(prefix: str) -> re.Pattern:
+    return re.compile(rf"{re.escape(prefix)}-epoch(\d+)batch(\d+)\.pt")
+
+
+def list_checkpoints(model_dir: PathLike, prefix: str) -> list[tuple[int, int, str]]:
+    """The periodic checkpoints of ``prefix`` in ``model_dir``, oldest first, as
+    ``(epoch, batch, path)``. Names must match exactly: ``model-epoch1batch10x.pt`` or another
+    prefix's files are never listed (so never deleted by retention)."""
+    model_dir = os.fspath(model_dir)
+    if not os.path.isdir(model_dir):
+        return []
+    pattern = _pattern(prefix)
+    found = []
+    for name in os.listdir(model_dir):
+        match = pattern.fullmatch(name)
+        if match:
+            found.append((int(match.group(1)), int(match.group(2)), os.path.join(model_dir, name)))
+    return sorted(found)
+
+
+# -- writing ------------------------------------------------------------------------------------
+def _write_error(path: str, err: OSError) -> OSError:
+    """``err`` restated so that it names the file being written and keeps its errno."""
+    if err.errno is None:
+        return OSError(f"cannot write {path!r}: {err}")
+    return OSError(err.errno, f"cannot write {path!r}: {err.strerror or os.strerror(err.errno)}")
+
+
+def _fsync_dir(path: str) -> None:
+    """Make a rename in ``path`` durable (where the platform and filesystem allow it)."""
+    try:
+        fd = os.open(path, os.O_RDONLY)
+    except OSError:  # e.g. Windows: directories cannot be opened
+        return
+    try:
+        os.fsync(fd)
+    except OSError as err:
+        if err.errno not in _NO_DIR_FSYNC:
+            raise _write_error(path, err) from err
+    finally:
+        os.close(fd)
+
+
+def _create_temporary(directory: str, name: str) -> tuple[int, str]:
+    """Create ``.{name}.<random>.tmp`` in ``directory`` with the permissions ``open()`` would
+    give (``tempfile.mkstemp`` makes files readable by their owner only)."""
+    flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
+    for _ in range(100):
+        tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        try:
+            return os.open(tmp, flags, 0o666), tmp
+        except FileExistsError:
+            continue
+    raise FileExistsError(f"no free temporary file name for {name!r} in {directory!r}")
+
+
+class _Sink:
+    """The file torch writes to, remembering an ``OSError`` that torch would hide: on a full
+    disk ``torch.save`` reports only ``RuntimeError: [enforce fail ...] unexpected pos``."""
+
+    def __init__(self, file: Any):
+        self.file = file
+        self.error: Optional[OSError] = None
+
+    def write(self, data: Any) -> int:
+        try:
+            return self.file.write(data)
+        except OSError as err:
+            self.error = err
+            raise
+
+    def flush(self) -> None:
+        self.file.flush()
+
+
+def _discard(path: str) -> None:
+    try:
+        os.unlink(path)
+    except FileNotFoundError:
+        pass
+    except OSError as err:  # e.g. the filesystem went read-only: say so, the first error matters more
+        logger.warning("Could not remove the temporary file %s: %s", path, err)
+
+
+def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] = torch.save) -> None:
+    """Write ``obj`` to ``path`` so that ``path`` is either the old file or the complete new one.
+
+    The bytes go to a temporary file in the same directory, which is flushed and fsynced, then
+    renamed over ``path`` with ``os.replace``; the directory is fsynced last.
+
+    Raises:
+        OSError: the write failed (a full disk, an I/O error, a read-only filesystem): the
+            message names ``path`` and the reason, the errno is kept, ``path`` is unchanged and
+            no temporary file is left behind.
+    """
+    path = os.fspath(path)
+    directory = os.path.dirname(os.path.abspath(path))
+    try:
+        fd, tmp = _create_temporary(directory, os.path.basename(path))
+    except OSError as err:
+        raise _write_error(path, err) from err
+    _IN_FLIGHT.add(tmp)
+    try:
+        with os.fdopen(fd, "wb") as f:
+            sink = _Sink(f)
+            try:
+                writer(obj, sink)
+            except OSError:
+                raise
+            except Exception as err:  # torch's stand-in for the OSError its writer met
+                if sink.error is None:
+                    raise
+                raise sink.error from err
+            f.flush()
+            os.fsync(f.fileno())
+        os.replace(tmp, path)
+    except OSError as err:
+        _discard(tmp)
+        raise _write_error(path, err) from err
+    except BaseException:
+        _discard(tmp)
+        raise
+    finally:
+        _IN_FLIGHT.discard(tmp)
+    _fsync_dir(directory)
+
+
+def _write_text(text: str, f: Any) -> None:
+    f.write(text.encode("utf-8"))
+
+
+def write_latest(model_dir: PathLike, prefix: str, path: PathLike) -> None:
+    """Point ``{prefix}-latest`` at ``path`` (atomically; written after the checkpoint)."""
+    atomic_save(os.path.basename(os.fspath(path)) + "\n",
+                os.path.join(os.fspath(model_dir), latest_name(prefix)), writer=_write_text)
+
+
+def read_latest(model_dir: PathLike, prefix: str) -> Optional[str]:
+    """The file name ``{prefix}-latest`` names, or None when it is missing or unreadable."""
+    try:
+        with open(os.path.join(os.fspath(model_dir), latest_name(prefix)), encoding="utf-8") as f:
+            name = f.read().strip()
+    except (OSError, UnicodeDecodeError):
+        return None
+    return name or None
+
+
+def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
+    """Delete the temporary files of writers that are gone; return their names.
+
+    Only estimatorch's own pattern (``.{prefix}-epoch{E}batch{B}.pt.<hex>.tmp``, and the same
+    for ``-best.pt`` and ``-latest``) is touched, never a temporary this process is writing. The
+    caller holds the directory's lock, so no other live process writes here.
+    """
+    model_dir = os.fspath(model_dir)
+    try:
+        names = os.listdir(model_dir)
+    except FileNotFoundError:
+        return []
+    removed = []
+    for name in names:
+        match = _TEMPORARY.fullmatch(name)
+        path = os.path.join(model_dir, name)
+        if match is None or not _TARGET.fullmatch(match.group("target")) or path in _IN_FLIGHT:
+            continue
+        try:
+            os.remove(path)
+        except FileNotFoundError:
+            continue
+        removed.append(name)
+    return removed

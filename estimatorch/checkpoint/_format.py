@@ -1,0 +1,242 @@
+"""The payload of a checkpoint file: building it, reading it safely, upgrading older versions and
+checking its layout."""
+
+from __future__ import annotations
+
+import hashlib
+import os
+from collections import OrderedDict
+from typing import Any, Callable, Optional
+
+import torch
+
+from ._files import PathLike
+from ._model import model_state
+
+__all__ = [
+    "FORMAT_VERSION",
+    "CheckpointError",
+    "NewerFormatError",
+    "build_payload",
+    "file_digest",
+    "load",
+    "migrate",
+    "rank_snapshot",
+    "read_format_version",
+    "validate",
+]
+
+FORMAT_VERSION = 2
+_SNAPSHOT_KEYS = ("position", "plan", "handlers", "metrics", "history", "data", "fingerprint", "rng")
+#: what a version-2 snapshot adds (``Estimator._resume_plan`` / ``_restore`` read both).
+_SNAPSHOT_KEYS_2 = (*_SNAPSHOT_KEYS, "partial", "evaluated")
+_TOP_KEYS = ("model", "optimizer", "lr_scheduler", "grad_scaler", "ranks", "world_size")
+_PLAIN = (type(None), bool, int, float, str, bytes)
+
+
+class CheckpointError(ValueError):
+    """A checkpoint that cannot be used: unreadable, invalid, too new, or for other data."""
+
+
+class NewerFormatError(CheckpointError):
+    """A checkpoint written by a newer estimatorch: never skipped, pruned or overwritten."""
+
+
+def _check_safe(obj: Any, where: str) -> None:
+    """Refuse anything ``torch.load(weights_only=True)`` would not load back."""
+    if type(obj) in _PLAIN or isinstance(obj, (torch.Tensor, torch.Size, torch.dtype, torch.device)):
+        return
+    if type(obj) in (dict, OrderedDict):
+        for key, value in obj.items():
+            if type(key) not in _PLAIN:
+                raise TypeError(f"checkpoint state {where} has a key of type {type(key).__name__}")
+            _check_safe(value, f"{where}[{key!r}]")
+        return
+    if type(obj) in (list, tuple):
+        for i, value in enumerate(obj):
+            _check_safe(value, f"{where}[{i}]")
+        return
+    raise TypeError(
+        f"checkpoint state {where} is a {type(obj).__name__}; a checkpoint holds only tensors and "
+        "plain python values (dict, list, tuple, str, int, float, bool, None) so that loading it can "
+        "never run code. Convert it in that handler's state_dict()."
+    )
+
+
+def build_payload(estimator: Any) -> Optional[dict[str, Any]]:
+    """Everything needed to resume ``estimator``'s current fit. A collective under
+    torch.distributed: every rank must call it (each contributes its snapshot); global rank 0
+    gets the payload, the other ranks None.
+
+    The model's state has the plain module's keys whatever wraps it (``torch.compile``, DDP).
+    """
+    from .. import __version__, distributed
+
+    snapshot = estimator._snapshot(estimator._run)
+    ranks = distributed.gather_to_main(snapshot)
+    if ranks is None:  # not rank 0: its snapshot went there
+        return None
+    for other in ranks[1:]:  # states the same on every rank are stored once, with rank 0's
+        for name in snapshot.get("shared", ()):
+            other["handlers"].pop(name, None)
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "estimatorch_version": __version__,
+        "torch_version": str(torch.__version__),
+        "world_size": len(ranks),
+        "model": model_state(estimator.net),
+        "optimizer": estimator.optimizer.state_dict(),
+        "optimizer_class": type(estimator.optimizer).__name__,
+        "lr_scheduler": estimator.lr_scheduler.state_dict() if estimator.lr_scheduler is not None else None,
+        "grad_scaler": estimator.grad_scaler.state_dict() if estimator.grad_scaler is not None else None,
+        "ranks": ranks,
+    }
+    _check_safe(payload, "payload")
+    return payload
+
+
+# -- versions -----------------------------------------------------------------------------------
+def _migrate_1_to_2(payload: dict[str, Any]) -> dict[str, Any]:
+    """Version 1 kept one process's snapshot at the top level (``format_version`` 1, the keys of
+    ``_SNAPSHOT_KEYS``, an optional ``evaluated``, and the training states), and neither the
+    library versions nor ``partial``."""
+    snapshot = {key: payload[key] for key in _SNAPSHOT_KEYS}
+    snapshot["partial"] = False
+    snapshot["evaluated"] = payload.get("evaluated", False)
+    return {
+        "format_version": 2,
+        "estimatorch_version": "unknown (format 1)",
+        "torch_version": "unknown (format 1)",
+        "world_size": 1,
+        "model": payload["model"],
+        "optimizer": payload["optimizer"],
+        "lr_scheduler": payload.get("lr_scheduler"),
+        "grad_scaler": payload.get("grad_scaler"),
+        "ranks": [snapshot],
+    }
+
+
+#: version -> function upgrading a payload of that version to the next one.
+MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _migrate_1_to_2}
+
+
+def _version(payload: Any, source: str) -> int:
+    version = payload.get("format_version") if isinstance(payload, dict) else None
+    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+        raise CheckpointError(f"{source} is not an estimatorch checkpoint (format_version={version!r})")
+    if version > FORMAT_VERSION:
+        raise newer_format_error(source, version)
+    return version
+
+
+def newer_format_error(source: str, version: int) -> NewerFormatError:
+    """The error for a file of format ``version`` > :data:`FORMAT_VERSION`."""
+    return NewerFormatError(
+        f"{source} was written by a newer estimatorch (format {version}; this one reads up to format "
+        f"{FORMAT_VERSION}); upgrade, or choose another model_dir. The file is left untouched.")
+
+
+def migrate(payload: dict[str, Any], source: str = "checkpoint") -> dict[str, Any]:
+    """Upgrade ``payload`` to :data:`FORMAT_VERSION`.
+
+    Raises:
+        NewerFormatError: a newer version than this library reads.
+        CheckpointError: not an estimatorch payload, or an old one that lacks what it needs.
+    """
+    version = _version(payload, source)
+    while version < FORMAT_VERSION:
+        try:
+            payload = MIGRATIONS[version](payload)
+        except KeyError as err:  # a damaged old file: say so instead of a bare KeyError
+            raise CheckpointError(f"{source} has format version {version} but lacks {err}; "
+                                  "it cannot be upgraded") from err
+        version = payload["format_version"]
+    return payload
+
+
+def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
+    """Raise :class:`CheckpointError` naming what a (current-version) payload lacks.
+
+    This checks the layout only; :func:`estimatorch.checkpoint.check_against_fit` checks every
+    key, type and shape a resume reads against the fit it resumes.
+    """
+    for key in ("format_version", *_TOP_KEYS):
+        if key not in payload:
+            raise CheckpointError(f"{source} is missing {key!r}")
+    world_size = payload["world_size"]
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise CheckpointError(f"{source}: world_size must be a positive int, got {world_size!r}")
+    ranks = payload["ranks"]
+    if not isinstance(ranks, list) or len(ranks) != world_size:
+        raise CheckpointError(f"{source} holds {len(ranks) if isinstance(ranks, list) else ranks!r} "
+                              f"rank snapshots for world size {world_size}")
+    for rank, snapshot in enumerate(ranks):
+        if not isinstance(snapshot, dict):
+            raise CheckpointError(f"{source}: the snapshot of rank {rank} is a {type(snapshot).__name__}, not a dict")
+        for key in _SNAPSHOT_KEYS_2:
+            if key not in snapshot:
+                raise CheckpointError(f"{source}: the snapshot of rank {rank} is missing {key!r}")
+        if not isinstance(snapshot["handlers"], dict):
+            raise CheckpointError(f"{source}: the handler states of rank {rank} are a "
+                                  f"{type(snapshot['handlers']).__name__}, not a dict")
+        shared = snapshot.get("shared", [])
+        if not isinstance(shared, (list, tuple)) or not all(isinstance(name, str) for name in shared):
+            raise CheckpointError(f"{source}: 'shared' of rank {rank} must be a list of handler names, got {shared!r}")
+
+
+def _read(path: str, **kwargs: Any) -> Any:
+    """``torch.load(weights_only=True)`` on the CPU, with the reason in words when it fails."""
+    try:
+        return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+    except FileNotFoundError:
+        raise
+    except Exception as err:  # truncated, corrupt, or holding objects weights_only refuses
+        size = os.path.getsize(path) if os.path.exists(path) else None
+        reason = ("the file is empty (0 bytes): a write that never completed" if size == 0
+                  else str(err).strip() or f"{type(err).__name__} (a truncated or damaged file)")
+        raise CheckpointError(f"cannot read checkpoint {path!r}: {reason}") from err
+
+
+def load(path: PathLike) -> dict[str, Any]:
+    """Load, migrate and check the layout of a checkpoint (tensors on the CPU), without running
+    code.
+
+    Raises:
+        NewerFormatError: the file was written by a newer estimatorch.
+        CheckpointError: the file is unreadable or invalid.
+        FileNotFoundError: there is no such file.
+    """
+    path = os.fspath(path)
+    payload = migrate(_read(path), source=repr(path))
+    validate(payload, source=repr(path))
+    return payload
+
+
+def read_format_version(path: PathLike) -> Optional[int]:
+    """The format version of a checkpoint file, reading little more than its header (tensors are
+    memory-mapped, not read); None when the file cannot be read as a checkpoint."""
+    path = os.fspath(path)
+    try:
+        payload = _read(path, mmap=True)
+    except (CheckpointError, OSError):
+        return None
+    version = payload.get("format_version") if isinstance(payload, dict) else None
+    return version if isinstance(version, int) and not isinstance(version, bool) else None
+
+
+def file_digest(path: PathLike) -> str:
+    """A SHA-256 of the file's bytes: ranks compare it to know they read the same checkpoint."""
+    h = hashlib.sha256()
+    with open(os.fspath(path), "rb") as f:
+        for block in iter(lambda: f.read(1 << 20), b""):
+            h.update(block)
+    return h.hexdigest()
+
+
+def rank_snapshot(payload: dict[str, Any], rank: int) -> dict[str, Any]:
+    """Rank ``rank``'s snapshot, with the states stored once (see ``shared_state``) filled in."""
+    snapshot = dict(payload["ranks"][rank])
+    shared = payload["ranks"][0]["handlers"]
+    snapshot["handlers"] = {**{name: shared[name] for name in snapshot.get("shared", ()) if name in shared},
+                            **snapshot["handlers"]}
+    return snapshot

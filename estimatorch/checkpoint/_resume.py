@@ -1,0 +1,151 @@
+"""Which checkpoint a fit resumes from: the newest that loads and validates against the fit,
+chosen by global rank 0 and checked by every rank (same bytes, valid for that rank)."""
+
+from __future__ import annotations
+
+import logging
+import os
+from typing import Any, Callable, Optional
+
+from .. import distributed
+from ._files import PathLike, best_name, list_checkpoints
+from ._format import (FORMAT_VERSION, CheckpointError, NewerFormatError, file_digest, load, newer_format_error,
+                      read_format_version)
+from ._validate import check_against_fit
+
+__all__ = ["agree_on_checkpoint", "choose_checkpoint", "find_latest", "format_versions", "refuse_newer"]
+
+logger = logging.getLogger("estimatorch")
+Found = tuple[str, dict[str, Any]]
+
+
+def _newest_valid(model_dir: PathLike, prefix: str, check: Optional[Callable[[str, dict[str, Any]], None]],
+                  reasons: dict[str, str]) -> Optional[Found]:
+    for _, _, path in reversed(list_checkpoints(model_dir, prefix)):
+        try:
+            payload = load(path)
+            if check is not None:
+                check(path, payload)
+            return path, payload
+        except NewerFormatError:
+            raise
+        except FileNotFoundError:  # removed since it was listed
+            continue
+        except (CheckpointError, OSError) as err:  # the message names the file
+            logger.warning("Skipping a checkpoint: %s", err)
+            reasons[path] = str(err)
+    return None
+
+
+def find_latest(model_dir: PathLike, prefix: str,
+                check: Optional[Callable[[str, dict[str, Any]], None]] = None) -> Optional[Found]:
+    """The newest checkpoint of ``prefix`` (most epochs, then batches) that loads, validates and
+    passes ``check(path, payload)``, as ``(path, payload)``; a file that fails is skipped with a
+    warning. None when there is none.
+
+    The ``{prefix}-latest`` pointer is not needed to choose: a crash between writing a checkpoint
+    and its pointer must not hide that checkpoint.
+
+    Raises:
+        NewerFormatError: a file newer than the one chosen was written by a newer estimatorch
+            (never skipped: a newer run may be using this directory).
+    """
+    return _newest_valid(model_dir, prefix, check, {})
+
+
+def format_versions(model_dir: PathLike, prefix: str) -> dict[str, Optional[int]]:
+    """The format version of each checkpoint of ``prefix`` in ``model_dir`` (periodic files,
+    oldest first, then the best file), None for a file that cannot be read as a checkpoint."""
+    paths = [path for _, _, path in list_checkpoints(model_dir, prefix)]
+    best = os.path.join(os.fspath(model_dir), best_name(prefix))
+    if os.path.isfile(best):
+        paths.append(best)
+    return {path: read_format_version(path) for path in paths}
+
+
+def refuse_newer(versions: dict[str, Optional[int]]) -> None:
+    """Raise :class:`NewerFormatError` for the first file of a format newer than this library's."""
+    for path, version in versions.items():
+        if version is not None and version > FORMAT_VERSION:
+            raise newer_format_error(repr(path), version)
+
+
+def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple[Optional[Found], list[str]]:
+    """On global rank 0: the newest checkpoint that loads and validates against ``estimator``'s
+    current fit, and the newer paths skipped on the way (each reported with a warning).
+
+    Raises:
+        NewerFormatError: a newer-format file was met.
+        CheckpointError: checkpoints exist but none can resume this fit (the reasons are listed).
+    """
+    reasons: dict[str, str] = {}
+
+    def check(path: str, payload: dict[str, Any]) -> None:
+        check_against_fit(estimator, payload, distributed.get_rank(), repr(path))
+
+    found = _newest_valid(model_dir, prefix, check, reasons)
+    if found is None and reasons:
+        listed = "; ".join(list(reasons.values())[:3]) + ("; ..." if len(reasons) > 3 else "")
+        raise CheckpointError(
+            f"none of the {len(reasons)} checkpoints of prefix {prefix!r} in {os.fspath(model_dir)!r} can resume "
+            f"this fit: {listed}. Nothing was changed: make the fit match them (model, optimizer, handlers), "
+            "move the files away, or choose another model_dir.")
+    return found, list(reasons)
+
+
+def _check_world_size(path: str, payload: dict[str, Any]) -> None:
+    if payload["world_size"] != distributed.get_world_size():
+        raise CheckpointError(f"{path} was written by {payload['world_size']} processes; this run has "
+                              f"{distributed.get_world_size()}: resume with the same world size")
+
+
+def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, rank: int) -> Found:
+    """On a rank other than 0: the file rank 0 chose, from this rank's ``model_dir``, checked to
+    hold the same bytes and to fit this rank."""
+    path = os.path.join(os.fspath(model_dir), name)
+    hint = ("every rank must see the checkpoints rank 0 writes: use a model_dir on a filesystem shared by "
+            "all nodes, or copy the files to each node's model_dir before resuming")
+    if not os.path.isfile(path):
+        raise CheckpointError(f"rank {rank} has no {name} in its model_dir {os.fspath(model_dir)!r}, the "
+                              f"checkpoint rank 0 resumes from; {hint}")
+    if file_digest(path) != digest:
+        raise CheckpointError(f"rank {rank} reads other bytes in {path} than rank 0 (another file of the same "
+                              f"name, or a copy still being written); {hint}")
+    payload = load(path)
+    _check_world_size(path, payload)
+    check_against_fit(estimator, payload, rank, repr(path))
+    return path, payload
+
+
+def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Found],
+                        accept: Callable[[str, dict[str, Any]], None]) -> Optional[Found]:
+    """Every rank: resume from rank 0's choice ``found`` (ignored elsewhere), or from nothing.
+
+    Rank 0 sends the file's name and a digest of its bytes; every other rank loads that name from
+    its own ``model_dir``, checks it reads the same bytes and that the file fits it; then every
+    rank calls ``accept(path, payload)`` (the estimator's own checks). The outcome is agreed in
+    one collective: a rank that cannot resume is an error on every rank, never a hang.
+
+    Raises:
+        CheckpointError: (on every rank) a rank could not resume from the chosen file.
+    """
+    rank, multi = distributed.get_rank(), distributed.is_distributed()
+    if multi:
+        sent = (os.path.basename(found[0]), file_digest(found[0])) if rank == 0 and found is not None else None
+        chosen = distributed.broadcast_object(sent)
+    error: Optional[BaseException] = None
+    try:
+        if multi and rank != 0:
+            found = None if chosen is None else _load_as_rank(estimator, model_dir, *chosen, rank)
+        if found is not None:
+            _check_world_size(*found)
+            accept(*found)
+    except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
+        error = err
+    failure = distributed.share_outcome(error)
+    if failure is None:
+        return found
+    failed, exception = failure
+    if failed == rank:
+        raise exception
+    raise CheckpointError(f"rank {failed} cannot resume: {exception}") from exception

@@ -1,0 +1,125 @@
+"""The loop ``evaluate`` and ``predict`` share: ``val_net`` in eval mode without gradients, every
+random generator kept, the four epoch/batch events fired, over this rank's share of the data
+(:mod:`._sharding`)."""
+
+from __future__ import annotations
+
+import contextlib
+from collections.abc import Iterable, Iterator, Mapping, Sized
+from typing import Any, Callable
+
+import torch
+
+from .. import distributed, rng
+from ..metrics.base import split_loss_metrics, update_metrics
+from ._data import to_device
+from ._dispatch import Dispatch, check_handlers, order_handlers
+from ._sharding import InferenceData, for_inference
+
+__all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
+
+#: ``step(batch) -> (pred, label, loss)``: what ``batch_end`` handlers receive.
+Step = Callable[[Any], "tuple[Any, Any, Any]"]
+
+
+def check_inference_args(data: Any, arg: str, batch_axis: Any, event_handlers: Any, *,
+                         check_empty: bool = True) -> list[Any]:
+    """Check ``evaluate``/``predict`` arguments before any work; returns the handler list.
+
+    Args:
+        check_empty: refuse data known to be empty (a length of 0). Defaults to True; evaluate
+            under torch.distributed leaves it to the ranks' agreement (a rank may hold nothing).
+    """
+    if isinstance(data, torch.Tensor):
+        raise TypeError(f"{arg} must be an iterable of batches (a DataLoader, a list...), got Tensor; for one "
+                        "tensor x pass [x] (one batch) or DataLoader(TensorDataset(x), batch_size=...)")
+    if isinstance(data, (str, bytes, Mapping)) or not isinstance(data, Iterable):
+        raise TypeError(f"{arg} must be an iterable of batches (a DataLoader, a list...), got {type(data).__name__}")
+    if check_empty and isinstance(data, Sized):
+        try:
+            empty = len(data) == 0
+        except TypeError:  # a DataLoader over an IterableDataset has no length
+            empty = False
+        if empty:
+            raise ValueError(f"{arg} is empty: a {type(data).__name__} of length 0")
+    if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
+        raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
+    return check_handlers(event_handlers)
+
+
+@contextlib.contextmanager
+def _inference_mode(estimator: Any) -> Iterator[None]:
+    """``val_net`` in eval mode without gradients; its mode and every generator restored after.
+
+    A DataLoader draws its workers' base seed from the global generator: evaluating must not
+    shift the training's random stream (dropout) by validating or not.
+    """
+    net = estimator.val_net
+    was_training = net.training
+    net.eval()
+    try:
+        with torch.no_grad(), rng.keep_random_state():
+            yield
+    finally:
+        net.train(was_training)
+
+
+def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Dispatch:
+    """The caller's handlers, and during ``fit`` the companions fit's handlers attach (the
+    progress bar's validation bar), which see this rank's batches."""
+    handlers = list(handlers)
+    for handler in estimator.handlers:
+        companions = getattr(handler, "evaluation_handlers", None)
+        if companions is not None:
+            handlers.extend(companions(batches))
+    return Dispatch(order_handlers(handlers, []))
+
+
+def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[Any], step: Step, *,
+                agree_on_empty: bool) -> InferenceData:
+    """Fire ``epoch_begin``, then per batch ``batch_begin``, ``step``, ``batch_end``, then
+    ``epoch_end``, over this rank's batches of ``data``.
+
+    Args:
+        agree_on_empty: with data each rank holds itself, under torch.distributed, raise only
+            when no rank saw a batch (one collective, every rank alike); else raise when this
+            rank saw none.
+
+    Raises:
+        ValueError: no batches (before ``epoch_end``).
+    """
+    with _inference_mode(estimator):
+        shard = for_inference(data, arg)
+        dispatch = _dispatch(estimator, handlers, shard.batches)
+        device = estimator.device
+        dispatch.fire("epoch_begin", estimator)
+        seen = 0
+        for batch in shard.batches:
+            batch = to_device(batch, device)
+            dispatch.fire("batch_begin", estimator, batch=batch)
+            pred, label, loss = step(batch)
+            dispatch.fire("batch_end", estimator, batch=batch, pred=pred, label=label, loss=loss)
+            seen += 1
+        if not shard.split:  # a split loader was checked for batches before it started
+            if agree_on_empty and distributed.is_distributed():
+                seen = sum(distributed.gather_objects(seen))
+            if seen == 0:
+                raise ValueError(f"{arg} yielded no batches")
+        dispatch.fire("epoch_end", estimator)
+    return shard
+
+
+def evaluate_batches(estimator: Any, val_data: Iterable[Any], batch_axis: int, handlers: list[Any]) -> None:
+    """Reset the val metrics and update them over ``val_data`` (``Estimator.evaluate``'s loop)."""
+    loss_metrics, other_metrics = split_loss_metrics(estimator.val_metrics)
+    for metric in estimator.val_metrics:
+        metric.reset()
+    evaluate_batch = estimator.batch_processor.evaluate_batch
+
+    def step(batch: Any) -> tuple[Any, Any, Any]:
+        _, label, pred, loss = evaluate_batch(estimator, batch, batch_axis)
+        update_metrics(loss_metrics, other_metrics, pred, label, loss)
+        return pred, label, loss
+
+    # compute() is a collective: every rank calls evaluate, so agreeing on emptiness is safe.
+    run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True)

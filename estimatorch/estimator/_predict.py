@@ -1,0 +1,105 @@
+"""``Estimator.predict``: the forward of every batch, outputs joined on the CPU in sample order."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Mapping, Sequence
+from typing import Any
+
+import torch
+
+from .. import distributed
+from ._evaluation import check_inference_args, run_batches
+
+__all__ = ["join_outputs", "run_prediction"]
+
+
+class _Ragged(Exception):
+    """Per-batch outputs that do not join into one structure."""
+
+
+def _to_host(obj: Any, non_blocking: bool) -> Any:
+    """Every tensor of a (nested) output on the CPU; asynchronous from CUDA (the caller
+    synchronises once, before the values are read)."""
+    if isinstance(obj, torch.Tensor):
+        return obj.detach().to("cpu", non_blocking=non_blocking)
+    if isinstance(obj, tuple):
+        moved = [_to_host(x, non_blocking) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
+    if isinstance(obj, list):
+        return [_to_host(x, non_blocking) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: _to_host(v, non_blocking) for k, v in obj.items()}
+    return obj
+
+
+def _join(items: Sequence[Any], axis: int) -> Any:
+    first = items[0]
+    if isinstance(first, torch.Tensor):
+        if first.dim() <= axis or not all(isinstance(t, torch.Tensor) for t in items):
+            raise _Ragged
+        try:
+            return torch.cat(list(items), dim=axis)
+        except RuntimeError as err:  # shapes differ off the batch axis
+            raise _Ragged from err
+    if isinstance(first, list):
+        if not all(isinstance(x, list) for x in items):
+            raise _Ragged
+        return [x for item in items for x in item]
+    if isinstance(first, tuple):
+        if not all(type(x) is type(first) and len(x) == len(first) for x in items):
+            raise _Ragged
+        joined = [_join([x[i] for x in items], axis) for i in range(len(first))]
+        return type(first)(*joined) if hasattr(first, "_fields") else tuple(joined)
+    if isinstance(first, Mapping):
+        keys = list(first)
+        if not all(isinstance(x, Mapping) and list(x) == keys for x in items):
+            raise _Ragged
+        return {k: _join([x[k] for x in items], axis) for k in keys}
+    raise _Ragged
+
+
+def join_outputs(outputs: Sequence[Any], batch_axis: int = 0) -> Any:
+    """Join per-batch outputs (in batch order) into what ``predict`` returns.
+
+    A tensor is concatenated along ``batch_axis``; a tuple (a namedtuple stays one) or a dict
+    gives the same structure with each element joined; a list (per-sample outputs, e.g. a
+    detection model's list of dicts) is joined into one list. When the outputs do not join
+    (not tensors, 0-dim tensors, shapes that differ off the batch axis, structures that differ
+    between batches), the list of per-batch outputs is returned.
+
+    Example:
+        >>> join_outputs([torch.zeros(2, 3), torch.ones(1, 3)]).shape
+        torch.Size([3, 3])
+        >>> join_outputs([(torch.zeros(2), ["a", "b"]), (torch.ones(1), ["c"])])
+        (tensor([0., 0., 1.]), ['a', 'b', 'c'])
+        >>> join_outputs([torch.tensor(0.5), torch.tensor(1.5)])
+        [tensor(0.5000), tensor(1.5000)]
+    """
+    try:
+        return _join(outputs, batch_axis)
+    except _Ragged:
+        return list(outputs)
+
+
+def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_handlers: Any) -> Any:
+    """``Estimator.predict`` (see its docstring)."""
+    handlers = check_inference_args(data, "data", batch_axis, event_handlers)
+    processor = estimator.batch_processor
+    predict_batch = getattr(processor, "predict_batch", None)
+    non_blocking = estimator.device.type == "cuda"
+    outputs: list[Any] = []
+
+    def step(batch: Any) -> tuple[Any, Any, Any]:
+        if predict_batch is not None:
+            pred = predict_batch(estimator, batch, batch_axis)
+        else:  # a batch processor of its own without a predict step: its evaluation forward
+            _, _, pred, _ = processor.evaluate_batch(estimator, batch, batch_axis)
+        outputs.append(_to_host(pred, non_blocking))
+        return pred, None, None
+
+    shard = run_batches(estimator, data, "data", handlers, step, agree_on_empty=False)
+    if non_blocking:
+        torch.cuda.synchronize(estimator.device)  # the copies to the host are complete
+    if shard.split:
+        outputs = shard.merge(distributed.gather_objects(outputs))
+    return join_outputs(outputs, batch_axis)

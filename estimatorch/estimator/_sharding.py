@@ -1,0 +1,180 @@
+"""What ``evaluate`` and ``predict`` iterate on this rank: under ``torch.distributed``, the batches
+one process would see, shared out over the ranks without padding.
+
+A map-style :class:`~torch.utils.data.DataLoader` is rebuilt (its settings kept) so that rank ``r``
+of ``w`` iterates batches ``r, r + w, r + 2w, ...`` of the sequence one process would iterate:
+
+- with torch's ``DistributedSampler`` or a
+  :class:`~estimatorch.samplers.ResumableDistributedSampler`: that sampler's epoch order before
+  it pads and shards (its seed, epoch and shuffle kept; its ``drop_last`` does not apply: every
+  sample is evaluated once), in batches of the loader's ``batch_size`` and ``drop_last``;
+- with a ``SequentialSampler``: ``0 .. n-1``;
+- with any other sampler or batch sampler: what it yields on rank 0 (every rank iterates it,
+  rank 0's order is broadcast, so a random order agrees across ranks).
+
+Every batch is then evaluated exactly once, as in one process, so metric values equal the
+single-process ones (up to the order of float additions); ranks may get different numbers of
+batches (one at most), which is fine because ``evaluate`` runs the plain module and metrics
+reduce once, in ``compute()``.
+
+Used as it is, each rank iterating its own data: a loader whose sampler already shards without
+padding (:class:`estimatorch.samplers.DistributedSampler` / ``DistributedBatchSampler``) or
+looks distributed but unknown (it has ``num_replicas`` and ``rank``: a warning), and anything that
+is not a map-style loader (a list of batches, a loader over an ``IterableDataset``, a
+generator), as ``fit`` does with its training data.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import warnings
+import weakref
+from collections.abc import Iterable, Iterator, Sequence
+from typing import Any, Callable, Optional
+
+import torch
+from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
+
+from .. import distributed
+from ..samplers import composable
+from ..samplers.resumable import ResumableDistributedSampler
+from ._data import _loader_kwargs
+
+__all__ = ["InferenceData", "for_inference"]
+
+
+@dataclasses.dataclass
+class InferenceData:
+    """The batches this rank iterates, and how they relate to the other ranks'.
+
+    ``split`` is True when they are this rank's round-robin share of ``total`` global batches
+    (global batch ``i`` on rank ``i % world``); False when they are this rank's own data.
+    """
+
+    batches: Iterable[Any]
+    split: bool = False
+    total: int = 0
+    rank: int = 0
+    world: int = 1
+
+    def merge(self, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
+        """Per-batch results of every rank (in rank order) back in the global batch order."""
+        return [per_rank[i % self.world][i // self.world] for i in range(self.total)]
+
+
+class _RoundRobin:
+    """Rank ``rank``'s share of ``units`` (index batches, or single indices): unit ``i`` goes to
+    rank ``i % world``. ``units`` can be replaced between iterations (persistent workers)."""
+
+    def __init__(self, units: Sequence[Any], rank: int, world: int):
+        self.units, self.rank, self.world = units, rank, world
+
+    def __len__(self) -> int:
+        return len(range(self.rank, len(self.units), self.world))
+
+    def __iter__(self) -> Iterator[Any]:
+        for i in range(self.rank, len(self.units), self.world):
+            unit = self.units[i]
+            yield unit.tolist() if isinstance(unit, torch.Tensor) else unit
+
+
+#: rebuilt loaders of sources with persistent workers, so their workers persist across calls.
+_REBUILT: "weakref.WeakKeyDictionary[DataLoader, tuple[tuple[int, int], DataLoader, _RoundRobin]]" = \
+    weakref.WeakKeyDictionary()
+
+
+def _active_sampler(loader: DataLoader) -> Any:
+    return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
+
+
+def _shards_itself(loader: DataLoader) -> bool:
+    """True when the loader's sampler already gives each rank its own share (used as it is)."""
+    for obj in composable._chain(_active_sampler(loader)):
+        if type(obj) in (DistributedSampler, ResumableDistributedSampler):
+            return False  # known: its unpadded order is reconstructed
+        if isinstance(obj, composable.DistributedSampler):
+            return True  # shards round-robin without padding
+        if hasattr(obj, "num_replicas") and hasattr(obj, "rank"):
+            warnings.warn(
+                f"{type(obj).__name__} looks like a distributed sampler that estimatorch cannot see "
+                "through: each rank evaluates what it yields, as it is (samples it pads count twice). "
+                "Use torch's DistributedSampler, estimatorch's samplers or a plain loader to have every "
+                "sample evaluated once.", stacklevel=6)
+            return True
+    return False
+
+
+def _known_order(sampler: Any) -> Optional[torch.Tensor]:
+    """The order one process would iterate, computed without a collective; None if unknown."""
+    if type(sampler) is SequentialSampler:
+        return torch.arange(len(sampler))
+    if type(sampler) is DistributedSampler:  # torch's own recipe, before padding and sharding
+        n = len(sampler.dataset)
+        if not sampler.shuffle:
+            return torch.arange(n)
+        generator = torch.Generator()
+        generator.manual_seed(sampler.seed + sampler.epoch)
+        return torch.randperm(n, generator=generator)
+    if type(sampler) is ResumableDistributedSampler:
+        return sampler.epoch_order(sampler.epoch)
+    return None
+
+
+def _rank0s(make: Callable[[], list[Any]]) -> list[Any]:
+    """``make()`` as rank 0 computed it: every rank runs it (random generators stay in step
+    across ranks), rank 0's result is broadcast."""
+    return distributed.broadcast_object(make())
+
+
+def _global_units(loader: DataLoader) -> Sequence[Any]:
+    """What one process would iterate: index batches (or single indices without batching)."""
+    batch_sampler = loader.batch_sampler
+    if batch_sampler is not None and type(batch_sampler) is not BatchSampler:  # a custom one
+        return _rank0s(lambda: [b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in batch_sampler])
+    sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
+    order = _known_order(sampler)
+    if order is None:
+        order = _rank0s(lambda: list(sampler))
+    if batch_sampler is None:
+        return order
+    size = batch_sampler.batch_size
+    units = [order[i:i + size] for i in range(0, len(order), size)]
+    if units and batch_sampler.drop_last and len(units[-1]) < size:
+        units.pop()
+    return units
+
+
+def _rebuilt(loader: DataLoader, units: Sequence[Any], rank: int, world: int) -> DataLoader:
+    key = (rank, world)
+    if loader.persistent_workers:
+        cached = _REBUILT.get(loader)
+        if cached is not None and cached[0] == key:
+            cached[2].units = units
+            return cached[1]
+    share = _RoundRobin(units, rank, world)
+    kwargs = dict(collate_fn=loader.collate_fn, generator=loader.generator, **_loader_kwargs(loader))
+    if loader.batch_sampler is not None:
+        rebuilt = DataLoader(loader.dataset, batch_sampler=share, **kwargs)
+    else:
+        rebuilt = DataLoader(loader.dataset, batch_size=None, sampler=share, **kwargs)
+    if loader.persistent_workers:
+        _REBUILT[loader] = (key, rebuilt, share)
+    return rebuilt
+
+
+def for_inference(data: Iterable[Any], arg: str) -> InferenceData:
+    """This rank's batches of ``data`` for ``evaluate`` / ``predict`` (see the module notes).
+
+    Raises:
+        ValueError: a map-style loader that yields no batches at all (on every rank alike).
+    """
+    if not distributed.is_distributed() or not isinstance(data, DataLoader) \
+            or isinstance(data.dataset, IterableDataset) or _shards_itself(data):
+        return InferenceData(data)
+    units = _global_units(data)
+    if len(units) == 0:
+        raise ValueError(f"{arg} yields no batches: {len(data.dataset)} samples with batch_size="
+                         f"{data.batch_size} and drop_last={data.drop_last}")
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    return InferenceData(_rebuilt(data, units, rank, world), split=True, total=len(units), rank=rank,
+                         world=world)

@@ -1,0 +1,135 @@
+"""Fault injection: SIGKILL a process that writes a checkpoint after every batch, at seeded random
+moments (a timer from the start of fit) and at seeded points inside the write sequence (inside
+``torch.save``, before a rename, before the pointer, before a prune, before an fsync). After each
+kill a fresh process resumes: it must pick the newest complete file, end bit-identical to an
+uninterrupted run (parameters, optimizer state, every later step's loss), and leave no temporary
+file behind. The pointer must never name a missing file.
+
+Each process resumes the previous trial's directory, then runs the next trial and is killed:
+one python start-up per trial.
+"""
+
+from __future__ import annotations
+
+import collections
+import os
+import random
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from estimatorch import checkpoint
+from estimatorch.checkpoint import LOCK_NAME
+from tests.conftest import assert_tree_equal
+from tests.integration.checkpoint_worker import MAX_CHECKPOINTS, STEPS
+
+WORKER = os.path.join(os.path.dirname(__file__), "checkpoint_worker.py")
+SEED = 20240917
+TIMER_TRIALS = 20
+#: (how, how many trials): kills at seeded points of the write sequence.
+STAGED = [("bytes", 3), ("replace-checkpoint", 2), ("replace-pointer", 2), ("remove", 2), ("fsync", 1)]
+
+
+def _run(*args, expect_kill):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=300)
+    want = -signal.SIGKILL if expect_kill else 0
+    assert proc.returncode == want, f"exit {proc.returncode}, wanted {want}\n{proc.stderr[-3000:]}"
+    return proc
+
+
+def _trials(reference_seconds, checkpoint_bytes):
+    rng = random.Random(SEED)
+    trials = [("timer", f"{rng.uniform(0.0, 1.1 * reference_seconds):.4f}") for _ in range(TIMER_TRIALS)]
+    ranges = {"bytes": (1, STEPS * checkpoint_bytes), "replace-checkpoint": (1, STEPS), "replace-pointer": (1, STEPS),
+              "remove": (1, STEPS - MAX_CHECKPOINTS), "fsync": (1, 3 * STEPS)}
+    for how, count in STAGED:
+        trials += [(how, str(rng.randint(*ranges[how]))) for _ in range(count)]
+    rng.shuffle(trials)
+    return trials
+
+
+def _newest_complete(directory):
+    """(step, name) of the newest periodic checkpoint that loads, or (0, None)."""
+    for _, _, path in reversed(checkpoint.list_checkpoints(directory, "model")):
+        try:
+            return checkpoint.load(path)["ranks"][0]["position"]["step"], os.path.basename(path)
+        except checkpoint.CheckpointError:
+            continue
+    return 0, None
+
+
+def _classify(directory, how):
+    """Where the kill landed, read from what it left (asserting the pointer names a file)."""
+    names = os.listdir(directory) if os.path.isdir(directory) else []
+    periodic = [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(directory, "model")]
+    pointer = checkpoint.read_latest(directory, "model")
+    assert pointer is None or pointer in names, f"the pointer names {pointer}, which is gone: {sorted(names)}"
+    step, newest = _newest_complete(directory)
+    if any(n.endswith(".tmp") for n in names):
+        return "mid-write (a temporary left)"
+    if not periodic:
+        return "before the first checkpoint"
+    if pointer != newest:
+        return "after a checkpoint, before its pointer"
+    if len(periodic) > MAX_CHECKPOINTS:
+        return "after the pointer, before pruning"
+    if step == STEPS:
+        return "after the last save"
+    return "between writes"
+
+
+@pytest.mark.slow
+def test_sigkill_at_random_moments_then_resume_picks_the_newest_complete_file_bit_identically(tmp_path):
+    out = tmp_path / "reference.pt"
+    _run("reference", "--out", out, expect_kill=False)
+    reference = torch.load(out, weights_only=True)
+    assert len(reference["losses"]) == STEPS
+    sizes = [os.path.getsize(p) for _, _, p in checkpoint.list_checkpoints(str(out) + ".dir", "model")]
+    trials = _trials(reference["seconds"], max(sizes))
+    assert len(trials) >= 30
+
+    outcomes: collections.Counter = collections.Counter()
+    picked: collections.Counter = collections.Counter()
+    previous = None
+    for i, (how, at) in enumerate(trials + [(None, None)]):
+        args = []
+        if previous is not None:
+            directory, expected_step = previous
+            args += ["--resume", directory, "--out", tmp_path / f"resumed{i - 1}.pt"]
+        if how is not None:
+            args += ["--kill", tmp_path / f"trial{i}", "--how", how, "--at", at]
+        _run("chain", *args, expect_kill=how is not None)
+        if previous is not None:
+            resumed = torch.load(tmp_path / f"resumed{i - 1}.pt", weights_only=True)
+            where = f"trial {i - 1} ({trials[i - 1]})"
+            if expected_step == STEPS:  # nothing left to train: the fit only checks and cleans up
+                assert resumed["losses"] == [], where
+            else:
+                assert resumed["start"] == expected_step, where
+                assert resumed["losses"] == reference["losses"][expected_step:], where
+            for key in ("model", "optimizer"):
+                assert_tree_equal(resumed[key], reference[key], f"{where} {key}")
+            left = os.listdir(directory)
+            assert not [n for n in left if n.endswith(".tmp")] and LOCK_NAME not in left, (where, left)
+            assert len(checkpoint.list_checkpoints(directory, "model")) == MAX_CHECKPOINTS, (where, left)
+            assert checkpoint.read_latest(directory, "model") in left, where
+        if how is not None:
+            directory = str(tmp_path / f"trial{i}")
+            outcome = _classify(directory, how)
+            if how in ("bytes", "replace-checkpoint"):
+                assert outcome == "mid-write (a temporary left)", (how, at, outcome)
+            outcomes[outcome] += 1
+            step, newest = _newest_complete(directory)
+            picked["none: a new run" if newest is None else "the newest file"] += 1
+            previous = (directory, step)
+    print(f"\n{len(trials)} SIGKILLs ({TIMER_TRIALS} timed, {len(trials) - TIMER_TRIALS} at write stages), "
+          f"seed {SEED}; where they landed:")
+    for outcome, count in sorted(outcomes.items()):
+        print(f"  {count:3d}  {outcome}")
+    print(f"resume picked: {dict(picked)}; every resume bit-identical, no temporary left")
+    assert sum(outcomes.values()) == len(trials)
