@@ -42,10 +42,11 @@ def check_file_prefix(value: Any, arg: str) -> str:
 class _InitSignature:
     """``inspect.signature(cls)`` of a handler class: the arguments of ``cls.__init__``.
 
-    A handler that subscribes to events depending on its options picks its class in ``__new__``
-    (see :mod:`._subscribe`); ``inspect.signature`` (and so ``help()``, Jupyter's call tips and
-    IDEs that ask it) would otherwise show ``__new__``'s ``(*args, **kwargs)``. Looked up on
-    each class, so a subclass with its own ``__init__`` shows its own arguments.
+    A handler that subscribes to events depending on its options may pick its class in
+    ``__new__`` (see :mod:`._subscribe`; CheckpointHandler does); ``inspect.signature`` (and so
+    ``help()``, Jupyter's call tips and IDEs that ask it) would then show ``__new__``'s
+    ``(*args, **kwargs)``. Looked up on each class, so a subclass with its own ``__init__``
+    shows its own arguments.
     """
 
     def __get__(self, instance: Any, owner: type) -> Optional[inspect.Signature]:
