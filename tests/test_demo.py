@@ -73,28 +73,34 @@ def test_fresh_starts_over_and_deletes_only_what_the_demo_wrote(tmp_path):
 
 def _interrupted_demo(model_dir):
     """Run the demo and press Ctrl-C once its first run has trained an epoch (and written
-    checkpoints); returns (exit status, everything it printed)."""
+    checkpoints); returns (exit status, whether Ctrl-C was sent, everything it printed)."""
     command = [sys.executable, "-m", "estimatorch", "demo", "--epochs", "3", "--model-dir", str(model_dir)]
     proc = subprocess.Popen(command, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True, env=_env(),
                             preexec_fn=lambda: signal.signal(signal.SIGINT, signal.SIG_DFL))
-    seen = []
+    seen, sent = [], False
     for line in proc.stdout:
         seen.append(line)
         if line.startswith("[Epoch 1/3]"):
             proc.send_signal(signal.SIGINT)
+            sent = True
             break
     out, err = proc.communicate(timeout=300)
-    return proc.returncode, "".join(seen) + out + err
+    return proc.returncode, sent, "".join(seen) + out + err
 
 
 @pytest.mark.slow
 def test_ctrl_c_stops_the_demo_and_a_rerun_resumes_it(tmp_path):
-    for attempt in range(3):  # on a loaded machine the signal may land after the demo finished: again
+    attempts = []
+    for attempt in range(3):
+        # Again when the press did not land in the first run: on a loaded machine the demo may have
+        # finished first, or the child may not have got as far as an epoch (all three attempts
+        # failing the same way is a real failure, reported with each attempt's status below).
         model_dir = tmp_path / str(attempt)
-        code, printed = _interrupted_demo(model_dir)
-        if code != 0 or "== Result ==" not in printed:
+        code, sent, printed = _interrupted_demo(model_dir)
+        attempts.append(f"attempt {attempt}: exit {code}, Ctrl-C sent: {sent}, last output: {printed[-1500:]!r}")
+        if sent and code == 130:
             break
-    assert code == 130, printed[-3000:]
+    assert code == 130, "\n".join(attempts)
     assert "Interrupted. Run the demo again to resume" in printed and "Traceback" not in printed
     again = _run("demo", "--epochs", "3", "--model-dir", str(model_dir))
     assert again.returncode == 0, again.stderr[-2000:]
