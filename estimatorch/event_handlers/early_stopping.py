@@ -124,7 +124,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         elif improved(value, self.best, self.mode, self.min_delta):
             self.best, self.best_epoch = value, self.current_epoch
             if self.restore_best_weights:
-                self.best_weights = {k: v.detach().to("cpu", copy=True) for k, v in estimator.net.state_dict().items()}
+                self.best_weights = _plain_weights(estimator.net)
             if self._beats_baseline(value):
                 self.wait = 0
                 return False
@@ -145,6 +145,20 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         if position is not None and not position.stop:
             return  # interrupted: the weights must stay those a resume continues from
         if self.restore_best_weights and self.best_weights is not None:
-            estimator.net.load_state_dict(self.best_weights)
+            _load_plain_weights(estimator.net, self.best_weights)
             estimator.logger.info("Restored the weights of epoch %d (best %s: %.6g)",
                                   self.best_epoch, metric_name(self.monitor), self.best)
+
+
+def _plain_weights(net: Any) -> dict[str, Any]:
+    """A CPU copy of ``net``'s weights under the plain module's keys (no ``_orig_mod.`` of
+    ``torch.compile``), so that they restore into a compiled or a plain net after a resume."""
+    from ..checkpoint import model_state  # on first use: checkpoint imports the handlers' modules
+
+    return {k: v.detach().to("cpu", copy=True) for k, v in model_state(net).items()}
+
+
+def _load_plain_weights(net: Any, weights: dict[str, Any]) -> None:
+    from ..checkpoint import load_model_state
+
+    load_model_state(net, weights)

@@ -423,3 +423,30 @@ def test_one_instance_serves_two_fits():
     assert (h.best, h.best_epoch, h.stopped_epoch) == (state_first["best"], state_first["best_epoch"], 4)
     assert same_weights(est.net.state_dict(), weights.epochs[1])
     assert not same_weights(weights.epochs[1], best_first)
+
+
+def test_best_weights_use_plain_keys_and_restore_into_a_compiled_or_plain_net():
+    """The best weights are saved in checkpoints: with torch.compile's ``_orig_mod.`` keys they
+    could not be restored after a compiled run resumed into a plain net (or the reverse)."""
+    import torch
+    from torch import nn
+
+    from estimatorch import Estimator
+    from estimatorch.event_handlers.early_stopping import _load_plain_weights
+    from tests.conftest import make_batches
+
+    def build(compiled):
+        torch.manual_seed(1)
+        plain = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+        net = torch.compile(plain, backend="eager") if compiled else plain
+        return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.5)), plain
+
+    est, _ = build(compiled=True)
+    stopper = EarlyStoppingHandler(est.train_metrics[0], patience=100, restore_best_weights=True)
+    est.fit(make_batches(4), epochs=3, event_handlers=[stopper])
+    best = stopper.state_dict()["best_weights"]
+    assert best and not any("_orig_mod" in k for k in best)
+    for compiled in (False, True):  # a resumed run of either kind restores them
+        other, plain = build(compiled)
+        _load_plain_weights(other.net, best)
+        assert all(torch.equal(value, best[key]) for key, value in plain.state_dict().items())
