@@ -428,10 +428,22 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             state = checkpoint.weights_state(estimator.net) if distributed.is_main_process() else None
         else:
             state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        if not distributed.is_main_process():
-            return
+        error: Optional[Exception] = None
+        if distributed.is_main_process():
+            try:
+                self._write(estimator, state, names, value if is_best else None)
+            except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
+                error = err
+        failure = distributed.share_outcome(error)  # a full disk on rank 0 stops every rank, never a hang
+        if failure is not None:
+            raise failure[1]
+
+    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float]) -> None:
+        """On rank 0: the files of one save, the periodic one first, then the best one; then the
+        pointer, retention and orphaned temporaries."""
+        checkpoint = _checkpoint()
         paths = [os.path.join(self.model_dir, name) for name in names]
-        for path in paths:  # the periodic file first, then the best one
+        for path in paths:
             checkpoint.atomic_save(state, path)
         if self._layout.resumable:
             if paths[0] in self.saved:
@@ -441,9 +453,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             self._prune(keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         if self.verbose:
-            best = f" (best {metric_name(self.monitor)}: {value:.6g})" if is_best else ""
+            note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
             estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",
-                                  paths[0], best)
+                                  paths[0], note)
 
     def _prune(self, keep: str) -> None:
         """Delete the oldest files retention owns beyond ``max_checkpoints``, never ``keep`` (the

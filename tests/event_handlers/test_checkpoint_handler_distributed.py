@@ -90,3 +90,30 @@ def test_replacing_another_runs_export_fails_on_every_rank_alike(tmp_path):
     for result in (r0, r1):
         assert result["error"] == "FileExistsError" and "another run" in result["message"], result
     assert (tmp_path / "model-best.weights.pt").read_bytes() == b"another run's export"
+
+
+def _fit_with_a_full_disk(model_dir, fail_on):
+    """One rank: on rank 0 the write of the file named ``fail_on`` fails as on a full disk."""
+    import errno
+
+    if distributed.get_rank() == 0:
+        real = checkpoint.atomic_save
+
+        def full_disk(obj, path, **kwargs):
+            if os.path.basename(path) == fail_on:
+                raise OSError(errno.ENOSPC, f"cannot write {path!r}: No space left on device")
+            real(obj, path, **kwargs)
+
+        checkpoint.atomic_save = full_disk
+    return _fit(model_dir, False, False, 0)
+
+
+def test_a_failed_write_on_rank_0_is_an_error_on_every_rank(tmp_path):
+    start = time.monotonic()
+    r0, r1 = distributed.spawn(_fit_with_a_full_disk, 2, str(tmp_path), checkpoint.checkpoint_name("ckpt", 0, 2),
+                               backend="gloo")
+    assert time.monotonic() - start < 120
+    for result in (r0, r1):
+        assert result["error"] == "OSError" and "No space left on device" in result["message"], result
+    assert sorted(f for f in os.listdir(tmp_path) if f.startswith("ckpt-epoch")) == \
+        [checkpoint.checkpoint_name("ckpt", 0, 1)]
