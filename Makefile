@@ -2,11 +2,13 @@
 PYTHON ?= python3
 VENV ?= .venv
 PY := $(VENV)/bin/python
+# e.g. make demo DEMO_ARGS=--fresh (python -m estimatorch demo --help lists them)
+DEMO_ARGS ?=
 
-.PHONY: demo test test-fast benchmark clean
+.PHONY: demo test test-fast benchmark notebooks clean
 
 demo: $(VENV)/.demo-installed
-	$(PY) -m estimatorch demo
+	$(PY) -m estimatorch demo $(DEMO_ARGS)
 
 test: $(VENV)/.dev-installed
 	$(PY) -m pytest
@@ -18,15 +20,22 @@ test-fast: $(VENV)/.dev-installed
 benchmark: $(VENV)/.dev-installed
 	$(PY) benchmarks/overhead.py
 
+# Run the notebooks and save them with their outputs (after editing one): make notebooks [NB=01_quickstart]
+notebooks: $(VENV)/.dev-installed
+	$(PY) -m tests.test_notebooks $(NB)
+
 $(PY):
+	@echo "Creating $(VENV) (first run only)"
 	$(PYTHON) -m venv $(VENV)
 	$(PY) -m pip install --quiet --upgrade pip
 
 $(VENV)/.demo-installed: $(PY) setup.cfg setup.py requirements-demo.txt
+	@echo "Installing torch and estimatorch into $(VENV) (first run only; quiet, may take a minute)"
 	$(PY) -m pip install --quiet -r requirements-demo.txt
 	touch $@
 
 $(VENV)/.dev-installed: $(PY) setup.cfg setup.py requirements-dev.txt
+	@echo "Installing torch, estimatorch and the test tools into $(VENV) (first run only; quiet, may take a minute)"
 	$(PY) -m pip install --quiet -r requirements-dev.txt
 	touch $@ $(VENV)/.demo-installed
 

@@ -1,22 +1,35 @@
-"""``python -m estimatorch demo``: the main job (see :mod:`estimatorch._demo`)."""
+"""``python -m estimatorch COMMAND``: the package's command line (``--help`` lists the commands)."""
 
 from __future__ import annotations
 
+import argparse
 import sys
+from typing import Optional
+
+from ._demo import DESCRIPTION as _DEMO
 
 
-def main(argv: list[str] | None = None) -> int:
-    argv = sys.argv[1:] if argv is None else argv
-    if not argv or argv[0] in ("-h", "--help"):
-        print("usage: python -m estimatorch demo [--epochs N] [--workers N] [--stop-at N] [--model-dir DIR]\n\n"
-              "  demo    train a model on generated digit images, stop a second run midway,\n"
-              "          resume it from its checkpoint and show it is bit-identical")
-        return 0 if argv else 2
-    if argv[0] == "demo":
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(
+        prog="python -m estimatorch", description="estimatorch's command line.",
+        epilog="Checkpoint files have their own commands: python -m estimatorch.checkpoint "
+               "{inspect,migrate} --help. Each command takes --help.")
+    commands = parser.add_subparsers(title="commands", dest="command", metavar="COMMAND")
+    commands.add_parser("demo", help=_DEMO)
+    return parser
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    argv = list(sys.argv[1:] if argv is None else argv)
+    if argv and argv[0] == "demo":
         from ._demo import main as demo
 
         return demo(argv[1:])
-    print(f"unknown command {argv[0]!r}; try: python -m estimatorch demo", file=sys.stderr)
+    parser = _parser()
+    if not argv:
+        parser.print_help(sys.stderr)
+        return 2
+    parser.parse_args(argv)  # --help prints the commands and exits; anything else is an error
     return 2
 
 

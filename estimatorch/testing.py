@@ -19,6 +19,7 @@ from __future__ import annotations
 
 import contextlib
 import hashlib
+import io
 import logging
 import math
 import tempfile
@@ -27,7 +28,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .event_handlers import BatchEnd, CheckpointHandler
+from .event_handlers import BatchEnd, CheckpointHandler, ProgressBarHandler
 
 __all__ = ["assert_resumable"]
 
@@ -129,7 +130,8 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
         stop_at: steps (1-based) to stop after. Defaults to the first step, the middle, and the
             last step, the end of the first epoch and the start of the second.
         workdir: where checkpoints go. Defaults to a temporary directory, removed afterwards.
-        quiet: silence the estimator's INFO log lines while it runs. Defaults to False.
+        quiet: silence the estimator's INFO log lines and the default progress bar while it
+            runs (a bar among ``event_handlers`` is kept). Defaults to False.
 
     Raises:
         AssertionError: naming the stop step and the first step (or state) that differs.
@@ -138,9 +140,11 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
         return train_data() if callable(train_data) and not hasattr(train_data, "__iter__") else train_data
 
     def extra() -> list[Any]:
-        if event_handlers is None:
-            return []
-        return list(event_handlers()) if callable(event_handlers) else list(event_handlers)
+        handlers = [] if event_handlers is None else (
+            list(event_handlers()) if callable(event_handlers) else list(event_handlers))
+        if quiet and not any(isinstance(h, ProgressBarHandler) for h in handlers):
+            handlers.append(ProgressBarHandler(file=io.StringIO()))  # takes the default bar's place, unseen
+        return handlers
 
     plan = {"epochs": epochs, "batches": batches}
     logger = logging.getLogger("estimatorch")

@@ -11,6 +11,7 @@ from torch import nn
 from estimatorch import Estimator, rng
 from estimatorch.event_handlers import BatchEnd
 from estimatorch.testing import assert_resumable
+from tests.conftest import make_batches, make_estimator
 
 
 class Augmented(torch.utils.data.Dataset):
@@ -74,3 +75,13 @@ def test_data_drawn_from_a_generator_that_is_not_restored_is_caught():
 def test_stop_points_outside_the_run_are_refused():
     with pytest.raises(ValueError, match="stop_at holds 99"):
         assert_resumable(make, loader(), epochs=1, stop_at=[99], quiet=True)
+
+
+def test_quiet_also_keeps_the_default_progress_bar_off_the_screen(monkeypatch, capsys):
+    """In a terminal or notebook fit adds a bar by default; quiet=True must keep it unseen."""
+    from estimatorch.estimator import estimator as estimator_module
+
+    monkeypatch.setattr(estimator_module, "_interactive", lambda: True)
+    assert_resumable(make_estimator, make_batches(3), epochs=2, stop_at=[2], quiet=True)
+    captured = capsys.readouterr()
+    assert "epochs" not in captured.err and "batch" not in captured.err

@@ -20,23 +20,30 @@ Version 1 (estimatorch's first layout) held one process's snapshot at the top le
 
 A directory written by :class:`~estimatorch.CheckpointHandler` holds
 ``{prefix}-epoch{E}batch{B}.pt`` files, ``{prefix}-best.pt``, the ``{prefix}-latest`` pointer and,
-while a fit writes, the lock file ``.estimatorch.lock``.
+while a fit writes, the lock file ``.estimatorch.lock``; with ``save_weights_only=True`` it writes
+weights exports instead, ``{prefix}-epoch{E}batch{B}.weights.pt`` and ``{prefix}-best.weights.pt``:
+the model's state dict alone (plain module keys, CPU tensors), which plain PyTorch loads with
+``torch.load(path, weights_only=True)``. :func:`load_weights` returns that state dict from any
+checkpoint, export, pointer or directory.
 
-Command line::
+Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 
-    python -m estimatorch.checkpoint migrate DIR       # upgrade every older file in DIR
-    python -m estimatorch.checkpoint inspect FILE      # print what a file holds
+    python -m estimatorch.checkpoint inspect PATH      # a file, a {prefix}-latest pointer, or a directory
+    python -m estimatorch.checkpoint migrate DIR       # upgrade every older file in DIR in place
 """
 
 from ._cli import main
 from ._files import (
     atomic_save,
     best_name,
+    best_weights_name,
     checkpoint_name,
     latest_name,
     list_checkpoints,
+    list_weights,
     read_latest,
     remove_orphan_temporaries,
+    weights_name,
     write_latest,
 )
 from ._format import (
@@ -52,10 +59,13 @@ from ._format import (
     read_format_version,
     validate,
 )
+from ._layout import Layout
+from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import load_model_state, model_state, plain_key, plain_module
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
 from ._validate import check_against_fit, check_training_state, restore_training_state
+from ._weights import is_weights, read_saved, weights_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -63,18 +73,25 @@ __all__ = [
     "CheckpointError",
     "DirectoryLock",
     "DirectoryLockedError",
+    "Layout",
     "NewerFormatError",
     "atomic_save",
+    "best_weights_name",
     "build_payload",
     "check_against_fit",
     "checkpoint_name",
     "find_latest",
     "list_checkpoints",
+    "list_weights",
     "load",
     "load_model_state",
+    "load_weights",
+    "locate",
     "migrate",
     "model_state",
     "rank_snapshot",
     "restore_training_state",
     "validate",
+    "weights_name",
+    "weights_state",
 ]

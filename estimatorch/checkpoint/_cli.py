@@ -1,4 +1,7 @@
-"""``python -m estimatorch.checkpoint``: upgrade older checkpoints in place, or show one."""
+"""``python -m estimatorch.checkpoint``: show what a checkpoint holds, or upgrade older ones in place.
+
+Exit status 0 when the command did its work, 2 on an error (the message goes to stderr).
+"""
 
 from __future__ import annotations
 
@@ -6,15 +9,22 @@ import argparse
 import os
 import shutil
 import sys
-from typing import Optional
+from typing import Any, Optional
 
 import torch
 
 from ._files import atomic_save
-from ._format import FORMAT_VERSION, CheckpointError, load, migrate, validate
+from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
 from ._lock import DirectoryLock, DirectoryLockedError
+from ._locate import Located, locate
+from ._weights import is_weights
 
 __all__ = ["main"]
+
+DESCRIPTION = "Show what an estimatorch checkpoint holds, or upgrade older checkpoints in place."
+INSPECT_HELP = ("Show what a checkpoint, weights export, {prefix}-latest pointer or directory "
+                "(its newest valid file) holds.")
+MIGRATE_HELP = "Upgrade the older-format checkpoints in a directory in place (each original kept as FILE.v<N>)."
 
 
 def _migrate_dir(directory: str) -> int:
@@ -27,6 +37,9 @@ def _migrate_dir(directory: str) -> int:
             raw = torch.load(path, map_location="cpu", weights_only=True)
         except Exception as err:  # noqa: BLE001 - not a loadable file: report and go on
             print(f"skip {name}: unreadable ({err})")
+            continue
+        if is_weights(raw):
+            print(f"ok   {name}: a weights export (nothing to upgrade)")
             continue
         version = raw.get("format_version") if isinstance(raw, dict) else None
         if version == FORMAT_VERSION:
@@ -49,41 +62,68 @@ def _migrate_dir(directory: str) -> int:
     return 2 if refused else 0
 
 
+def _size(state: Any) -> str:
+    tensors = [v for v in state.values() if isinstance(v, torch.Tensor)]
+    dtypes = sorted({str(t.dtype).replace("torch.", "") for t in tensors})
+    return f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} values ({', '.join(dtypes) or 'no dtype'})"
+
+
 def _inspect(path: str) -> int:
-    payload = load(path)
+    found: Located = locate(path)
+    for reason in found.skipped:
+        print(f"warning: skipped {reason}", file=sys.stderr)
+    if found.how:
+        print(f"{found.path} ({found.how})")
+    if found.kind == "weights":
+        keys = list(found.content)
+        print(f"{found.path}: weights export (a state dict for load_state_dict), {_size(found.content)}")
+        print(f"keys {keys[:8]}{' ...' if len(keys) > 8 else ''}")
+        return 0
+    payload = found.content
     first = payload["ranks"][0]
-    print(f"{path}: format {payload['format_version']}, estimatorch {payload['estimatorch_version']}, "
+    print(f"{found.path}: checkpoint, format {payload['format_version']}, estimatorch {payload['estimatorch_version']}, "
           f"torch {payload['torch_version']}, world size {payload['world_size']}")
     print(f"position {first['position']}, plan {first['plan']}")
     print(f"fingerprint {first['fingerprint']}")
     print(f"handlers {sorted(first['handlers'])}")
+    print(f"model {_size(payload['model'])}; optimizer {payload.get('optimizer_class', 'of unknown class')}")
     return 0
 
 
-def main(argv: Optional[list[str]] = None) -> int:
-    """The command line; returns the exit status (2 on errors)."""
-    from . import __doc__ as package_doc
+def _parser() -> argparse.ArgumentParser:
+    parser = argparse.ArgumentParser(prog="python -m estimatorch.checkpoint", description=DESCRIPTION)
+    sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
+    p_inspect = sub.add_parser("inspect", help=INSPECT_HELP, description=INSPECT_HELP)
+    p_inspect.add_argument("path", help="A checkpoint or export file, a {prefix}-latest pointer, or a directory.")
+    p_migrate = sub.add_parser("migrate", help=MIGRATE_HELP, description=MIGRATE_HELP)
+    p_migrate.add_argument("directory", help="The directory whose checkpoints to upgrade (no fit may be writing there).")
+    return parser
 
-    parser = argparse.ArgumentParser(prog="python -m estimatorch.checkpoint",
-                                     description=(package_doc or "").split("\n")[0])
-    sub = parser.add_subparsers(dest="command", required=True)
-    p_migrate = sub.add_parser("migrate", help="upgrade every older checkpoint in a directory in place "
-                                               "(the original is kept as FILE.v<old version>)")
-    p_migrate.add_argument("directory")
-    p_inspect = sub.add_parser("inspect", help="print what a checkpoint holds")
-    p_inspect.add_argument("file")
+
+def main(argv: Optional[list[str]] = None) -> int:
+    """The command line: ``inspect PATH`` or ``migrate DIRECTORY``.
+
+    Returns:
+        The exit status: 0 when the command did its work, 2 on an error (the message goes to
+        stderr). A malformed command line exits with status 2 through ``argparse``.
+    """
+    parser = _parser()
     args = parser.parse_args(argv)
     try:
         if args.command == "migrate":
             if not os.path.isdir(args.directory):
-                parser.error(f"directory {args.directory!r} does not exist")
+                what = "is not a directory" if os.path.exists(args.directory) else "does not exist"
+                parser.error(f"directory {args.directory!r} {what}")
             lock = DirectoryLock(args.directory)  # never while a fit writes there
             lock.acquire()
             try:
                 return _migrate_dir(args.directory)
             finally:
                 lock.release()
-        return _inspect(args.file)
+        return _inspect(args.path)
+    except FileNotFoundError as err:
+        print(f"error: {err.filename!r} does not exist" if err.filename else f"error: {err}", file=sys.stderr)
+        return 2
     except (CheckpointError, DirectoryLockedError, OSError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

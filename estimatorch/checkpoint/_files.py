@@ -1,5 +1,11 @@
 """The files of a checkpoint directory: names, atomic writes, the latest pointer and orphaned
-temporaries."""
+temporaries.
+
+A directory holds, per prefix: periodic checkpoints ``{prefix}-epoch{E}batch{B}.pt``, the best
+checkpoint ``{prefix}-best.pt``, the pointer ``{prefix}-latest``, and weights exports (the
+model's state dict alone) ``{prefix}-epoch{E}batch{B}.weights.pt`` and
+``{prefix}-best.weights.pt``.
+"""
 
 from __future__ import annotations
 
@@ -15,11 +21,14 @@ import torch
 __all__ = [
     "atomic_save",
     "best_name",
+    "best_weights_name",
     "checkpoint_name",
     "latest_name",
     "list_checkpoints",
+    "list_weights",
     "read_latest",
     "remove_orphan_temporaries",
+    "weights_name",
     "write_latest",
 ]
 
@@ -28,8 +37,8 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 #: ``.{target}.{12 hex digits}.tmp``: the temporary file :func:`atomic_save` writes first.
 _TEMPORARY = re.compile(r"\.(?P<target>.+)\.[0-9a-f]{12}\.tmp")
-#: the targets estimatorch writes (any prefix): periodic, best and pointer files.
-_TARGET = re.compile(r".+-(?:epoch\d+batch\d+\.pt|best\.pt|latest)")
+#: the targets estimatorch writes (any prefix): periodic, best and pointer files, and weights exports.
+_TARGET = re.compile(r".+-(?:epoch\d+batch\d+(?:\.weights)?\.pt|best(?:\.weights)?\.pt|latest)")
 #: temporaries this process is writing right now (never orphans).
 _IN_FLIGHT: set[str] = set()
 #: errors of a directory fsync that mean "not supported here", not "failed".
@@ -52,18 +61,39 @@ def latest_name(prefix: str) -> str:
     return f"{prefix}-latest"
 
 
-def _pattern(prefix: str) -> re.Pattern:
-    return re.compile(rf"{re.escape(prefix)}-epoch(\d+)batch(\d+)\.pt")
+def weights_name(prefix: str, epoch: int, batch: int) -> str:
+    """``{prefix}-epoch{E}batch{B}.weights.pt``: the model's weights alone, E epochs completed and
+    B batches trained when written."""
+    return f"{prefix}-epoch{epoch}batch{batch}.weights.pt"
+
+
+def best_weights_name(prefix: str) -> str:
+    """``{prefix}-best.weights.pt``: the model's weights alone where the monitored metric was best."""
+    return f"{prefix}-best.weights.pt"
+
+
+def _pattern(prefix: str, weights: bool = False) -> re.Pattern:
+    suffix = r"\.weights\.pt" if weights else r"\.pt"
+    return re.compile(re.escape(prefix) + r"-epoch(\d+)batch(\d+)" + suffix)
 
 
 def list_checkpoints(model_dir: PathLike, prefix: str) -> list[tuple[int, int, str]]:
     """The periodic checkpoints of ``prefix`` in ``model_dir``, oldest first, as
-    ``(epoch, batch, path)``. Names must match exactly: ``model-epoch1batch10x.pt`` or another
-    prefix's files are never listed (so never deleted by retention)."""
+    ``(epoch, batch, path)``. Names must match exactly: ``model-epoch1batch10x.pt``, a weights
+    export or another prefix's files are never listed (so never deleted by retention)."""
+    return _list(model_dir, _pattern(prefix))
+
+
+def list_weights(model_dir: PathLike, prefix: str) -> list[tuple[int, int, str]]:
+    """The periodic weights exports of ``prefix`` in ``model_dir``, oldest first, as
+    ``(epoch, batch, path)``."""
+    return _list(model_dir, _pattern(prefix, weights=True))
+
+
+def _list(model_dir: PathLike, pattern: re.Pattern) -> list[tuple[int, int, str]]:
     model_dir = os.fspath(model_dir)
     if not os.path.isdir(model_dir):
         return []
-    pattern = _pattern(prefix)
     found = []
     for name in os.listdir(model_dir):
         match = pattern.fullmatch(name)

@@ -184,16 +184,34 @@ def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
             raise CheckpointError(f"{source}: 'shared' of rank {rank} must be a list of handler names, got {shared!r}")
 
 
+#: how a file ``torch.save`` wrote starts: a zip archive, or (the legacy format) a pickle.
+_TORCH_MAGIC = (b"PK\x03\x04", b"\x80")
+
+
+def _head(path: str) -> Optional[bytes]:
+    try:
+        with open(path, "rb") as f:
+            return f.read(4)
+    except OSError:
+        return None
+
+
 def _read(path: str, **kwargs: Any) -> Any:
     """``torch.load(weights_only=True)`` on the CPU, with the reason in words when it fails."""
+    if os.path.isdir(path):
+        raise CheckpointError(f"cannot read checkpoint {path!r}: it is a directory")
     try:
         return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
     except FileNotFoundError:
         raise
     except Exception as err:  # truncated, corrupt, or holding objects weights_only refuses
-        size = os.path.getsize(path) if os.path.exists(path) else None
-        reason = ("the file is empty (0 bytes): a write that never completed" if size == 0
-                  else str(err).strip() or f"{type(err).__name__} (a truncated or damaged file)")
+        head = _head(path)
+        if head == b"":
+            reason = "the file is empty (0 bytes): a write that never completed"
+        elif head is not None and not head.startswith(_TORCH_MAGIC):
+            reason = f"it is not a file torch.save wrote (it starts with {head!r})"
+        else:
+            reason = str(err).strip() or f"{type(err).__name__} (a truncated or damaged file)"
         raise CheckpointError(f"cannot read checkpoint {path!r}: {reason}") from err
 
 

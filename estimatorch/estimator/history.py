@@ -117,6 +117,7 @@ class History:
         """
         try:
             import matplotlib.pyplot as plt
+            from matplotlib.ticker import MaxNLocator
         except ImportError as err:
             raise ImportError(
                 "History.plot() needs matplotlib: pip install 'estimatorch[plot]'"
@@ -138,6 +139,7 @@ class History:
                 if name in self._values:
                     axis.plot(self.epochs, self._values[name], marker="o", label=name)
             axis.set_xlabel("epoch")
+            axis.xaxis.set_major_locator(MaxNLocator(integer=True))  # epochs are whole: no 1.5 tick
             axis.set_title(base)
             axis.legend()
         fig.tight_layout()

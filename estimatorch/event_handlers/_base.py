@@ -3,9 +3,10 @@
 from __future__ import annotations
 
 import copy
+import inspect
 import os
 from collections.abc import Iterable
-from typing import Any, ClassVar
+from typing import Any, ClassVar, Optional
 
 import torch
 
@@ -38,13 +39,47 @@ def check_file_prefix(value: Any, arg: str) -> str:
     return value
 
 
+class _InitSignature:
+    """``inspect.signature(cls)`` of a handler class: the arguments of ``cls.__init__``.
+
+    A handler that subscribes to events depending on its options may pick its class in
+    ``__new__`` (see :mod:`._subscribe`; CheckpointHandler does); ``inspect.signature`` (and so
+    ``help()``, Jupyter's call tips and IDEs that ask it) would then show ``__new__``'s
+    ``(*args, **kwargs)``. Looked up on each class, so a subclass with its own ``__init__``
+    shows its own arguments.
+    """
+
+    def __get__(self, instance: Any, owner: type) -> Optional[inspect.Signature]:
+        init = owner.__init__
+        if instance is not None or init is object.__init__:
+            return None  # inspect then falls back to its usual rules
+        try:
+            signature = inspect.signature(init)
+        except (TypeError, ValueError):  # no introspectable __init__: inspect's usual rules
+            return None
+        parameters = list(signature.parameters.values())[1:]  # without self
+        return signature.replace(parameters=parameters, return_annotation=inspect.Signature.empty)
+
+
 class StatefulHandler:
     """Base of the built-in handlers.
 
     Subclasses list the attributes that make up their state in ``_state_attrs``;
     :meth:`state_dict` copies them and :meth:`load_state_dict` checks that each is present.
     Counters are reset in ``train_begin`` so one instance can serve many ``fit`` calls.
+    ``inspect.signature`` of a subclass shows its ``__init__`` arguments.
+
+    Example:
+        >>> import inspect
+        >>> class Counter(StatefulHandler):
+        ...     _state_attrs = ("count",)
+        ...     def __init__(self, start=0):
+        ...         self.count = start
+        >>> str(inspect.signature(Counter)), Counter(3).state_dict()
+        ('(start=0)', {'count': 3})
     """
+
+    __signature__ = _InitSignature()
 
     #: Dispatch rank: lower runs first. Ties keep the order handlers were given in.
     priority: float = 0

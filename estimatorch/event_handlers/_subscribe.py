@@ -1,9 +1,12 @@
 """Handlers whose events depend on their arguments: subscribe to an event only when it is used.
 
 ``fit`` calls a handler for an event only if it inherits the event's mixin. A handler that needs
-an event for an optional feature (gradient histograms at ``backward_end``, say) picks, in
-``__new__``, a subclass of itself that also inherits that mixin, so the per-step path calls it
-only when the feature is on.
+an event for an optional feature (gradient histograms at ``backward_end``, say) becomes an
+instance of a subclass of itself that also inherits that mixin, so the per-step path calls it
+only when the feature is on: :func:`subscribe` at the end of ``__init__`` (which sees the
+arguments a subclass really passed), or :func:`with_events` in ``__new__``. Either way
+``inspect.signature`` of the handler class shows its ``__init__`` arguments (see
+``StatefulHandler``).
 """
 
 from __future__ import annotations
@@ -14,7 +17,7 @@ from typing import Any
 
 from .mixins import EVENTS
 
-__all__ = ["periodic_events", "with_events"]
+__all__ = ["periodic_events", "subscribe", "with_events"]
 
 _CLASSES: dict[tuple[type, frozenset], type] = {}
 
@@ -47,9 +50,33 @@ def with_events(cls: type, events: Iterable[str]) -> type:
     return sub
 
 
+def subscribe(handler: Any, events: Iterable[str]) -> None:
+    """Subscribe ``handler`` to ``events`` as well: its class becomes :func:`with_events`'s.
+
+    Call it at the end of ``__init__``, once the options are known; unlike a choice made in
+    ``__new__``, it sees what a subclass's own ``__init__`` passed on.
+
+    Example:
+        >>> from estimatorch.event_handlers.mixins import BatchEnd, TrainBegin
+        >>> class H(TrainBegin):
+        ...     def __init__(self, every=None):
+        ...         self.every = every
+        ...         subscribe(self, ["batch_end"] if every else [])
+        ...     def batch_end(self, estimator, **kwargs): pass
+        >>> isinstance(H(every=5), BatchEnd), isinstance(H(), BatchEnd), type(H(every=5)).__name__
+        (True, False, 'H')
+    """
+    cls = type(handler)
+    sub = with_events(cls, events)
+    if sub is not cls:
+        handler.__class__ = sub
+
+
 def periodic_events(cls: type, args: tuple, kwargs: dict[str, Any]) -> list[str]:
     """For a handler built with ``batch_period`` / ``epoch_period`` arguments: the events whose
-    period is set (both when the arguments do not bind: ``__init__`` then reports the error).
+    period is set. Both when that cannot be told from the arguments: when they do not bind
+    (``__init__`` then reports the error), or when ``cls.__init__`` does not take both periods
+    (a subclass with its own ``__init__`` that sets them itself).
 
     Example:
         >>> class H:
@@ -58,9 +85,16 @@ def periodic_events(cls: type, args: tuple, kwargs: dict[str, Any]) -> list[str]
         ['batch_end', 'epoch_end']
         >>> periodic_events(H, ([],), {"epoch_period": None, "batch_period": 5})
         ['batch_end']
+        >>> class Mine(H):
+        ...     def __init__(self, data): super().__init__(data, batch_period=5)
+        >>> periodic_events(Mine, ([],), {})
+        ['batch_end', 'epoch_end']
     """
+    signature = inspect.signature(cls.__init__)
+    if not {"batch_period", "epoch_period"} <= set(signature.parameters):
+        return ["batch_end", "epoch_end"]
     try:
-        bound = inspect.signature(cls.__init__).bind(None, *args, **kwargs)
+        bound = signature.bind(None, *args, **kwargs)
     except TypeError:
         return ["batch_end", "epoch_end"]
     bound.apply_defaults()

@@ -1,16 +1,18 @@
-"""CheckpointHandler: periodic, best and resumable checkpoints."""
+"""CheckpointHandler: periodic, best and resumable checkpoints, and weights exports for inference."""
 
 from __future__ import annotations
 
 import logging
 import math
+import numbers
 import os
 import warnings
+import weakref
 from typing import Any, Optional, Union
 
 from .. import distributed
 from ..metrics.base import is_metric, metric_name
-from ._base import StatefulHandler, check_file_prefix, check_positive_int
+from ._base import StatefulHandler, check_file_prefix, check_positive_int, check_state_keys
 from ._paths import check_output_dir
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events
@@ -31,7 +33,7 @@ def _checkpoint() -> Any:
 
 
 class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
-    """Save everything needed to resume, every few epochs and/or batches; resume from the newest.
+    """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
     net), optimizer, LR scheduler, grad scaler, every handler's state, the metric accumulators,
@@ -39,7 +41,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     :mod:`estimatorch.checkpoint`). It is written when the event that triggered it has reached
     every handler, so its state is the same whatever the handlers' priorities, to
     ``{model_prefix}-epoch{E}batch{B}.pt`` (E epochs completed and B batches trained). Only
-    global rank 0 writes.
+    global rank 0 writes. At ``fit`` start it logs the directory and the files it writes there.
 
     **Writing.** Each save writes a temporary file, fsyncs it, renames it into place and fsyncs
     the directory; then (when it improved) ``{model_prefix}-best.pt`` the same way; then the
@@ -54,7 +56,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     ends, however it ends. A second fit into the same ``model_dir`` fails at start with
     :class:`~estimatorch.checkpoint.DirectoryLockedError` naming the process that holds it; a
     lock left by a process that died is taken over with a logged warning. (On a network
-    filesystem this needs working ``flock``, as NFS v4 provides.)
+    filesystem this needs working ``flock``, as NFS v4 provides.) Handlers of one fit share it.
 
     **Resuming.** With ``resume_from_checkpoint=True``, ``fit`` resumes from the newest checkpoint
     of ``model_prefix`` in ``model_dir`` that loads and validates against this fit (every key,
@@ -62,23 +64,55 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     states, position, RNG), and continues its plan exactly where it stopped. A file that fails is
     reported (name and reason) and the previous one is tried, with a warning; when checkpoints
     exist but none fits, ``fit`` stops at start (nothing is changed); without any, it starts
-    fresh. A file written by a newer estimatorch stops ``fit`` at start and is never pruned or
-    overwritten. Under torch.distributed rank 0 chooses the file and every rank loads that file
-    from its own ``model_dir``, checking it reads the same bytes: a rank that cannot is an error
-    on every rank, never a hang. ``model_dir`` should therefore be on a filesystem every node
-    sees (with node-local directories, copy rank 0's files to every node before resuming).
-    Without ``resume_from_checkpoint``, ``fit`` refuses to start in a directory that already
-    holds checkpoints of that prefix, so nothing saved is ever overwritten.
+    fresh (unless ``save_best`` would overwrite a ``-best.pt`` that is there). A file written by
+    a newer estimatorch stops ``fit`` at start and is never pruned or overwritten. Under
+    torch.distributed rank 0 chooses the file and every rank loads that file from its own
+    ``model_dir``, checking it reads the same bytes: a rank that cannot is an error on every
+    rank, never a hang. ``model_dir`` should therefore be on a filesystem every node sees (with
+    node-local directories, copy rank 0's files to every node before resuming). Without
+    ``resume_from_checkpoint``, ``fit`` refuses to start in a directory that already holds
+    checkpoints of that prefix, so nothing saved is ever overwritten.
 
     **Retention** deletes only periodic files of ``model_prefix`` that this fit wrote or that
     belong to the run it resumed (readable files up to the one it resumed from), never the file
     the pointer names, never ``-best.pt``, never a file it skipped as unusable or cannot read.
 
+    **Exports for inference** (Keras' ``ModelCheckpoint`` options). ``save_weights_only=True``
+    writes the model's weights alone instead of checkpoints:
+    ``{model_prefix}-epoch{E}batch{B}.weights.pt`` and ``{model_prefix}-best.weights.pt``, each a
+    plain state dict of the unwrapped module (no ``module.`` or ``_orig_mod.`` in its keys, tensors on the CPU) that plain PyTorch
+    loads: ``net.load_state_dict(torch.load(path, weights_only=True))``. ``save_best_only=True``
+    writes no periodic file, only the best one, whenever ``monitor`` improves at a check (every
+    ``epoch_period`` epochs and/or ``batch_period`` batches); ``initial_value_threshold`` makes
+    the best file wait until ``monitor`` beats that value. Exports are written atomically, like
+    checkpoints, and never pruned (``max_checkpoints`` counts checkpoints only). A handler with
+    either option writes nothing a fit can resume from, so ``resume_from_checkpoint=True`` is
+    refused with it: to resume and export, give the fit two handlers (their states are saved
+    in the resumable one's checkpoints, so the export's best value survives a resume)::
+
+        CheckpointHandler(model_dir, resume_from_checkpoint=True)
+        CheckpointHandler(model_dir, monitor=est.val_metrics[0], save_best_only=True,
+                          save_weights_only=True)
+
+    An export's files from another run are never overwritten: when they are there at ``fit``
+    start, the fit is refused unless it resumes (``fit(..., resume=True)``, or a
+    ``CheckpointHandler`` with ``resume_from_checkpoint=True`` among its handlers), and they are
+    replaced only once this handler's state came back with that resume (else the save that would
+    replace one raises ``FileExistsError`` and writes nothing).
+    :func:`estimatorch.checkpoint.load_weights` returns the weights of any checkpoint, export,
+    ``-latest`` pointer or directory.
+
+    **Counters.** ``current_epoch`` and ``current_batch`` are the epochs completed and batches
+    trained in the current fit, those before a resume included, whatever the periods set: they
+    are read from the estimator's position (during an event, as of the boundary before it; at a
+    save, up to the save), keep the last fit's values after it, and are saved in the state.
+
     Args:
         model_dir: the directory (created if missing); a file, a dangling symlink or a directory
             this process cannot write is a ``ValueError`` at ``fit`` start.
         model_prefix: file name prefix. Defaults to ``"model"``.
-        monitor: a metric the estimator owns, for ``save_best``. Defaults to None.
+        monitor: a metric the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
+            to None.
         verbose: 1 logs every save. Defaults to 0.
         save_best: also keep ``{model_prefix}-best.pt``, the checkpoint where ``monitor`` was
             best, checked at every periodic save. Defaults to False.
@@ -86,15 +120,22 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             Defaults to ``"auto"``.
         epoch_period: save every this many epochs; None for never. Defaults to 1.
         batch_period: save every this many batches (over the run); None for never. Defaults to None.
-        max_checkpoints: periodic files kept (the oldest are deleted, also ones from before a
-            resume); None keeps all. Defaults to 5.
-        resume_from_checkpoint: Defaults to False.
+        max_checkpoints: periodic checkpoints kept (the oldest are deleted, also ones from before
+            a resume); None keeps all. Defaults to 5.
+        resume_from_checkpoint: resume from the newest usable checkpoint in ``model_dir``.
+            Defaults to False.
+        save_best_only: write only the best file (needs ``monitor``), no periodic ones.
+            Defaults to False.
+        save_weights_only: write the model's weights alone (``.weights.pt`` files), not the
+            training state. Defaults to False.
+        initial_value_threshold: write the best file only once ``monitor`` beats this value
+            (needs ``save_best`` or ``save_best_only``). Defaults to None.
 
     Example:
         >>> import tempfile
         >>> handler = CheckpointHandler(tempfile.mkdtemp(), batch_period=100, max_checkpoints=3)
-        >>> handler.batch_period, handler.max_checkpoints
-        (100, 3)
+        >>> handler.batch_period, handler.max_checkpoints, handler.current_batch
+        (100, 3, 0)
     """
 
     _state_attrs = ("current_epoch", "current_batch", "best")
@@ -105,7 +146,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     def __init__(self, model_dir: Union[str, os.PathLike], model_prefix: str = "model", monitor: Any = None,
                  verbose: int = 0, save_best: bool = False, mode: str = "auto", epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
-                 resume_from_checkpoint: bool = False):
+                 resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
+                 save_weights_only: bool = False, initial_value_threshold: Optional[float] = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
@@ -113,13 +155,21 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             raise TypeError(f"monitor must be a metric the estimator owns, got {monitor!r}")
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
-        for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint)):
+        for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
+                           ("save_best_only", save_best_only), ("save_weights_only", save_weights_only)):
             if not isinstance(value, bool):
                 raise TypeError(f"{arg} must be a bool, got {value!r}")
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
-        if save_best and monitor is None:
-            raise ValueError("save_best=True needs monitor= (a metric, e.g. est.val_metrics[0])")
+        for arg, value in (("save_best", save_best), ("save_best_only", save_best_only)):
+            if value and monitor is None:
+                raise ValueError(f"{arg}=True needs monitor= (a metric, e.g. est.val_metrics[0])")
+        for arg, value in (("save_best_only", save_best_only), ("save_weights_only", save_weights_only)):
+            if value and resume_from_checkpoint:
+                raise ValueError(f"resume_from_checkpoint=True cannot go with {arg}=True, which writes no checkpoint "
+                                 "to resume from: give the fit a second CheckpointHandler(model_dir, "
+                                 "resume_from_checkpoint=True) for the resumable checkpoints")
+        _check_threshold(initial_value_threshold, save_best or save_best_only)
         self.epoch_period = check_positive_int(epoch_period, "epoch_period", allow_none=True)
         self.batch_period = check_positive_int(batch_period, "batch_period", allow_none=True)
         if epoch_period is None and batch_period is None:
@@ -132,49 +182,103 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self.save_best = save_best
         self.mode = resolve_mode(mode, monitor, "CheckpointHandler") if monitor is not None else mode
         self.resume_from_checkpoint = resume_from_checkpoint
+        self.save_best_only = save_best_only
+        self.save_weights_only = save_weights_only
+        self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
+        self._layout = _checkpoint().Layout(self.model_dir, model_prefix, weights=save_weights_only,
+                                            periodic=not save_best_only, best=save_best or save_best_only)
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
         self._lock: Any = None  # the model_dir lock, held on rank 0 during fit
+        self._estimator: Optional[weakref.ref] = None  # the estimator of the fit in progress
         self._reset()
 
     def _reset(self) -> None:
-        self.current_epoch = 0
-        self.current_batch = 0
-        self.best = math.inf if self.mode == "min" else -math.inf
+        self._epochs = self._batches = 0  # the counters outside fit (after it, or loaded)
+        if self.initial_value_threshold is not None:
+            self.best = self.initial_value_threshold
+        else:
+            self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
-        self._saved_step = -1  # the step of this run's last save
+        self._saved_step = -1  # the step of this run's last periodic checkpoint
         self._warned_nan = False
+        self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
 
-    def _existing(self) -> list[str]:
-        """The names of this prefix's checkpoints already in ``model_dir`` (periodic and best)."""
-        checkpoint = _checkpoint()
-        names = [os.path.basename(p) for _, _, p in checkpoint.list_checkpoints(self.model_dir, self.model_prefix)]
-        if os.path.exists(os.path.join(self.model_dir, checkpoint.best_name(self.model_prefix))):
-            names.append(checkpoint.best_name(self.model_prefix))
-        return names
+    @property
+    def name(self) -> str:
+        """The key its state is saved under. Defaults to ``"CheckpointHandler"``; for an exporter
+        (``save_best_only`` / ``save_weights_only``) it says what it writes, e.g.
+        ``"CheckpointHandler[model-best.weights]"``, so that a resume never gives its state to
+        another CheckpointHandler of the fit (or theirs to it), whatever their order."""
+        given = self.__dict__.get("_name")
+        if given or self._layout.resumable:
+            return given or type(self).__name__
+        best, weights = "-best" if self.save_best_only else "", ".weights" if self.save_weights_only else ""
+        return f"{type(self).__name__}[{self.model_prefix}{best}{weights}]"
 
-    def _refuse_existing(self, names: list[str]) -> None:
+    @name.setter
+    def name(self, value: str) -> None:
+        StatefulHandler.name.fset(self, value)  # type: ignore[attr-defined]
+
+    # -- counters --------------------------------------------------------------------------
+    def _fitting(self) -> Any:
+        return self._estimator() if self._estimator is not None else None
+
+    @property
+    def current_epoch(self) -> int:
+        """Epochs completed in the current fit (else the last one, or a loaded state), those
+        before a resume included."""
+        estimator = self._fitting()
+        return estimator.position.epoch if estimator is not None else self._epochs
+
+    @property
+    def current_batch(self) -> int:
+        """Batches trained in the current fit (else the last one, or a loaded state), over all
+        its epochs, those before a resume included."""
+        estimator = self._fitting()
+        return estimator.position.step if estimator is not None else self._batches
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (during a resume the counters follow the restored
+        position, which holds the same numbers); raises ``ValueError`` naming a missing key."""
+        check_state_keys(state, self._state_attrs, self.name)
+        epochs = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch", minimum=0)
+        batches = check_positive_int(state["current_batch"], f"state of {self.name}: current_batch", minimum=0)
+        best = state["best"]
+        if isinstance(best, bool) or not isinstance(best, numbers.Real):
+            raise TypeError(f"state of {self.name}: best must be a number, got {best!r}")
+        self._epochs, self._batches, self.best = epochs, batches, float(best)
+        if self._fitting() is not None:
+            self._foreign = frozenset()  # this run's exports: the resumed state knows their best
+
+    # -- checks ----------------------------------------------------------------------------
+    def _refuse_existing(self, names: list[str], why: str = "") -> None:
+        kind = "weights exports" if self.save_weights_only else "checkpoints"
+        remedy = ("resume the run that wrote them (fit(..., resume=True), or a CheckpointHandler with "
+                  "resume_from_checkpoint=True in the fit)" if not self._layout.resumable
+                  else "pass resume_from_checkpoint=True to continue that run")
         raise FileExistsError(
-            f"model_dir {self.model_dir!r} already holds checkpoints of prefix {self.model_prefix!r} "
-            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}); pass "
-            "resume_from_checkpoint=True to continue that run, or choose another model_dir or model_prefix"
-        )
+            f"model_dir {self.model_dir!r} already holds {kind} of prefix {self.model_prefix!r} "
+            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}){why}; {remedy}, or choose another "
+            "model_dir or model_prefix (nothing was changed)")
 
     def _check_fit(self, estimator: Any, resume: bool) -> None:
         """Before any work, on every rank together: ``model_dir`` is usable, no other fit writes
         there, and nothing saved would be overwritten (``fit(..., resume=True)`` continues this
-        estimator's own run, which may have written those files) or is of a newer format."""
+        estimator's own run, which may have written those files) or is of a newer format. (An
+        export's files are checked in ``train_begin``, which sees whether another handler resumes.)"""
         checkpoint = _checkpoint()
         error: Optional[Exception] = None
         try:
             if distributed.is_main_process():
                 check_output_dir(self.model_dir, "model_dir")
                 checkpoint.DirectoryLock(self.model_dir).check()
-                if not (self.resume_from_checkpoint or resume):
-                    names = self._existing()
+                if self._layout.resumable and not (self.resume_from_checkpoint or resume):
+                    names = self._layout.existing()
                     if names:
                         self._refuse_existing(names)
-                checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
+                if not self.save_weights_only:
+                    checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
             elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
                 # the other ranks only read (their model_dir may be node-local, or not there yet)
                 raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
@@ -184,9 +288,18 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if failure is not None:
             raise failure[1]
 
+    def _check_siblings(self, estimator: Any) -> None:
+        for other in estimator.handlers:
+            if other is not self and isinstance(other, CheckpointHandler) \
+                    and self._layout.shares_files_with(other._layout):
+                raise ValueError(f"two CheckpointHandlers of this fit write the same files ({self._layout.describe()} "
+                                 f"in {self.model_dir!r}): give one of them another model_prefix")
+
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self._reset()
+        self._estimator = weakref.ref(estimator)
+        self._check_siblings(estimator)
         checkpoint = _checkpoint()
         found, error = None, None
         if distributed.is_main_process():
@@ -197,6 +310,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         failure = distributed.share_outcome(error)
         if failure is not None:
             raise failure[1]
+        if not self._layout.resumable:
+            self._foreign = frozenset(distributed.broadcast_object(sorted(self._foreign)))
+            return
         if not self.resume_from_checkpoint or estimator.resume_pending:  # pending: fit(..., resume=True)
             return
         rank = distributed.get_rank()
@@ -209,42 +325,59 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         checkpoint.restore_training_state(estimator, found[1])
 
     def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
-        """On rank 0: lock ``model_dir``, clear orphaned temporaries, refuse newer-format files,
-        choose the checkpoint to resume from (when asked), and list the files retention owns."""
+        """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
+        refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
+        files retention owns."""
         checkpoint = _checkpoint()
         os.makedirs(self.model_dir, exist_ok=True)
         self._lock = checkpoint.DirectoryLock(self.model_dir)
         self._lock.acquire()
-        if not (self.resume_from_checkpoint or estimator.resume_pending):
-            names = self._existing()  # again, under the lock: a fit may have written them since _check_fit
-            if names:
-                self._refuse_existing(names)
+        names = self._layout.existing()  # again, under the lock: a fit may have written them since _check_fit
+        resuming = self.resume_from_checkpoint or estimator.resume_pending
+        if names and not self._layout.resumable:
+            if not (estimator.resume_pending or any(getattr(h, "resume_from_checkpoint", False) is True
+                                                    and isinstance(h, CheckpointHandler) for h in estimator.handlers)):
+                self._refuse_existing(names, " and this fit resumes no run")
+            self._foreign = frozenset(names)
+        elif names and not resuming:
+            self._refuse_existing(names)
         removed = checkpoint.remove_orphan_temporaries(self.model_dir)
         if removed:
             logger.info("Removed %d temporary file(s) of interrupted writes from %s", len(removed), self.model_dir)
-        versions = checkpoint.format_versions(self.model_dir, self.model_prefix)
-        checkpoint.refuse_newer(versions)
-        found, skipped = None, []
-        if self.resume_from_checkpoint and not estimator.resume_pending:
-            found, skipped = checkpoint.choose_checkpoint(estimator, self.model_dir, self.model_prefix)
-        best = os.path.join(self.model_dir, checkpoint.best_name(self.model_prefix))
-        # Files from before a resume count towards max_checkpoints; unreadable or skipped ones are not ours.
-        self.saved = [path for path, version in versions.items()
-                      if version is not None and path != best and path not in skipped]
+        found: Optional[tuple[str, dict[str, Any]]] = None
+        if not self.save_weights_only:
+            versions = checkpoint.format_versions(self.model_dir, self.model_prefix)
+            checkpoint.refuse_newer(versions)
+            skipped: list[str] = []
+            if self.resume_from_checkpoint and not estimator.resume_pending:
+                found, skipped = checkpoint.choose_checkpoint(estimator, self.model_dir, self.model_prefix)
+                best = checkpoint.best_name(self.model_prefix)
+                if found is None and self.save_best and best in names:
+                    self._refuse_existing([best], " but no periodic checkpoint to resume from")
+            best_path = os.path.join(self.model_dir, checkpoint.best_name(self.model_prefix))
+            # Files from before a resume count towards max_checkpoints; unreadable or skipped ones are not ours.
+            self.saved = [path for path, version in versions.items()
+                          if self._layout.resumable and version is not None and path != best_path
+                          and path not in skipped]
+        estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(),
+                              os.path.abspath(self.model_dir))
         return found
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
         try:
             self._save_interrupted(estimator)
         finally:
+            self._epochs, self._batches = self.current_epoch, self.current_batch
+            self._estimator = None
             self._release_lock()
 
     def _save_interrupted(self, estimator: Any) -> None:
         """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
         boundary (``estimator.interruption``), save that boundary, unless this fit just did or
-        trained nothing. Every rank calls it (the save is a collective) and decides alike."""
+        trained nothing (exports, which no fit resumes from, are left alone). Every rank calls it
+        (the save is a collective) and decides alike."""
         reason, pos = estimator.interruption, estimator.position
-        if reason is None or pos.step in (0, self._saved_step):
+        if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step):
             return
         self._save(estimator)
         name = _checkpoint().checkpoint_name(self.model_prefix, pos.epoch, pos.step)
@@ -258,15 +391,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             lock.release()
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_batch += 1
-        if self._batch_filter is not None and self._batch_filter(self.current_batch):
+        if self._batch_filter is not None and self._batch_filter(estimator.position.step + 1):  # with this batch
             estimator.at_boundary(lambda: self._save(estimator))
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
-        self.current_epoch += 1
-        if self._epoch_filter is None or not self._epoch_filter(self.current_epoch):
+        if self._epoch_filter is None:
             return
         pos = estimator.position
+        if not self._epoch_filter(pos.epoch + 1):  # with this epoch
+            return
         if pos.stop and pos.step == self._saved_step:
             # A stop cut this epoch short right after a batch checkpoint. That file stays the
             # newest: resumed with a larger plan it continues the epoch exactly, while one written
@@ -275,35 +408,70 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         estimator.at_boundary(lambda: self._save(estimator))
 
     # -- saving ----------------------------------------------------------------------------
+    def _check_best(self) -> tuple[bool, Optional[float]]:
+        """Whether ``monitor`` improved on the best (a collective), and its value."""
+        if not self._layout.best:
+            return False, None
+        value = float(self.monitor.compute())
+        if math.isnan(value):
+            if not self._warned_nan:
+                self._warned_nan = True  # once per fit: a val monitor is nan at every save before validating
+                warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); "
+                              "the best file is updated only with a value", stacklevel=3)
+            return False, value
+        return improved(value, self.best, self.mode), value
+
     def _save(self, estimator: Any) -> None:
-        """Write a checkpoint of the current boundary. A collective: every rank calls it."""
-        best_value = float(self.monitor.compute()) if self.save_best else None  # a collective
-        is_best = best_value is not None and not math.isnan(best_value) and improved(best_value, self.best, self.mode)
-        if best_value is not None and math.isnan(best_value) and not self._warned_nan:
-            self._warned_nan = True  # once per fit: a val monitor is nan at every save before validating
-            warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); "
-                          "the best checkpoint is updated only with a value", stacklevel=2)
-        if is_best:
-            self.best = best_value
+        """Write what is due at the current boundary. A collective: every rank calls it."""
         checkpoint = _checkpoint()
-        self._saved_step = estimator.position.step
-        payload = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        if not distributed.is_main_process():
-            return
+        is_best, value = self._check_best()
         pos = estimator.position
-        path = os.path.join(self.model_dir, checkpoint.checkpoint_name(self.model_prefix, pos.epoch, pos.step))
-        checkpoint.atomic_save(payload, path)
-        if path in self.saved:
-            self.saved.remove(path)
-        self.saved.append(path)
+        names = self._layout.due(pos.epoch, pos.step, is_best)
+        if not names:
+            return
+        clash = [name for name in names if name in self._foreign]
+        if clash:  # the same on every rank: nothing is written anywhere
+            raise FileExistsError(
+                f"{os.path.join(self.model_dir, clash[0])!r} was there when this fit started and this handler's "
+                f"state (its best value) did not come back with the resume, so it belongs to another run and is "
+                "left untouched: resume from a checkpoint written with this handler in the fit, move the file "
+                "away, or choose another model_prefix")
         if is_best:
-            checkpoint.atomic_save(payload, os.path.join(self.model_dir, checkpoint.best_name(self.model_prefix)))
-        checkpoint.write_latest(self.model_dir, self.model_prefix, path)
-        self._prune(keep=path)
+            self.best = value  # before the payload: the checkpoint holds it
+        if self._layout.resumable:
+            self._saved_step = pos.step
+        if self.save_weights_only:
+            state = checkpoint.weights_state(estimator.net) if distributed.is_main_process() else None
+        else:
+            state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
+        error: Optional[Exception] = None
+        if distributed.is_main_process():
+            try:
+                self._write(estimator, state, names, value if is_best else None)
+            except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
+                error = err
+        failure = distributed.share_outcome(error)  # a full disk on rank 0 stops every rank, never a hang
+        if failure is not None:
+            raise failure[1]
+
+    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float]) -> None:
+        """On rank 0: the files of one save, the periodic one first, then the best one; then the
+        pointer, retention and orphaned temporaries."""
+        checkpoint = _checkpoint()
+        paths = [os.path.join(self.model_dir, name) for name in names]
+        for path in paths:
+            checkpoint.atomic_save(state, path)
+        if self._layout.resumable:
+            if paths[0] in self.saved:
+                self.saved.remove(paths[0])
+            self.saved.append(paths[0])
+            checkpoint.write_latest(self.model_dir, self.model_prefix, paths[0])
+            self._prune(keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         if self.verbose:
-            estimator.logger.info("Saved checkpoint %s%s", path,
-                                  f" (best {metric_name(self.monitor)}: {best_value:.6g})" if is_best else "")
+            note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
+            estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",
+                                  paths[0], note)
 
     def _prune(self, keep: str) -> None:
         """Delete the oldest files retention owns beyond ``max_checkpoints``, never ``keep`` (the
@@ -317,3 +485,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                 os.remove(old)
             except FileNotFoundError:  # already gone: nothing to do
                 continue
+
+
+def _check_threshold(value: Any, keeps_best: bool) -> None:
+    if value is None:
+        return
+    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+        raise TypeError(f"initial_value_threshold must be a number or None, got {value!r}")
+    if math.isnan(float(value)):
+        raise ValueError(f"initial_value_threshold must be a number, got {value!r}")
+    if not keeps_best:
+        raise ValueError(f"initial_value_threshold={value!r} applies to the best file: pass save_best=True or "
+                         "save_best_only=True (with monitor=)")

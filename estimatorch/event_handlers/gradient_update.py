@@ -10,7 +10,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
 from ._base import StatefulHandler, check_positive_int, check_state_keys
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["GradientUpdateHandler"]
@@ -43,17 +43,13 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
     _state_attrs = ("pending",)
     # gradients accumulated under DDP's no_sync differ per rank: saved for every rank
 
-    def __new__(cls, accumulation_steps: int = 1,
-                clip_grad_norm: Optional[float] = None) -> "GradientUpdateHandler":
-        # batch_begin (choosing whether DDP synchronises this batch) only for accumulation
-        accumulates = not isinstance(accumulation_steps, bool) and isinstance(accumulation_steps, int) \
-            and accumulation_steps > 1
-        return super().__new__(with_events(cls, ["batch_begin"] if accumulates else []))
-
     def __reduce__(self) -> tuple:
-        # pickle names classes by their path, which leads to this class, not to the subclass
-        # with_events made: rebuild through __new__, which picks it again
-        return _rebuild, (self.accumulation_steps, self.clip_grad_norm), dict(self.__dict__)
+        # pickle names a class by its path, which leads past the same-named subclass subscribe()
+        # made (it is not importable): rebuild from the class it was made from, then subscribe
+        cls = type(self)
+        while _same_name(cls, cls.__bases__[0]):
+            cls = cls.__bases__[0]
+        return _rebuild, (cls, dict(self.__dict__))
 
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
         self.accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
@@ -68,6 +64,11 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
         #: whether the optimizer stepped at the last batch_end (read by handlers that follow
         #: optimizer steps, e.g. a per-batch LR schedule under gradient accumulation)
         self.stepped = False
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        # batch_begin (choosing whether DDP synchronises this batch) only with accumulation
+        subscribe(self, ["batch_begin"] if self.accumulation_steps > 1 else [])
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.pending = 0
@@ -152,5 +153,12 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
                 p.grad = None if g is None else g.to(p.device).clone()
 
 
-def _rebuild(accumulation_steps: int, clip_grad_norm: Optional[float]) -> GradientUpdateHandler:
-    return GradientUpdateHandler.__new__(GradientUpdateHandler, accumulation_steps, clip_grad_norm)
+def _same_name(a: type, b: type) -> bool:
+    return (a.__qualname__, a.__module__) == (b.__qualname__, b.__module__)
+
+
+def _rebuild(cls: type, state: dict[str, Any]) -> GradientUpdateHandler:
+    handler = object.__new__(cls)
+    handler.__dict__.update(state)
+    handler._subscribe()
+    return handler

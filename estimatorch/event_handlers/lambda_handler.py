@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 from ._base import StatefulHandler, check_state_keys
 from ._schedule import EventFilter
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .mixins import EVENTS, TrainBegin
 
 __all__ = ["LambdaHandler"]
@@ -54,12 +54,6 @@ class LambdaHandler(StatefulHandler, TrainBegin):
 
     _state_attrs = ("counts",)
 
-    def __new__(cls, **kwargs: Any) -> "LambdaHandler":
-        events = [e for e in EVENTS if kwargs.get(e) is not None]
-        if not events:
-            raise ValueError(f"LambdaHandler needs at least one event function, one of {list(EVENTS)}")
-        return super().__new__(with_events(cls, events))  # subscribed to exactly these events
-
     def __init__(self, *, every: Optional[int] = None, once: Any = None, before: Optional[int] = None,
                  after: Optional[int] = None, predicate: Optional[Callable[[int], bool]] = None,
                  priority: float = 0, **functions: Optional[Callable[..., Any]]):
@@ -67,6 +61,8 @@ class LambdaHandler(StatefulHandler, TrainBegin):
         if unknown:
             raise TypeError(f"LambdaHandler got an unknown event {unknown[0]!r}; events are {list(EVENTS)}")
         self._fns = {e: fn for e, fn in functions.items() if fn is not None}
+        if not self._fns:
+            raise ValueError(f"LambdaHandler needs at least one event function, one of {list(EVENTS)}")
         for event, fn in self._fns.items():
             if not callable(fn):
                 raise TypeError(f"{event} must be callable, got {fn!r}")
@@ -75,6 +71,7 @@ class LambdaHandler(StatefulHandler, TrainBegin):
             raise ValueError(f"priority must be a real number, got {priority!r}")
         self.priority = priority
         self.counts = dict.fromkeys(self._fns, 0)
+        subscribe(self, self._fns)  # exactly the events it has functions for
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counts; the next events continue from them."""

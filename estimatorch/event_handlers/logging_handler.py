@@ -14,7 +14,7 @@ from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler, check_file_prefix, check_state_keys
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from ._schedule import EventFilter
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates
 from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
@@ -73,10 +73,6 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     priority = float("inf")
     _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
 
-    def __new__(cls, log_interval: Union[str, int] = "epoch", *args: Any, **kwargs: Any) -> "LoggingHandler":
-        # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
-        return super().__new__(with_events(cls, [] if log_interval == "epoch" else ["batch_end"]))
-
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
         if log_interval != "epoch" and (isinstance(log_interval, bool) or not isinstance(log_interval, int)
@@ -100,6 +96,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
         self._reset_counts()
+        # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
+        subscribe(self, [] if log_interval == "epoch" else ["batch_end"])
 
     @property
     def batch_lines(self) -> bool:

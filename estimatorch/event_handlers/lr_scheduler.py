@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler, check_state_keys
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .mixins import TrainBegin
 
 __all__ = ["LRSchedulerHandler", "epoch_learning_rates", "learning_rate_names"]
@@ -102,10 +102,6 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         'batch'
     """
 
-    def __new__(cls, scheduler: Any = None, *, step_on: str = "epoch", monitor: Any = None) -> "LRSchedulerHandler":
-        # called only on the event it steps on (an unknown step_on is refused by __init__)
-        return super().__new__(with_events(cls, ["batch_end" if step_on == "batch" else "epoch_end"]))
-
     def __init__(self, scheduler: Any = None, *, step_on: str = "epoch", monitor: Any = None):
         if step_on not in ("epoch", "batch"):
             raise ValueError(f"step_on must be 'epoch' or 'batch', got {step_on!r}")
@@ -122,6 +118,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._scheduler: Any = scheduler
         #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
         self._before_step: Optional[tuple[int, list[float]]] = None
+        subscribe(self, ["batch_end" if step_on == "batch" else "epoch_end"])  # only the event it steps on
 
     @staticmethod
     def _check_monitor(scheduler: Any, monitor: Any) -> None:

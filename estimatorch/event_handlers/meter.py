@@ -11,7 +11,7 @@ from .. import distributed
 from ..statistics.base import STEP_EVENTS, Statistic
 from ..statistics.callback import CallbackStatistic
 from ._base import StatefulHandler, check_state_keys
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from .tensorboard import EPOCH_PREFIX, TensorBoardHandler
 
@@ -72,12 +72,6 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
 
     priority = -500
 
-    def __new__(cls, statistics: Any = (), *args: Any, **kwargs: Any) -> "MeterHandler":
-        events = set()
-        for stat in _as_list(statistics):
-            events |= set(getattr(stat, "events", ())) & STEP_EVENTS
-        return super().__new__(with_events(cls, events))
-
     def __init__(self, statistics: Any, *, writer: Any):
         items = _as_list(statistics)
         if not items:
@@ -103,6 +97,10 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
         self._on: dict[str, tuple] = dict.fromkeys(STEP_EVENTS, ())
         self._running = tuple(s for s in items if s.running)
         self._hooked = tuple(s for s in items if isinstance(s, CallbackStatistic))
+        events: set[str] = set()
+        for stat in items:
+            events |= set(getattr(stat, "events", ())) & STEP_EVENTS
+        subscribe(self, events)
 
     # -- schedule --------------------------------------------------------------------------
     def _schedule(self, force: bool = False) -> None:

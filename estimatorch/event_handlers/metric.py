@@ -6,7 +6,7 @@ from typing import Any
 
 from ..metrics.base import as_metric_list, split_loss_metrics, update_metrics
 from ._base import StatefulHandler
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .mixins import EpochBegin
 
 __all__ = ["MetricHandler"]
@@ -37,14 +37,11 @@ class MetricHandler(StatefulHandler, EpochBegin):
 
     priority = -1000
 
-    def __new__(cls, metrics: Any) -> "MetricHandler":
-        empty = isinstance(metrics, (list, tuple)) and not metrics
-        return super().__new__(with_events(cls, [] if empty else ["batch_end"]))  # nothing to update: no call
-
     def __init__(self, metrics: Any):
         items = as_metric_list(metrics, "metrics")
         self.metrics = items
         self._loss_metrics, self._other_metrics = split_loss_metrics(items)
+        subscribe(self, ["batch_end"] if items else [])  # nothing to update: no call per step
 
     def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
         for metric in self.metrics:

@@ -2,48 +2,25 @@
 
 from __future__ import annotations
 
-import functools
-import logging
 import numbers
 import sys
-import threading
 import time
 from typing import Any, Callable, Optional
 
 from .. import distributed
 from ..metrics.base import Metric, as_metric_list, metric_name
+from . import _bars
 from ._base import StatefulHandler, check_state_keys
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["ProgressBarHandler"]
 
-
-@functools.lru_cache(maxsize=None)
-def _bar_class() -> type:
-    """``tqdm.auto.tqdm`` (a widget in Jupyter, text elsewhere) whose postfix is read only when
-    tqdm redraws the bar: on its own time throttle, never on other steps."""
-    from tqdm.auto import tqdm
-
-    class Bar(tqdm):  # type: ignore[misc, valid-type]
-        read_postfix: Optional[Callable[[], dict[str, str]]] = None
-        owner_thread: Optional[int] = None
-
-        @property
-        def format_dict(self) -> dict[str, Any]:
-            read = self.read_postfix
-            # Not from tqdm's monitor thread: values are read where the step runs.
-            if read is not None and self.n > 0 and threading.get_ident() == self.owner_thread:
-                self.set_postfix(read(), refresh=False)
-            return super().format_dict
-
-    return Bar
+#: the epoch bar without a rate (the remaining time says it): room for the epoch's values.
+_EPOCH_FORMAT = "{l_bar}{bar}| {n_fmt}/{total_fmt} [{elapsed}<{remaining}{postfix}]"
 
 
 def _bar(read_postfix: Optional[Callable[[], dict[str, str]]] = None, **kwargs: Any) -> Any:
-    bar = _bar_class()(dynamic_ncols=True, **kwargs)
-    bar.owner_thread = threading.get_ident()
-    bar.read_postfix = read_postfix
-    return bar
+    return _bars.bar(read_postfix, **kwargs)
 
 
 def _values(metrics: list[Any]) -> dict[str, str]:
@@ -60,56 +37,6 @@ def _values(metrics: list[Any]) -> dict[str, str]:
     return values
 
 
-def _is_console(handler: logging.Handler) -> bool:
-    return (isinstance(handler, logging.StreamHandler) and not isinstance(handler, logging.FileHandler)
-            and any(handler.stream is s for s in (sys.stdout, sys.stderr)))
-
-
-class _BarSafe(logging.Handler):
-    """Stands in for a console handler while bars are drawn: writes through ``tqdm.write`` so
-    log lines go above the bars instead of through them."""
-
-    def __init__(self, wrapped: logging.Handler, bar_class: type):
-        super().__init__(wrapped.level)
-        self.wrapped = wrapped
-        self.bar_class = bar_class
-        # stands in for the estimatorch console handler: a new Estimator must not add another
-        self._estimatorch_default = getattr(wrapped, "_estimatorch_default", False)
-
-    def filter(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
-        return bool(self.wrapped.filter(record))
-
-    def emit(self, record: logging.LogRecord) -> None:
-        try:
-            self.bar_class.write(self.wrapped.format(record), file=self.wrapped.stream)  # type: ignore[attr-defined]
-        except RecursionError:
-            raise
-        except Exception:  # logging's own policy: report, never break training
-            self.handleError(record)
-
-
-class _ConsoleRedirect:
-    """Swap a logger's console handlers for :class:`_BarSafe` ones; :meth:`close` swaps back
-    exactly those (other handlers, e.g. a log file added meanwhile, are left alone)."""
-
-    def __init__(self, logger: logging.Logger, bar_class: type):
-        self.logger = logger
-        self.swapped: list[tuple[logging.Handler, logging.Handler]] = []
-        handlers = logger.handlers
-        for i, handler in enumerate(handlers):
-            if _is_console(handler):
-                handlers[i] = _BarSafe(handler, bar_class)  # in place: the order of handlers is kept
-                self.swapped.append((handler, handlers[i]))
-
-    def close(self) -> None:
-        swapped, self.swapped = self.swapped, []
-        handlers = self.logger.handlers
-        for original, safe in swapped:
-            for i, handler in enumerate(handlers):
-                if handler is safe:
-                    handlers[i] = original
-
-
 class _ValidationBar(EpochBegin, BatchEnd, EpochEnd):
     """Attached to every ``evaluate`` during fit: a bar over the validation batches."""
 
@@ -118,9 +45,10 @@ class _ValidationBar(EpochBegin, BatchEnd, EpochEnd):
         self.total = len(val_data) if hasattr(val_data, "__len__") else None
 
     def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.owner._catch_up()  # validation may take a while: the batch bar shows where training is
         metrics = list(estimator.val_metrics)
         self.owner._val_bar = _bar(lambda: _values(metrics), total=self.total, desc="validation", unit="batch",
-                                   leave=False, file=self.owner._file, mininterval=self.owner.refresh_interval)
+                                   leave=False, file=self.owner._output(), mininterval=self.owner.refresh_interval)
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         self.owner._val_bar.update(1)
@@ -130,22 +58,30 @@ class _ValidationBar(EpochBegin, BatchEnd, EpochEnd):
 
 
 class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
-    """Progress bars through ``tqdm.auto``: a widget in Jupyter, a text bar in a terminal.
+    """Progress bars (``tqdm`` text bars): in a terminal, or as plain text in a Jupyter notebook.
 
     Training by epochs shows two bars (epochs, and batches in the current epoch); training by
-    ``batches`` shows one. Validation during fit shows its own bar. The batch bar's postfix
-    shows the running train metrics (the validation bar's, the val metrics), read from the
-    device only when tqdm redraws the bar, at most every ``refresh_interval`` seconds, so other
-    steps pay no host sync; the epoch bar shows each finished epoch's train and val values.
-    Only global rank 0 draws; log lines printed to the console meanwhile go above the bars,
-    never into them, and bars never reach a log file. Bars are closed when training ends or
-    raises. ``fit`` adds one when stderr is a terminal or in a notebook.
+    ``batches`` shows one. Validation during fit shows its own bar; the batch bar is brought up
+    to date before it starts. The batch bar's postfix shows the running train metrics (the
+    validation bar's, the val metrics), read from the device only when tqdm redraws the bar, at
+    most every ``refresh_interval`` seconds, so other steps pay no host sync. The epoch bar
+    shows the last finished epoch's values, val metrics first, as many as fit the line.
+
+    Postfixes name metrics as Keras does (``loss``, ``val_loss``; ``accuracy`` shortened to
+    ``acc``) and hold what fits the output's width (80 columns when it is unknown), so a bar
+    is never cut short. In a Jupyter notebook (and no ``file``) the bars are one output of
+    plain text, replaced at each redraw: the saved notebook shows their final state. Only
+    global rank 0 draws; log lines printed to the console meanwhile go above the bars, never
+    into them, and bars never reach a log file. Bars are closed when training ends or raises;
+    a fit ended by an error or Ctrl-C leaves its batch bar, to show where it stopped.
+    ``fit`` adds one when stderr is a terminal or in a notebook.
 
     Args:
         refresh_interval: the least time between two redraws, in seconds (tqdm's
             ``mininterval``). Defaults to 0.5.
         metrics: the train metrics in the postfix. Defaults to the estimator's train metrics.
-        file: where bars are drawn. Defaults to ``sys.stderr`` at ``fit`` start.
+        file: where bars are drawn. Defaults to a plain-text output of the notebook cell in
+            Jupyter, else ``sys.stderr``, chosen at ``fit`` start.
 
     Example:
         >>> ProgressBarHandler(refresh_interval=1.0).refresh_interval
@@ -167,10 +103,11 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self.file = file
         self.batch_in_epoch = self.epochs_done = self.total_batches = 0
         self._file: Any = None
+        self._display: Optional[_bars.NotebookDisplay] = None
         self._epoch_bar: Any = None
         self._batch_bar: Any = None
         self._val_bar: Any = None
-        self._redirect: Optional[_ConsoleRedirect] = None
+        self._redirect: Optional[_bars.ConsoleRedirect] = None
         self._active = False
         self._shown: list[Any] = []
         self._per_epoch: Optional[int] = None
@@ -179,6 +116,16 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._next_draw = 0.0
 
     # -- bars ------------------------------------------------------------------------------
+    def _output(self) -> Any:
+        """Where a new bar writes: its own line of the notebook output, or the stream."""
+        return self._display.stream() if self._display is not None else self._file
+
+    def _catch_up(self) -> None:
+        """Show every batch done so far, now (before a validation, which may take a while)."""
+        if self._batch_bar is not None:
+            self._pass_batches()
+            self._batch_bar.refresh()
+
     def _close_val_bar(self) -> None:
         if self._val_bar is not None:
             self._val_bar.close()
@@ -201,13 +148,14 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
                     bar.close()
         finally:
             self._batch_bar = self._epoch_bar = None
+            self._display = None
             if self._redirect is not None:
                 self._redirect.close()
                 self._redirect = None
 
     def _new_batch_bar(self, **kwargs: Any) -> Any:
         shown = self._shown
-        return _bar(lambda: _values(shown), unit="batch", file=self._file, mininterval=self.refresh_interval,
+        return _bar(lambda: _values(shown), unit="batch", file=self._output(), mininterval=self.refresh_interval,
                     **kwargs)
 
     def _epoch_desc(self, epoch: int) -> str:
@@ -220,12 +168,16 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         if not self._active:
             return
         self._file = self.file if self.file is not None else sys.stderr
+        if self.file is None and _bars.in_notebook():
+            self._display = _bars.NotebookDisplay()  # bars as text in the cell: no console to share
+        else:
+            self._redirect = _bars.ConsoleRedirect(estimator.logger, _bars.bar_class())
         self._shown = self.metrics if self.metrics is not None else list(estimator.train_metrics)
-        self._redirect = _ConsoleRedirect(estimator.logger, _bar_class())
         self._per_epoch = estimator.batches_per_epoch
         self._max_epoch = estimator.max_epoch
         if self._max_epoch is not None:
-            self._epoch_bar = _bar(total=self._max_epoch, desc="epochs", unit="epoch", file=self._file)
+            self._epoch_bar = _bar(total=self._max_epoch, desc="epochs", unit="epoch", file=self._output(),
+                                   bar_format=_EPOCH_FORMAT)
         else:
             self._batch_bar = self._new_batch_bar(total=estimator.max_batch, desc="batches")
 
@@ -260,11 +212,15 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             self._pass_batches()
             self._batch_bar.close()
             self._batch_bar = None
-        shown = self._shown + (list(estimator.val_metrics) if estimator.validated else [])
-        self._epoch_bar.set_postfix(_values(shown), refresh=False)
+        shown = (list(estimator.val_metrics) if estimator.validated else []) + self._shown
+        room = self._epoch_bar.postfix_room(_bars.EPOCH_SLACK)
+        self._epoch_bar.set_postfix(_bars.fit_postfix(_values(shown), room), refresh=False)
         self._epoch_bar.update(1)
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        position = getattr(estimator, "position", None)
+        if self._batch_bar is not None and position is not None and not position.stop:
+            self._batch_bar.leave = True  # ended by an error or Ctrl-C: the bar stays to say where
         self._active = False
         self._shown = []
         self._close()
@@ -273,7 +229,11 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     def _move(self, bar: Any, n: int) -> None:
         self._unshown = 0
         bar.n = bar.initial = bar.last_print_n = n  # rates count from the resume
-        bar.refresh()
+        read, bar.read_postfix = bar.read_postfix, None  # the metrics are restored after the handlers
+        try:
+            bar.refresh()
+        finally:
+            bar.read_postfix = read
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, self._state_attrs, self.name)

@@ -13,7 +13,7 @@ from ._base import StatefulHandler, check_file_prefix, check_positive_int, check
 from ._event_files import carry_over_events, event_files
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from ._schedule import EventFilter
-from ._subscribe import with_events
+from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
@@ -84,11 +84,6 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     priority = -500
     _state_attrs = ("current_epoch", "total_batches", "run_id")
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "TensorBoardHandler":
-        if kwargs.get("histogram_period") is not None:  # gradients are read at backward_end
-            cls = with_events(cls, {"backward_end"})
-        return super().__new__(cls)
-
     def __init__(self, log_dir: Union[str, os.PathLike], *, run_name: str = "train",
                  log_interval: Optional[int] = None, histogram_period: Optional[int] = None,
                  flush_secs: int = 120):
@@ -110,6 +105,8 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._logger: Any = None
         self._resume_at: Optional[tuple[int, int]] = None
         self._reset_counters()
+        if self.histogram_period is not None:  # gradients are read at backward_end
+            subscribe(self, ["backward_end"])
 
     # -- the writer ------------------------------------------------------------------------
     @property

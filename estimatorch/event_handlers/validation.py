@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 from ._base import StatefulHandler, check_positive_int, check_state_keys
 from ._schedule import EventFilter
-from ._subscribe import periodic_events, with_events
+from ._subscribe import subscribe
 from .mixins import TrainBegin
 
 __all__ = ["ValidationHandler"]
@@ -42,9 +42,6 @@ class ValidationHandler(StatefulHandler, TrainBegin):
 
     priority = -1000
 
-    def __new__(cls, *args: Any, **kwargs: Any) -> "ValidationHandler":
-        return super().__new__(with_events(cls, periodic_events(cls, args, kwargs)))  # only the periods set
-
     def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, event_handlers: Any = None):
         from ..estimator._dispatch import check_handlers
@@ -68,6 +65,7 @@ class ValidationHandler(StatefulHandler, TrainBegin):
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
         self._reset()
+        subscribe(self, [e for e, period in (("batch_end", batch_period), ("epoch_end", epoch_period)) if period])
 
     def _reset(self) -> None:
         # counted only for a period that is set: the events of the others are not subscribed

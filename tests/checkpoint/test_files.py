@@ -105,9 +105,11 @@ def test_a_failed_save_during_fit_keeps_earlier_checkpoints_and_pointer(tmp_path
 
 # -- orphaned temporaries ---------------------------------------------------------------------------
 ORPHANS = [".model-epoch0batch3.pt.0123456789ab.tmp", ".model-best.pt.abcdefabcdef.tmp",
-           ".model-latest.000000000000.tmp", ".other-epoch2batch9.pt.0a0a0a0a0a0a.tmp"]
+           ".model-latest.000000000000.tmp", ".other-epoch2batch9.pt.0a0a0a0a0a0a.tmp",
+           ".model-epoch0batch3.weights.pt.0123456789ab.tmp", ".model-best.weights.pt.abcdefabcdef.tmp"]
 NOT_OURS = [".model-epoch0batch3.pt.xyz.tmp", ".notes.txt.0123456789ab.tmp", "model-epoch0batch3.pt.0123456789ab.tmp",
-            ".model-epoch0batch3.pt.0123456789ab.tmp.bak", ".model-epoch0batch3.pt.0123456789AB.tmp", "keep.tmp"]
+            ".model-epoch0batch3.pt.0123456789ab.tmp.bak", ".model-epoch0batch3.pt.0123456789AB.tmp", "keep.tmp",
+            ".model-best.weights.pth.0123456789ab.tmp"]
 
 
 def test_remove_orphan_temporaries_removes_only_the_library_pattern(tmp_path):

@@ -136,6 +136,19 @@ def test_plot_draws_train_and_val_curves_per_metric(plt):
         plt.close(fig)
 
 
+def test_plot_puts_ticks_on_whole_epochs_only(plt):
+    h = History()
+    for epoch in (1, 2, 3):  # few epochs: matplotlib's default locator would add 1.5, 2.5
+        h.record(epoch, {"train_loss": 1.0 / epoch})
+    fig = h.plot()
+    try:
+        fig.canvas.draw()
+        ticks = [t for t in fig.axes[0].get_xticks() if 1 <= t <= 3]
+        assert ticks and all(float(t).is_integer() for t in ticks)
+    finally:
+        plt.close(fig)
+
+
 def test_plot_a_chosen_metric_on_given_axes(plt):
     fig, ax = plt.subplots()
     try:

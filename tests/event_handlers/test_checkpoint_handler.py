@@ -419,6 +419,35 @@ def test_resume_in_an_empty_directory_starts_fresh(tmp_path, estimatorch_log):
     assert periodic_files(tmp_path / "new") == [name(1, 4), name(2, 8)]
 
 
+def test_a_resume_with_nothing_to_resume_never_lets_save_best_overwrite_a_best_file(tmp_path):
+    small_fit(tmp_path, epochs=1, epoch_period=1)
+    for file in periodic_files(tmp_path):
+        os.replace(tmp_path / file, tmp_path / "model-best.pt")  # a best file, no periodic one
+    before = snapshot_dir(tmp_path)
+    estimator, counter = make_estimator(), EventCounter()
+    with pytest.raises(FileExistsError, match="no periodic checkpoint to resume from"):
+        small_fit(tmp_path, estimator=estimator, epochs=1, extra=[counter], resume_from_checkpoint=True,
+                  save_best=True, monitor=estimator.train_metrics[0])
+    assert counter.batches == 0 and snapshot_dir(tmp_path) == before
+    run = small_fit(tmp_path, epochs=1, resume_from_checkpoint=True)  # without save_best it never writes one
+    assert len(run.losses) == 4 and (tmp_path / "model-best.pt").read_bytes() == before["model-best.pt"][0]
+
+
+def test_the_save_schedule_follows_the_position_even_from_a_state_that_counted_wrong(tmp_path):
+    """Older files of an epoch_period handler hold current_batch 0 whatever ran: a resume with a
+    batch_period must still save at the run's batches N, 2N, ..."""
+    n_batches, period = 4, 3
+    small_fit(tmp_path, epochs=1, n_batches=n_batches, epoch_period=1)
+    path = tmp_path / name(1, n_batches)
+    payload = torch.load(path, weights_only=True)
+    payload["ranks"][0]["handlers"]["CheckpointHandler"]["current_batch"] = 0
+    torch.save(payload, path)
+    small_fit(tmp_path, epochs=3, n_batches=n_batches, epoch_period=None, batch_period=period,
+              max_checkpoints=None, resume_from_checkpoint=True)
+    steps = [step for _, step, _ in checkpoint.list_checkpoints(tmp_path, "model")][1:]
+    assert steps == list(range(period * (n_batches // period + 1), 3 * n_batches + 1, period))
+
+
 def test_in_process_resume_with_files_of_its_own_run(tmp_path):
     """fit(..., resume=True) continues the estimator's own run, whose files are in model_dir."""
     whole = small_fit(tmp_path / "whole", epochs=2, epoch_period=None, batch_period=1)
@@ -541,12 +570,28 @@ def test_reference_files_are_all_there(reference):
 # -- handler state ---------------------------------------------------------------------------------
 def test_state_dict_round_trip(tmp_path):
     handler = CheckpointHandler(tmp_path)
-    handler.current_epoch, handler.current_batch, handler.best = 2, 9, 0.25
+    handler.load_state_dict({"current_epoch": 2, "current_batch": 9, "best": 0.25})
     state = handler.state_dict()
     assert state == {"current_epoch": 2, "current_batch": 9, "best": 0.25}
     other = CheckpointHandler(tmp_path)
     other.load_state_dict(state)
     assert (other.current_epoch, other.current_batch, other.best) == (2, 9, 0.25)
+
+
+def test_the_counters_are_read_only(tmp_path):
+    handler = CheckpointHandler(tmp_path)
+    with pytest.raises(AttributeError):
+        handler.current_epoch = 3
+    with pytest.raises(AttributeError):
+        handler.current_batch = 3
+
+
+@pytest.mark.parametrize("key, value, exc", [("current_epoch", -1, ValueError), ("current_batch", 1.5, ValueError),
+                                             ("best", "low", TypeError), ("best", True, TypeError)])
+def test_load_state_dict_refuses_bad_values(tmp_path, key, value, exc):
+    state = dict(CheckpointHandler(tmp_path).state_dict(), **{key: value})
+    with pytest.raises(exc, match=key):
+        CheckpointHandler(tmp_path).load_state_dict(state)
 
 
 @pytest.mark.parametrize("missing", ["current_epoch", "current_batch", "best"])

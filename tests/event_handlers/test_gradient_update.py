@@ -238,6 +238,23 @@ def test_one_instance_serves_two_fits():
     assert_same_params(nets[0][0], nets[1][0], exact=True)
 
 
+def test_batch_begin_is_subscribed_only_with_accumulation_also_when_a_subclass_sets_it():
+    """It chooses whether DDP synchronises a batch: needed with accumulation only."""
+    import pickle
+
+    from estimatorch.event_handlers import BatchBegin
+
+    class Accumulating(GradientUpdateHandler):
+        def __init__(self, clip=1.0):
+            super().__init__(accumulation_steps=4, clip_grad_norm=clip)
+
+    assert not isinstance(GradientUpdateHandler(), BatchBegin)
+    assert isinstance(GradientUpdateHandler(2), BatchBegin) and isinstance(Accumulating(), BatchBegin)
+    for handler in (GradientUpdateHandler(2), GradientUpdateHandler()):  # spawn pickles its arguments
+        copy_ = pickle.loads(pickle.dumps(handler))
+        assert type(copy_) is type(handler) and copy_.accumulation_steps == handler.accumulation_steps
+
+
 # -- under DDP: no_sync on the micro-batches that do not step ------------------------------------
 def _ddp_accumulation(k, ckpt_dir=None, resume=False):
     """2 epochs of 5 batches per rank with accumulation ``k``: counts DDP's gradient

@@ -11,8 +11,10 @@ import pytest
 
 from estimatorch import distributed
 from estimatorch.event_handlers import LambdaHandler, LoggingHandler, ProgressBarHandler, ValidationHandler
+from estimatorch.event_handlers import _bars
 from estimatorch.event_handlers import progress_bar as progress_bar_module
-from estimatorch.metrics import Metric
+from estimatorch.event_handlers._bars import short_name
+from estimatorch.metrics import Accuracy, Metric, TopKAccuracy
 from tests.conftest import make_batches, make_estimator
 
 N_BATCHES = 4  # per epoch
@@ -39,6 +41,11 @@ def postfix(frame):
     return dict(part.split("=", 1) for part in inside.split(", ") if "=" in part)
 
 
+def shown_values(history, names, epoch=-1):
+    """What a postfix may show of ``names`` in ``epoch``: short name -> formatted value."""
+    return {short_name(name): f"{history[name][epoch]:.4g}" for name in names}
+
+
 def fit_with_bar(est=None, refresh_interval=0.0, **fit_kwargs):
     est = est or make_estimator()
     out = io.StringIO()
@@ -53,18 +60,20 @@ def test_training_by_epochs_shows_an_epoch_bar_and_a_bar_per_epoch():
     text, history, _ = fit_with_bar(epochs=3, val_data=make_batches(2, seed=1))
     epochs = last(text, "epochs")
     assert count(epochs) == (3, 3)
-    assert postfix(epochs) == {name: f"{history[name][-1]:.4g}" for name in history.metrics}
+    assert "val_loss" in postfix(epochs)  # the last epoch's values, val metrics first
+    assert postfix(epochs).items() <= shown_values(history, history.metrics).items()
     for epoch in (1, 2, 3):
         frame = last(text, f"epoch {epoch}/3")
         assert count(frame) == (N_BATCHES, N_BATCHES)
-        assert postfix(frame) == {name: f"{history[name][epoch - 1]:.4g}" for name in ("train_loss", "train_accuracy")}
+        assert "loss" in postfix(frame)  # the running train metrics
+        assert postfix(frame).items() <= shown_values(history, ["train_loss", "train_accuracy"], epoch - 1).items()
     assert not any(f.startswith("batches:") for f in frames(text))
 
 
 def test_training_by_batches_shows_one_bar():
     text, history, _ = fit_with_bar(batches=6)
     frame = last(text, "batches")
-    assert count(frame) == (6, 6) and "train_loss" in postfix(frame)
+    assert count(frame) == (6, 6) and "loss" in postfix(frame)
     assert not any(f.startswith(("epochs:", "epoch ")) for f in frames(text))
 
 
@@ -72,7 +81,71 @@ def test_validation_has_its_own_bar():
     text, history, _ = fit_with_bar(epochs=2, val_data=make_batches(3, seed=1))
     drawn = [f for f in frames(text) if f.startswith("validation:")]
     assert count(drawn[-1]) == (3, 3)
-    assert postfix(drawn[-1]) == {name: f"{history[name][-1]:.4g}" for name in ("val_loss", "val_accuracy")}
+    assert "val_loss" in postfix(drawn[-1])
+    assert postfix(drawn[-1]).items() <= shown_values(history, ["val_loss", "val_accuracy"]).items()
+
+
+def test_the_batch_bar_is_up_to_date_before_validation_starts():
+    # no redraw ever comes due on its own: only the catch-up before validation draws the count
+    text, _, _ = fit_with_bar(refresh_interval=1e9, epochs=2, val_data=make_batches(3, seed=1))
+    drawn = frames(text)
+    for epoch in (1, 2):
+        start = next(i for i, f in enumerate(drawn) if f.startswith(f"epoch {epoch}/2:"))
+        validation = next(i for i, f in enumerate(drawn) if i > start and f.startswith("validation:"))
+        before = [f for f in drawn[start:validation] if f.startswith(f"epoch {epoch}/2:")]
+        assert count(before[-1]) == (N_BATCHES, N_BATCHES)
+
+
+@pytest.mark.parametrize("n_val", [0, 2])
+def test_every_line_fits_80_columns_with_a_real_bar(monkeypatch, n_val):
+    monkeypatch.setenv("COLUMNS", "81")  # tqdm draws COLUMNS - 1 = 80 characters on a stream
+    est = make_estimator(train_metrics=[Accuracy(), TopKAccuracy(top_k=2)])  # long names
+    text, history, _ = fit_with_bar(est, epochs=3, val_data=make_batches(n_val, seed=1) if n_val else None)
+    drawn = frames(text)
+    assert drawn and all(len(f) <= 80 for f in drawn)
+    for frame in drawn:
+        inside = frame.split("|")[1]  # the bar itself: never squeezed to a character
+        assert len(inside) >= 10, frame
+        for name, value in postfix(frame).items():  # no metric is cut: whole names, whole values
+            assert name in {short_name(m) for m in history.metrics}, frame
+            float(value)
+    epochs = last(text, "epochs")
+    candidates = [short_name(m.name) for m in (est.val_metrics if n_val else []) + est.train_metrics]
+    shown = list(postfix(epochs))
+    assert shown and shown == candidates[:len(shown)]  # val metrics first, then as many as fit
+
+
+@pytest.fixture
+def notebook(monkeypatch):
+    """Pretend to run in a Jupyter kernel; returns the texts the bars' display showed, in order."""
+    updates = []
+
+    class Handle:
+        def update(self, data, raw=False):
+            assert raw and set(data) == {"text/plain"}
+            updates.append(data["text/plain"])
+
+    monkeypatch.setattr(_bars, "in_notebook", lambda: True)
+    monkeypatch.setattr(_bars, "_open_display", Handle)
+    return updates
+
+
+def test_in_a_notebook_bars_are_one_plain_text_output(notebook, capsys):
+    updates = notebook
+    est = make_estimator()
+    before = list(est.logger.handlers)
+    during = []
+    probe = LambdaHandler(batch_end=lambda e, **kw: during.append(list(e.logger.handlers)), once=1)
+    bar = ProgressBarHandler(refresh_interval=0.0)
+    history = est.fit(make_batches(N_BATCHES), epochs=3, val_data=make_batches(2, seed=1),
+                      event_handlers=[bar, probe])
+    final = updates[-1]
+    assert final.startswith("epochs: 100%|") and "\n" not in final and "\r" not in final
+    assert count(final) == (3, 3) and postfix(final).items() <= shown_values(history, history.metrics).items()
+    assert any(u.count("\n") == 1 and "epoch 2/3:" in u for u in updates)  # epochs and batches, one line each
+    assert any(u.count("\n") == 2 and "validation:" in u for u in updates)
+    assert during == [before]  # log lines need no detour around bars that are not on the console
+    assert capsys.readouterr().err == ""
 
 
 def count_reads(monkeypatch):
@@ -200,6 +273,7 @@ def test_a_resumed_fit_continues_the_counts():
     bar = ProgressBarHandler(refresh_interval=0.0, file=second)
     est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[bar, ctrl_c], resume=True)
     drawn = frames(second.getvalue())
+    assert not any("nan" in f for f in drawn)  # never the metrics of before their restore
     epoch_two = [count(f)[0] for f in drawn if f.startswith("epoch 2/3:")]
     assert epoch_two[1:] == list(range(2, N_BATCHES + 1))  # drawn empty, then moved to the saved batch
     assert not any(f.startswith("epoch 1/3:") for f in drawn)
@@ -236,3 +310,16 @@ def test_the_default_file_is_chosen_at_each_fit(monkeypatch):
         monkeypatch.setattr(sys, "stderr", stream)
         make_estimator().fit(make_batches(N_BATCHES), epochs=1, event_handlers=[bar])
     assert all("epochs:" in s.getvalue() for s in streams) and bar.file is None
+
+
+def test_a_fit_ended_by_an_error_leaves_its_batch_bar(notebook):
+    def boom(est, **kwargs):
+        raise RuntimeError("boom")
+
+    with pytest.raises(RuntimeError, match="boom"):
+        make_estimator().fit(make_batches(N_BATCHES), epochs=3, event_handlers=[
+            ProgressBarHandler(refresh_interval=0.0), LambdaHandler(batch_end=boom, once=N_BATCHES + 2)])
+    epochs, batches = notebook[-1].split("\n")
+    assert count(epochs) == (1, 3) and batches.startswith("epoch 2/3:") and count(batches) == (1, N_BATCHES)
+    make_estimator().fit(make_batches(N_BATCHES), epochs=3, event_handlers=[ProgressBarHandler(refresh_interval=0.0)])
+    assert "\n" not in notebook[-1]  # a finished fit shows its epochs bar alone

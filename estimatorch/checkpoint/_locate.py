@@ -1,0 +1,150 @@
+"""What a path names: a checkpoint or weights export, the ``{prefix}-latest`` pointer (the file it
+names), or a directory (its newest valid file); and :func:`load_weights` on top of it."""
+
+from __future__ import annotations
+
+import dataclasses
+import errno
+import logging
+import os
+import re
+from typing import Any
+
+from ._files import PathLike
+from ._format import CheckpointError
+from ._weights import read_saved
+
+__all__ = ["Located", "load_weights", "locate", "saved_files"]
+
+logger = logging.getLogger("estimatorch")
+
+_POINTER = re.compile(r".+-latest")
+_PERIODIC = re.compile(r".+-epoch(\d+)batch(\d+)(\.weights)?\.pt")
+_BEST = re.compile(r".+-best(?:\.weights)?\.pt")
+
+
+@dataclasses.dataclass
+class Located:
+    """The file a path led to, and what it holds."""
+
+    #: the file read
+    path: str
+    #: ``"checkpoint"`` (a training checkpoint) or ``"weights"`` (a weights export)
+    kind: str
+    #: the checkpoint's payload, or the export's state dict
+    content: Any
+    #: how the path given led to ``path``, in words ("" when it is that file)
+    how: str = ""
+    #: files of a directory that were newer but could not be read, as "name: reason"
+    skipped: list[str] = dataclasses.field(default_factory=list)
+
+
+def saved_files(directory: PathLike) -> list[str]:
+    """The checkpoints and weights exports in ``directory`` (any prefix), newest first: periodic
+    files by batches trained, then epochs (a checkpoint before a weights export of the same
+    point), then the best files, the most recently written first. Pointers, temporaries and
+    other files are not listed."""
+    directory = os.fspath(directory)
+    periodic, best = [], []
+    for name in os.listdir(directory):
+        path = os.path.join(directory, name)
+        if not os.path.isfile(path):
+            continue
+        match = _PERIODIC.fullmatch(name)
+        if match:
+            periodic.append(((int(match.group(2)), int(match.group(1)), match.group(3) is None, name), path))
+        elif _BEST.fullmatch(name):
+            best.append(((os.stat(path).st_mtime_ns, name), path))
+    return [path for _, path in sorted(periodic, reverse=True)] + [path for _, path in sorted(best, reverse=True)]
+
+
+def _follow(pointer: str) -> str:
+    """The file a ``{prefix}-latest`` pointer names (in the pointer's directory)."""
+    try:
+        with open(pointer, encoding="utf-8") as f:
+            name = f.read().strip()
+    except UnicodeDecodeError:
+        raise CheckpointError(f"{pointer!r} is not a {{prefix}}-latest pointer: it is not text") from None
+    if not name or name in (".", "..") or os.path.basename(name) != name or (os.altsep and os.altsep in name):
+        raise CheckpointError(f"pointer {pointer!r} should name a file in its directory, but holds {name[:80]!r}")
+    target = os.path.join(os.path.dirname(pointer), name)
+    if not os.path.isfile(target):
+        raise CheckpointError(f"pointer {pointer!r} names {name!r}, which is not in {os.path.dirname(pointer) or '.'!r} "
+                              "(removed or moved since the pointer was written?)")
+    return target
+
+
+def locate(path: PathLike) -> Located:
+    """Read what ``path`` names, without running code: a checkpoint or weights export file; a
+    ``{prefix}-latest`` pointer (the file it names); or a directory: its newest file that can be
+    read (see :func:`saved_files`; newer files that cannot are listed in ``skipped``).
+
+    Raises:
+        FileNotFoundError: nothing is at ``path``.
+        CheckpointError: saying why ``path`` names no readable checkpoint or export.
+    """
+    path = os.fspath(path)
+    if not os.path.exists(path):
+        raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
+    if os.path.isdir(path):
+        return _newest(path)
+    if _POINTER.fullmatch(os.path.basename(path)):
+        target = _follow(path)
+        kind, content = read_saved(target)
+        return Located(target, kind, content, how=f"{path} points to it")
+    kind, content = read_saved(path)
+    return Located(path, kind, content)
+
+
+def _newest(directory: str) -> Located:
+    files = saved_files(directory)
+    if not files:
+        raise CheckpointError(f"directory {directory!r} holds no checkpoint or weights export (files named "
+                              "PREFIX-epochEbatchB.pt, PREFIX-best.pt, or the same ending in .weights.pt)")
+    skipped = []
+    for path in files:
+        try:
+            kind, content = read_saved(path)
+        except FileNotFoundError:  # removed since it was listed
+            continue
+        except (CheckpointError, OSError) as err:
+            skipped.append(f"{os.path.basename(path)}: {err}")
+            continue
+        how = f"the newest valid of {len(files)} checkpoint and export files in {directory}"
+        return Located(path, kind, content, how=how, skipped=skipped)
+    raise CheckpointError(f"none of the {len(files)} checkpoint and export files in {directory!r} can be read: "
+                          + "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else ""))
+
+
+def load_weights(path: PathLike) -> Any:
+    """The model's weights as a plain state dict (tensors on the CPU, the plain module's keys) from
+    a checkpoint, a weights export, a ``{prefix}-latest`` pointer or a directory (its newest file
+    that can be read; newer ones that cannot are skipped with a warning). Nothing is unpickled
+    but tensors and plain values.
+
+    Args:
+        path: a file or a directory.
+
+    Returns:
+        A state dict for ``net.load_state_dict(...)`` on the plain module (not compiled, not
+        wrapped in DDP).
+
+    Raises:
+        FileNotFoundError: nothing is at ``path``.
+        CheckpointError: ``path`` names no readable checkpoint or export (the reason in words).
+
+    Example:
+        >>> import os, tempfile, torch
+        >>> from estimatorch.checkpoint import atomic_save, best_weights_name
+        >>> path = os.path.join(tempfile.mkdtemp(), best_weights_name("model"))
+        >>> atomic_save(torch.nn.Linear(2, 1).state_dict(), path)
+        >>> net = torch.nn.Linear(2, 1)
+        >>> net.load_state_dict(load_weights(path))
+        <All keys matched successfully>
+    """
+    found = locate(path)
+    for reason in found.skipped:
+        logger.warning("load_weights: skipping %s", reason)
+    if found.how:
+        logger.info("load_weights: %s (%s)", found.path, found.how)
+    return found.content["model"] if found.kind == "checkpoint" else found.content

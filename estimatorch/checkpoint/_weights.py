@@ -1,0 +1,74 @@
+"""Weights exports: the model's state dict alone, for inference.
+
+An export is what ``torch.save(net.state_dict(), path)`` would write for the plain module (no
+``module.`` or ``_orig_mod.`` in its keys), with every tensor on the CPU: a serving process loads
+it with ``torch.load(path, weights_only=True)`` and ``net.load_state_dict(...)``, without
+estimatorch.
+"""
+
+from __future__ import annotations
+
+import os
+from collections import OrderedDict
+from typing import Any
+
+import torch
+from torch import nn
+
+from ._files import PathLike
+from ._format import CheckpointError, _read, migrate, validate
+from ._model import model_state
+
+__all__ = ["is_weights", "read_saved", "weights_state"]
+
+#: the suffix of a module's extra state in its state dict (``get_extra_state``): any value.
+_EXTRA_STATE = "_extra_state"
+
+
+def weights_state(net: nn.Module) -> Any:
+    """``net``'s state dict under the plain module's keys, every tensor detached and on the CPU
+    (tensors already there are not copied); the module versions (``_metadata``) are kept.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Linear(2, 1)
+        >>> sorted(weights_state(torch.nn.DataParallel(net)))
+        ['bias', 'weight']
+    """
+    state = model_state(net)
+    out: Any = OrderedDict((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return out
+
+
+def is_weights(obj: Any) -> bool:
+    """True for a plain state dict: a dict of string keys whose values are tensors (a module's
+    extra state excepted), not an estimatorch checkpoint."""
+    if not isinstance(obj, dict) or "format_version" in obj:
+        return False
+    return all(isinstance(k, str) and (isinstance(v, torch.Tensor) or k.endswith(_EXTRA_STATE))
+               for k, v in obj.items())
+
+
+def read_saved(path: PathLike) -> tuple[str, Any]:
+    """Read a checkpoint or a weights export without running code: ``("checkpoint", payload)``
+    (migrated and checked like :func:`~estimatorch.checkpoint.load`) or ``("weights", state)``.
+
+    Raises:
+        NewerFormatError: a checkpoint written by a newer estimatorch.
+        CheckpointError: unreadable, or neither a checkpoint nor a state dict.
+        FileNotFoundError: there is no such file.
+    """
+    path = os.fspath(path)
+    raw = _read(path)
+    if is_weights(raw):
+        return "weights", raw
+    if not isinstance(raw, dict) or "format_version" not in raw:
+        what = f"a dict with keys {sorted(map(str, raw))[:5]}" if isinstance(raw, dict) else f"a {type(raw).__name__}"
+        raise CheckpointError(f"{path!r} is neither an estimatorch checkpoint nor a weights export (a state dict "
+                              f"of tensors): torch.load gives {what}")
+    payload = migrate(raw, source=repr(path))
+    validate(payload, source=repr(path))
+    return "checkpoint", payload

@@ -1,0 +1,183 @@
+"""The user guide (docs/), the README and the notebooks' text: every exported handler, option,
+event, statistic and metric is documented; links resolve; the README's example runs and gives
+the same numbers run after run; nothing points outside the repository."""
+
+from __future__ import annotations
+
+import inspect
+import json
+import os
+import pathlib
+import re
+import subprocess
+import sys
+
+import pytest
+
+import estimatorch
+from estimatorch import event_handlers, metrics, statistics
+from estimatorch.event_handlers import EVENTS, StatefulHandler
+
+ROOT = pathlib.Path(__file__).resolve().parent.parent
+DOCS = ROOT / "docs"
+GUIDE = sorted(DOCS.glob("*.md"))
+README = ROOT / "README.md"
+
+
+def read(path: pathlib.Path) -> str:
+    return path.read_text(encoding="utf-8")
+
+
+def exported_handlers() -> list[type]:
+    return [getattr(event_handlers, name) for name in event_handlers.__all__
+            if isinstance(getattr(event_handlers, name), type)
+            and issubclass(getattr(event_handlers, name), StatefulHandler)
+            and getattr(event_handlers, name) is not StatefulHandler]
+
+
+def documented_arguments(cls: type) -> list[str]:
+    """The names in the ``Args:`` section of a docstring (a line may list several)."""
+    doc = inspect.getdoc(cls) or ""
+    section = re.search(r"^Args:\n((?:(?: {4}.*)?\n)+)", doc + "\n", re.MULTILINE)
+    names: list[str] = []
+    for line in (section.group(1) if section else "").splitlines():
+        entry = re.match(r" {4}(\w+(?:, \w+)*):", line)
+        if entry:
+            names.extend(entry.group(1).split(", "))
+    return names
+
+
+def section(text: str, heading: str) -> str:
+    """The text under a markdown heading, up to the next heading of the same or a higher level."""
+    match = re.search(rf"^(#+) {re.escape(heading)}\n", text, re.MULTILINE)
+    assert match, f"no heading {heading!r}"
+    level = len(match.group(1))
+    rest = text[match.end():]
+    end = re.search(rf"^#{{1,{level}}} ", rest, re.MULTILINE)
+    return rest[:end.start()] if end else rest
+
+
+def test_the_guide_has_its_pages_and_the_index_links_each():
+    index = read(DOCS / "index.md")
+    for page in GUIDE:
+        if page.name != "index.md":
+            assert f"({page.name})" in index or f"({page.name}#" in index, f"docs/index.md does not link {page.name}"
+
+
+@pytest.mark.parametrize("cls", exported_handlers(), ids=lambda c: c.__name__)
+def test_the_handler_reference_documents_every_exported_handler_and_option(cls):
+    reference = read(DOCS / "handlers.md")
+    text = section(reference, f"`{cls.__name__}`")
+    for argument in documented_arguments(cls):
+        assert f"`{argument}`" in text or (cls is event_handlers.LambdaHandler and argument in EVENTS), \
+            f"docs/handlers.md: {cls.__name__} does not document its option {argument!r}"
+    assert "Priority" in text and "State" in text, f"docs/handlers.md: {cls.__name__} lacks its priority or state"
+    priority = cls.priority if cls is not event_handlers.LambdaHandler else 0
+    shown = "+inf" if priority == float("inf") else str(int(priority))
+    assert shown in text or shown in section(reference, "Handler reference").split("---")[0], cls.__name__
+
+
+def test_every_exported_name_of_event_handlers_is_in_the_guide():
+    guide = "".join(read(p) for p in GUIDE)
+    missing = [name for name in event_handlers.__all__ if name not in guide]
+    assert not missing, f"the guide never mentions {missing}"
+
+
+def test_the_loop_page_lists_every_event_and_its_mixin():
+    loop = read(DOCS / "loop.md")
+    for event, mixin in EVENTS.items():
+        assert re.search(rf"\| `{event}` \| `{mixin.__name__}` \|", loop), f"docs/loop.md lacks {event}"
+
+
+def test_every_statistic_and_metric_is_documented():
+    reference, metrics_page = read(DOCS / "handlers.md"), read(DOCS / "metrics.md")
+    for name in statistics.__all__:
+        assert f"`{name}" in reference, f"docs/handlers.md never mentions statistics.{name}"
+    for name in metrics.__all__:
+        if isinstance(getattr(metrics, name), type):
+            assert f"`{name}" in metrics_page, f"docs/metrics.md never mentions metrics.{name}"
+
+
+def _slug(heading: str) -> str:
+    """GitHub's anchor for a heading."""
+    text = heading.strip().lower().replace("`", "")
+    text = re.sub(r"[^\w\- ]", "", text)
+    return text.replace(" ", "-")
+
+
+def _markdown_sources() -> list[tuple[pathlib.Path, str]]:
+    sources = [(p, read(p)) for p in [README, *GUIDE]]
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        cells = json.loads(read(notebook))["cells"]
+        sources.append((notebook, "\n".join("".join(c["source"]) for c in cells if c["cell_type"] == "markdown")))
+    return sources
+
+
+@pytest.mark.parametrize("path, text", _markdown_sources(), ids=lambda v: v.name if isinstance(v, pathlib.Path) else "")
+def test_relative_links_and_anchors_resolve(path, text):
+    text = re.sub(r"```.*?```", "", text, flags=re.DOTALL)  # links inside code are not links
+    for target in re.findall(r"\]\(([^)\s]+)\)", text):
+        if re.match(r"[a-z]+:", target):
+            continue  # http(s), mailto: outside the repository
+        file, _, anchor = target.partition("#")
+        linked = (path.parent / file).resolve() if file else path
+        assert linked.exists(), f"{path.name} links to {target}, which does not exist"
+        if anchor and linked.suffix == ".md":
+            headings = re.findall(r"^#+ (.*)$", read(linked), re.MULTILINE)
+            assert anchor in {_slug(h) for h in headings}, f"{path.name} links to {target}: no such heading"
+
+
+def test_docs_are_self_contained():
+    """No pointer outside the repository; the names of the projects the code follows are
+    explained where they appear (docs/architecture.md's glossary), and nowhere else."""
+    for path in [README, *GUIDE]:
+        text = read(path)
+        for outside in ("../shared", "DESIGN.md", "/work/", "never touched"):
+            assert outside not in text, f"{path.name} mentions {outside!r}"
+        if path.name not in ("architecture.md", "performance.md"):
+            for name in ("Helios", "QuantLab", "Determined"):
+                assert name not in text, f"{path.name} mentions {name!r}, explained only in architecture.md"
+    glossary = section(read(DOCS / "architecture.md"), "Names you will meet in the code")
+    for name in ("Helios", "Determined", "QuantLab", "Gluon"):
+        assert f"**{name}" in glossary
+
+
+def test_the_readme_starts_with_the_two_commands_and_installs_honestly():
+    text = read(README)
+    first_block = re.search(r"```(\w*)\n(.*?)```", text, re.DOTALL)
+    language, commands = first_block.groups()
+    assert language == "bash" and "make demo" in commands and "make test" in commands
+    assert "not on PyPI yet" in section(text, "Install")
+    lines = [line for block in re.findall(r"```bash\n(.*?)```", text, re.DOTALL) for line in block.splitlines()]
+    assert not any(re.match(r"pip install estimatorch\b", line) for line in lines)
+    for notebook in sorted((ROOT / "notebooks").glob("*.ipynb")):
+        assert f"notebooks/{notebook.name}" in text, f"the README does not link {notebook.name}"
+    assert "docs/index.md" in text
+
+
+def _readme_example() -> str:
+    return re.search(r"## A first example\n\n```python\n(.*?)```", read(README), re.DOTALL).group(1)
+
+
+def _run_example(workdir: pathlib.Path) -> list[str]:
+    """The example's two printed results (not the log lines before them, whose timings vary)."""
+    script = workdir / "example.py"
+    script.write_text(_readme_example(), encoding="utf-8")
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    proc = subprocess.run([sys.executable, str(script)], cwd=workdir, capture_output=True, text=True, timeout=300,
+                          env=env)
+    assert proc.returncode == 0, proc.stderr[-2000:]
+    return proc.stdout.splitlines()[-2:]
+
+
+@pytest.mark.slow
+def test_the_readme_example_gives_the_same_numbers_run_after_run(tmp_path):
+    first, second = tmp_path / "first", tmp_path / "second"
+    first.mkdir()
+    second.mkdir()
+    results = _run_example(first)
+    assert len(results) == 2 and results[0].startswith("[") and "val_accuracy" in results[1]
+    assert float(results[1].split("'val_accuracy': ")[1].rstrip("}")) > 0.5  # it learns
+    assert _run_example(second) == results  # a fresh run in a fresh directory: the same numbers
+    assert _run_example(first) == results  # run again where it finished: resumes, the same numbers
+    assert any(p.suffix == ".pt" for p in (first / "checkpoints").iterdir())
