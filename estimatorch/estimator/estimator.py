@@ -24,7 +24,7 @@ from ._data import TrainStream, make_train_stream, to_device
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message
-from ._logging import default_logger
+from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._predict import run_prediction
 from ._stop_agreement import StopAgreement
 from .batch_processor import BatchProcessor
@@ -181,7 +181,7 @@ class Estimator:
         self.deterministic = deterministic
         self.cudnn_benchmark = cudnn_benchmark
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
-        self.logger = default_logger()
+        self.logger = _default_logger()
 
         self.train_metrics = self._train_metric_list(train_metrics)
         self.val_metrics = self._val_metric_list(val_metrics)
