@@ -707,6 +707,32 @@ def test_batch_conventions_tuple_of_three_and_dict():
         est.fit([{"a": a, "b": b} for a, b, _ in triples], epochs=1, event_handlers=[])
 
 
+def test_a_batch_with_more_parts_than_forward_takes_says_what_and_how_to_fix_it():
+    """torch alone says "forward() takes 2 positional arguments but 3 were given"."""
+    est = make_estimator()
+    rec = Recorder()
+    triples = [(x, x.clone(), y) for x, y in make_batches(n_batches=2)]
+    with pytest.raises(TypeError) as info:
+        est.fit(triples, epochs=1, event_handlers=[rec])
+    message = str(info.value)
+    for words in ("Sequential.forward(input)", "2 positional input(s)", "too many positional arguments",
+                  "(x1, ..., xn, label)", "BatchProcessor"):
+        assert words in message, message
+    assert "takes 2 positional arguments but 3 were given" in str(info.value.__cause__)
+    assert events_of(rec.log).count("batch_end") == 0 and events_of(rec.log)[-1] == "train_end"
+
+
+def test_a_type_error_raised_inside_forward_is_left_as_it_is():
+    class Strict(nn.Module):
+        def forward(self, x):
+            raise TypeError("my own check")
+
+    net = Strict()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="^my own check$"):
+        est.fit(make_batches(n_batches=1), epochs=1, event_handlers=[])
+
+
 def test_the_model_trains_in_train_mode_and_evaluate_restores_the_mode():
     modes = []
 
