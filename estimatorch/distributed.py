@@ -22,7 +22,7 @@ import sys
 import time
 import traceback
 import warnings
-from collections.abc import Mapping
+from collections.abc import Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
@@ -30,6 +30,8 @@ import torch.distributed as dist
 
 __all__ = [
     "REDUCTIONS",
+    "all_reduce_max_async",
+    "all_reduce_mean_",
     "all_reduce_states",
     "all_reduce_sum",
     "any_rank",
@@ -45,6 +47,7 @@ __all__ = [
     "is_distributed",
     "is_main_process",
     "NullWriter",
+    "PendingMax",
     "RankFailedError",
     "rank_zero_writer",
     "share_outcome",
@@ -247,6 +250,64 @@ def any_rank(*flags: bool) -> Any:
         dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_flag_group())
         values = tuple(bool(v) for v in t.tolist())
     return values[0] if len(values) == 1 else values
+
+
+class PendingMax:
+    """The result of :func:`all_reduce_max_async`: read it with :meth:`wait`."""
+
+    __slots__ = ("_tensor", "_work", "_values")
+
+    def __init__(self, tensor: torch.Tensor, work: Any):
+        self._tensor = tensor
+        self._work = work
+        self._values: Optional[tuple[int, ...]] = None
+
+    def is_completed(self) -> bool:
+        """True when :meth:`wait` would return without waiting."""
+        return self._values is not None or self._work is None or self._work.is_completed()
+
+    def wait(self) -> tuple[int, ...]:
+        """The maxima over every rank (waits for the collective if it is still running)."""
+        if self._values is None:
+            if self._work is not None:
+                self._work.wait()
+                self._work = None
+            self._values = tuple(self._tensor.tolist())
+        return self._values
+
+
+def all_reduce_max_async(values: Sequence[int]) -> PendingMax:
+    """Start a host-side all-reduce (MAX) of a few ints over every rank, without waiting for it.
+
+    Every rank must call it at the same point (it is a collective). The flags travel on the CPU
+    (a gloo group under NCCL), so starting and reading it never touches the GPU. Without a
+    process group the result is ``values`` at once.
+
+    Example:
+        >>> all_reduce_max_async([0, 1, 2]).wait()  # a single process
+        (0, 1, 2)
+    """
+    tensor = torch.tensor(list(values), dtype=torch.int64)
+    if not is_distributed():
+        return PendingMax(tensor, None)
+    return PendingMax(tensor, dist.all_reduce(tensor, op=dist.ReduceOp.MAX, group=_flag_group(), async_op=True))
+
+
+def all_reduce_mean_(tensors: Sequence[torch.Tensor], group: Any = None) -> None:
+    """Average ``tensors`` over every rank, in place, in one collective per dtype and device
+    (gradients DDP did not synchronise). A no-op in a single process."""
+    if not is_distributed() or not tensors:
+        return
+    world = dist.get_world_size(group)
+    buckets: dict[tuple[torch.dtype, torch.device], list[torch.Tensor]] = {}
+    for t in tensors:
+        buckets.setdefault((t.dtype, t.device), []).append(t)
+    for bucket in buckets.values():
+        flat = torch.cat([t.reshape(-1) for t in bucket])
+        flat.div_(world)
+        dist.all_reduce(flat, group=group)
+        for t, part in zip(bucket, flat.split([t.numel() for t in bucket])):
+            t.copy_(part.view_as(t))
 
 
 def broadcast_object(obj: Any, src: int = 0) -> Any:

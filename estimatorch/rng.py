@@ -23,6 +23,7 @@ Example:
 from __future__ import annotations
 
 import contextlib
+import operator
 import random
 from collections.abc import Iterator
 from typing import Any, Optional
@@ -60,10 +61,30 @@ def default_numpy_rng() -> np.random.Generator:
     return _NUMPY_RNG
 
 
+#: Seeds are ints in ``[0, 2**64)``: the range torch's generators accept (numpy's and
+#: python's accept any non-negative int).
+_SEED_LIMIT = 1 << 64
+
+
 def _check_seed(seed: Any, arg: str = "seed") -> int:
+    """``seed`` as an int, checked to the range every generator accepts (before any is seeded)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"{arg} must be a non-negative int, got {seed!r}")
+    if seed >= _SEED_LIMIT:
+        raise ValueError(f"{arg} must be an int in [0, 2**64), the range torch, numpy and python's random "
+                         f"all accept, got {seed!r}")
     return int(seed)
+
+
+def _seed_part(part: Any) -> int:
+    """One part of :func:`derive_seed`: an integer (python, numpy or a one-element integer
+    tensor); a float such as 1.5 would silently hash like 1, so it is refused."""
+    if isinstance(part, bool):
+        raise TypeError(f"derive_seed takes integers, got the bool {part!r}")
+    try:
+        return operator.index(part)
+    except TypeError:
+        raise TypeError(f"derive_seed takes integers, got {part!r} ({type(part).__name__})") from None
 
 
 def _splitmix64(x: int) -> int:
@@ -77,11 +98,19 @@ def derive_seed(*parts: int) -> int:
     """Hash integers (seed, epoch, index, rank, ...) into one well-mixed 63-bit seed.
 
     A pure function: the same parts give the same seed on every machine and process. Used to make
-    randomness a function of position, e.g. ``derive_seed(seed, epoch, sample_index)``.
+    randomness a function of position, e.g. ``derive_seed(seed, epoch, sample_index)``. Parts
+    are integers of any size and sign; anything else (a float, a bool, a string) is a
+    ``TypeError``.
+
+    Example:
+        >>> derive_seed(0, 1) == derive_seed(0, 1) != derive_seed(1, 0)
+        True
     """
     h = 0x6A09E667F3BCC908
     for part in parts:
-        h = _splitmix64(h ^ (int(part) & _MASK64))
+        if type(part) is not int:  # the common case costs one type check (per sample when loading)
+            part = _seed_part(part)
+        h = _splitmix64(h ^ (part & _MASK64))
     return h >> 1
 
 
@@ -89,7 +118,7 @@ def seed_everything(seed: Optional[int] = None) -> int:
     """Seed python ``random``, torch (CPU and every CUDA device) and :func:`default_numpy_rng`.
 
     Args:
-        seed: a non-negative int. Defaults to :data:`DEFAULT_SEED` (0).
+        seed: an int in ``[0, 2**64)``. Defaults to :data:`DEFAULT_SEED` (0).
 
     Returns:
         The seed used.

@@ -293,6 +293,38 @@ def test_derive_seed_range():
     rng.seed_everything(max(values))  # usable as a seed
 
 
+@pytest.mark.parametrize("part", [1.5, 1.0, True, "1", None, torch.tensor(1.5)])
+def test_derive_seed_refuses_what_is_not_an_integer(part):
+    """1.5 used to hash like 1: two different positions, one seed."""
+    with pytest.raises(TypeError, match="derive_seed takes integers"):
+        rng.derive_seed(0, part)
+
+
+def test_derive_seed_takes_integers_of_any_kind():
+    assert rng.derive_seed(0, 1) == rng.derive_seed(0, np.int64(1)) == rng.derive_seed(0, torch.tensor(1))
+
+
+# -- seed range ---------------------------------------------------------------------------------
+@pytest.mark.parametrize("seed", [0, 2**32, 2**63, 2**64 - 1])
+def test_every_seed_in_range_seeds_every_generator(seed):
+    assert rng.seed_everything(seed) == seed
+    a = draws()
+    rng.seed_everything(seed)
+    assert draws() == a
+
+
+@pytest.mark.parametrize("seed", [2**64, 2**100, -1])
+def test_a_seed_some_generator_refuses_is_a_clear_error_before_any_is_seeded(seed):
+    """2**64 used to reseed python's random, then fail in torch ("Overflow when unpacking long
+    long"): a half-applied seed."""
+    rng.seed_everything(5)
+    with pytest.raises(ValueError, match=rf"seed must be .*got {seed}"):
+        rng.seed_everything(seed)
+    after = draws()
+    rng.seed_everything(5)
+    assert after == draws()  # every stream is where seed 5 left it
+
+
 # -- sample_seeding -----------------------------------------------------------------------------
 def sample_draws(seed, epoch, order, restore=True):
     out = {}

@@ -124,14 +124,44 @@ def split_inputs(batch: Any) -> Any:
 
 
 def call_net(net: Callable[..., Any], data: Any) -> Any:
-    """``net(data)``; a tuple of inputs is unpacked, a dict is passed as keywords."""
-    if type(data) is torch.Tensor:  # the common case first: no abstract-class checks
+    """``net(data)``; a tuple of inputs is unpacked, a dict is passed as keywords. Inputs that
+    do not fit ``net.forward`` are a ``TypeError`` that says what the batch held and how to fix it."""
+    try:
+        if type(data) is torch.Tensor:  # the common case first: no abstract-class checks
+            return net(data)
+        if isinstance(data, tuple):
+            return net(*data)
+        if isinstance(data, Mapping):
+            return net(**data)
         return net(data)
-    if isinstance(data, tuple):
-        return net(*data)
-    if isinstance(data, Mapping):
-        return net(**data)
-    return net(data)
+    except TypeError as err:
+        args = data if isinstance(data, tuple) else () if isinstance(data, Mapping) else (data,)
+        mismatch = _inputs_mismatch(net, args, data if isinstance(data, Mapping) else {})
+        if mismatch is None:  # a TypeError from inside forward: not ours to explain
+            raise
+        raise TypeError(mismatch) from err
+
+
+def _inputs_mismatch(net: Callable[..., Any], args: tuple, kwargs: Mapping) -> Optional[str]:
+    """Why ``net`` cannot take these inputs, or None when its signature accepts them."""
+    while isinstance(getattr(net, "module", None), torch.nn.Module) or \
+            isinstance(getattr(net, "_orig_mod", None), torch.nn.Module):  # DDP, torch.compile
+        inner = getattr(net, "module", None)
+        net = inner if isinstance(inner, torch.nn.Module) else net._orig_mod
+    forward = getattr(net, "forward", net)
+    try:
+        inspect.signature(forward).bind(*args, **kwargs)
+        return None
+    except TypeError as err:
+        reason = str(err)
+    except ValueError:  # no signature to check against (a builtin)
+        return None
+    given = f"{len(args)} positional input(s)" + (f" and the keywords {sorted(kwargs)}" if kwargs else "")
+    return (f"{type(net).__name__}.forward{inspect.signature(forward)} cannot take what the batch gave it: "
+            f"{given} ({reason}). A batch (x1, ..., xn, label) gives its first n parts as inputs and its "
+            "last as the label; a dict batch gives its keys (but 'label'/'labels') as keywords. Make the "
+            "batches match forward, or pass Estimator(..., batch_processor=...) with a BatchProcessor that "
+            "splits your batches.")
 
 
 def batch_size_of(value: Any, batch_axis: int = 0) -> int:

@@ -5,13 +5,10 @@ from __future__ import annotations
 import contextlib
 import copy
 import dataclasses
-import logging
 import os
-import signal
 import sys
-import threading
 import warnings
-from collections.abc import Iterable, Iterator, Mapping
+from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -21,51 +18,21 @@ from .. import distributed, rng
 from ..event_handlers._base import check_positive_int
 from ..metrics import Accuracy, Loss
 from ..metrics.base import Metric, as_metric_list, metric_name
+from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precision_name, resolve_device
+from ._checks import check_bool, check_iterable
 from ._data import TrainStream, make_train_stream, to_device
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ._evaluation import check_inference_args, evaluate_batches
+from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message
+from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._predict import run_prediction
+from ._stop_agreement import StopAgreement
 from .batch_processor import BatchProcessor
 from .history import History
 
 __all__ = ["Estimator"]
 
-_PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
-
-
-class _StdoutHandler(logging.StreamHandler):
-    """Writes to whatever ``sys.stdout`` is at the time (a notebook cell, pytest's capture)."""
-
-    @property  # type: ignore[override]
-    def stream(self) -> Any:
-        return sys.stdout
-
-    @stream.setter
-    def stream(self, value: Any) -> None:
-        pass
-
-
-def _default_logger() -> logging.Logger:
-    """The ``estimatorch`` logger: INFO to stdout, only on global rank 0, set up once."""
-    logger = logging.getLogger("estimatorch")
-    if not any(getattr(h, "_estimatorch_default", False) for h in logger.handlers):
-        handler = _StdoutHandler()
-        handler.setFormatter(logging.Formatter("%(message)s"))
-        handler.addFilter(MainProcessFilter())
-        handler._estimatorch_default = True  # type: ignore[attr-defined]
-        logger.addHandler(handler)
-        if logger.level == logging.NOTSET:  # keep a level the user chose
-            logger.setLevel(logging.INFO)
-        logger.propagate = False
-    return logger
-
-
-class MainProcessFilter(logging.Filter):
-    """Drop log records on every rank but global rank 0 (the one place logs are rank-gated)."""
-
-    def filter(self, record: logging.LogRecord) -> bool:
-        return distributed.is_main_process()
 
 
 @dataclasses.dataclass
@@ -88,60 +55,22 @@ class _Run:
     """The state of one ``fit`` call that is not a handler's: the loop's own bookkeeping."""
 
     def __init__(self, dispatch: Dispatch, stream: TrainStream, plan: dict[str, Optional[int]],
-                 batch_axis: int):
+                 batch_axis: int, signals: SignalGuard):
         self.dispatch = dispatch
         self.stream = stream
         self.plan = plan
         self.batch_axis = batch_axis
+        self.signals = signals
+        self.agreement = StopAgreement(distributed.is_distributed())
         self.pos = Position()
         self.history = History()
         self.pending: Optional[dict[str, Any]] = None
         self.boundary_actions: list[Callable[[], None]] = []
         self.at_boundary = True
-        self.interrupted = False
+        self.began = False  # train_begin was fired: train_end will be
+        self.started = False  # the loop holds this fit's state (a resume applied): worth recording
         self.evaluated = False
         self.stateless_metrics: set[str] = set()
-
-
-def _check_bool(value: Any, arg: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{arg} must be a bool, got {value!r}")
-    return value
-
-
-def _check_iterable(value: Any, arg: str, *, reread: bool = False) -> None:
-    """An iterable of batches; with ``reread``, one that can be read more than once and is not
-    known to be empty (checked without iterating it)."""
-    if isinstance(value, (torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable):
-        raise TypeError(f"{arg} must be an iterable of batches (a DataLoader, a list...), got {type(value).__name__}")
-    if not reread:
-        return
-    if isinstance(value, Iterator):
-        raise TypeError(f"{arg} is an iterator ({type(value).__name__}), which can be read only once; "
-                        "pass a list or a DataLoader")
-    try:
-        empty = len(value) == 0
-    except TypeError:  # no length (e.g. a DataLoader over an IterableDataset)
-        empty = False
-    if empty:
-        raise ValueError(f"{arg} is empty: a {type(value).__name__} of length 0")
-
-
-def _resolve_device(device: Any) -> torch.device:
-    if device is None:
-        if torch.cuda.is_available():
-            return torch.device("cuda", distributed.get_local_rank() % torch.cuda.device_count())
-        return torch.device("cpu")
-    try:
-        resolved = torch.device(device)
-    except (RuntimeError, TypeError) as err:
-        raise ValueError(f"device must be a torch.device, a device string or None, got {device!r}") from err
-    if resolved.type == "cuda":
-        if not torch.cuda.is_available():
-            raise ValueError(f"device={device!r} but CUDA is not available on this machine")
-        if resolved.index is None:
-            resolved = torch.device("cuda", torch.cuda.current_device())
-    return resolved
 
 
 def _rename(metric: Any, prefix: str) -> Any:
@@ -152,12 +81,18 @@ def _rename(metric: Any, prefix: str) -> Any:
     return metric
 
 
+def _notebook() -> bool:
+    """True in a Jupyter kernel."""
+    if "ipykernel" not in sys.modules:
+        return False
+    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
+    return shell is not None and getattr(shell, "kernel", None) is not None
+
+
 def _interactive() -> bool:
     """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
-    if "ipykernel" in sys.modules:
-        shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-        if shell is not None and getattr(shell, "kernel", None) is not None:
-            return True
+    if _notebook():
+        return True
     stream = sys.stderr
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
 
@@ -172,17 +107,22 @@ class Estimator:
             ``Accuracy`` when ``loss`` is ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``. A ``Loss``
             metric is always present. Names get a ``train_`` prefix.
         val_metrics: Defaults to deep copies of the train metrics. Names get a ``val_`` prefix.
-        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning.
-        device: Defaults to CUDA (this process's local rank) when available, else the CPU.
+        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning. One over none
+            of ``net``'s trainable parameters (built over another module) is a ``ValueError``.
+        device: Defaults to CUDA (this process's local rank) when available, else the CPU. A
+            device this machine cannot train on (``'meta'``, an absent ``'mps'``/``'xpu'``/CUDA
+            device) is a ``ValueError``.
         val_net: the network ``evaluate`` runs. Defaults to ``net``.
         val_loss: the loss ``evaluate`` computes. Defaults to ``loss``.
         batch_processor: the step (see :class:`BatchProcessor`). Defaults to ``BatchProcessor()``.
         lr_scheduler: a torch LR scheduler of ``optimizer``, stepped every epoch by a default
             ``LRSchedulerHandler``. Defaults to None.
-        seed: seeds every generator at the start of ``fit`` and the data order. Defaults to
+        seed: seeds every generator at the start of ``fit`` and the data order: an int in
+            ``[0, 2**64)`` (what torch, numpy and python's ``random`` all accept). Defaults to
             :data:`estimatorch.rng.DEFAULT_SEED`, so runs are reproducible unless you choose.
-        precision: ``"32"``, ``"16-mixed"`` (autocast + gradient scaling) or ``"bf16-mixed"``.
-            Defaults to ``"32"``.
+        precision: ``"32"``, ``"16-mixed"`` (autocast + gradient scaling) or ``"bf16-mixed"``;
+            the aliases ``"bf16"`` (``"bf16-mixed"``), ``"fp16"`` and ``"16"`` (``"16-mixed"``)
+            are accepted and ``est.precision`` holds the canonical name. Defaults to ``"32"``.
         deterministic: use deterministic algorithms only during ``fit``. Defaults to False.
         cudnn_benchmark: let cuDNN pick kernels by timing during ``fit``. Defaults to False.
 
@@ -220,23 +160,23 @@ class Estimator:
             raise TypeError(f"val_loss must be callable or None, got {val_loss!r}")
         if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
             raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+        check_optimizer(optimizer, net)
         if batch_processor is not None and not all(
                 callable(getattr(batch_processor, m, None)) for m in ("fit_batch", "evaluate_batch")):
             raise TypeError(f"batch_processor must have fit_batch and evaluate_batch methods, got {batch_processor!r}")
-        precision = str(precision)
-        if precision not in _PRECISIONS:
-            raise ValueError(f"precision must be one of {sorted(_PRECISIONS)}, got {precision!r}")
-        _check_bool(deterministic, "deterministic")
-        _check_bool(cudnn_benchmark, "cudnn_benchmark")
+        precision = precision_name(precision)
+        check_bool(deterministic, "deterministic")
+        check_bool(cudnn_benchmark, "cudnn_benchmark")
         if deterministic and cudnn_benchmark:
             raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
-        self.device = _resolve_device(device)
+        seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        self.device = resolve_device(device)
         self.net = net.to(self.device)
         self.loss = loss
         self.val_net = val_net.to(self.device) if val_net is not None else self.net
         self.val_loss = val_loss if val_loss is not None else loss
-        self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        self.seed = seed
         self.precision = precision
         self.deterministic = deterministic
         self.cudnn_benchmark = cudnn_benchmark
@@ -265,7 +205,7 @@ class Estimator:
             if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
                 raise ValueError("lr_scheduler must schedule this estimator's optimizer")
         self.lr_scheduler = lr_scheduler
-        amp_dtype = _PRECISIONS[precision]
+        amp_dtype = PRECISIONS[precision]
         self._amp_dtype = amp_dtype
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)
@@ -352,8 +292,21 @@ class Estimator:
         ``lr_scheduler``, unless one of yours steps it), ``LoggingHandler``, and
         ``ProgressBarHandler`` in a terminal or notebook.
 
-        Ctrl-C during ``fit`` stops at the end of the current step (a second Ctrl-C stops at
-        once); ``fit(..., resume=True)`` then continues exactly where it stopped.
+        Ctrl-C and SIGTERM (what SLURM, Kubernetes and spot instances send) stop at the end of
+        the current step: every ``CheckpointHandler`` saves that boundary in ``train_end``
+        (:attr:`interruption` names the signal), then ``fit`` raises ``KeyboardInterrupt``
+        (Ctrl-C; ``fit(..., resume=True)`` continues exactly there) or ``SystemExit(143)``
+        (SIGTERM: ``finally`` blocks run, the process exits with the status of a job ended by
+        SIGTERM). A second Ctrl-C stops at once, mid-step. Only the main thread's default
+        handlers are replaced, and they are restored when ``fit`` ends.
+
+        Under torch.distributed every rank stops at the same step, agreed without a blocking
+        collective per step. ``True`` from a ``batch_end`` handler on *every* rank at step k (a
+        rank-identical decision: ``StoppingHandler``'s counters, ``TerminateOnNaNHandler``, a
+        value reduced across ranks) stops every rank at step k; ``True`` on only some ranks (a
+        rank-local decision) and a signal reaching some ranks during step k stop every rank at
+        step k + 1 (or at the epoch's end when k is its last step). ``epoch_end`` stops are
+        agreed at once.
 
         Args:
             train_data: an iterable of batches: a ``DataLoader`` (made resumable: see
@@ -375,21 +328,22 @@ class Estimator:
         check_positive_int(batches, "batches", allow_none=True)
         if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
             raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
-        _check_bool(resume, "resume")
+        check_bool(resume, "resume")
         if val_data is not None:
-            _check_iterable(val_data, "val_data", reread=True)
+            check_iterable(val_data, "val_data", reread=True)
         if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
             raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
                             f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
+        check_optimizer(self.optimizer, self.net)
+        rng._check_seed(self.seed)  # also one assigned after construction
         user = check_handlers(event_handlers)
+        check_unique_handlers(user)
         if resume and self._last is None:
             raise ValueError("resume=True but this estimator has no earlier fit to continue")
         distributed.init_from_env()
         stream = make_train_stream(train_data, self.seed)
-
-        self.max_epoch, self.max_batch, self.batch_axis = epochs, batches, batch_axis
         handlers = order_handlers(user, self._default_handlers(user, val_data))
         check_metric_references(handlers, self.train_metrics + self.val_metrics)
         for handler in handlers:
@@ -401,7 +355,8 @@ class Estimator:
                           "(load and discard) the batches before the saved position, and random draws made while "
                           "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
                           "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=2)
-        run = _Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis)
+        run = _Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
+                   self._signal_guard(handlers))
         if resume:
             run.pending = self._resume_plan(self._last, run, source="the previous fit")
         return self._fit(run)
@@ -433,41 +388,52 @@ class Estimator:
         return defaults
 
     def _fit(self, run: _Run) -> History:
-        self._run = run
-        self._dispatch = run.dispatch
-        self._fitting = True
-        if distributed.is_distributed() and self._ddp is None:
-            ids = [self.device.index] if self.device.type == "cuda" else None
-            self._ddp = nn.parallel.DistributedDataParallel(self.net, device_ids=ids)
-        rng.seed_everything(self.seed if distributed.get_world_size() == 1
-                            else rng.derive_seed(self.seed, distributed.get_rank()))
+        before = (self._run, self.max_epoch, self.max_batch, self.batch_axis)
+        self._run, self._dispatch, self._fitting = run, run.dispatch, True
+        self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed = False
-        with self._torch_flags(), self._deferred_interrupt(run):
-            try:
-                self.net.train()
-                run.at_boundary = False
-                run.dispatch.fire("train_begin", self)
-                run.at_boundary = True
-                self._loop(run)
-                return run.history
-            except BaseException:
-                failed = True
-                raise
-            finally:
-                snapshot_error = self._final_snapshot(run, failed)
+        try:
+            with self._torch_flags(), run.signals:
                 try:
-                    self._train_end(run, failed or snapshot_error is not None)
+                    if distributed.is_distributed() and self._ddp is None:
+                        ids = [self.device.index] if self.device.type == "cuda" else None
+                        self._ddp = nn.parallel.DistributedDataParallel(self.net, device_ids=ids)
+                    rng.seed_everything(self.seed if distributed.get_world_size() == 1
+                                        else rng.derive_seed(self.seed, distributed.get_rank()))
+                    self.net.train()
+                    run.at_boundary, run.began = False, True
+                    run.dispatch.fire("train_begin", self)
+                    self._loop(run)
+                except BaseException:
+                    failed = True
+                    raise
                 finally:
-                    self._dispatch = Dispatch([])
-                    self._fitting = False
-                    run.stream.close()
-                if snapshot_error is not None and not failed:
-                    raise snapshot_error
+                    self._end(run, failed)
+                if run.signals.received is not None:  # it came after the last agreed boundary
+                    raise stop_exception(run.signals.received)
+                return run.history
+        finally:
+            self._dispatch, self._fitting = Dispatch([]), False
+            if not run.started:  # failed before training began: the estimator stays as it was
+                self._run, self.max_epoch, self.max_batch, self.batch_axis = before
+
+    def _end(self, run: _Run, failed: bool) -> None:
+        """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
+        snapshot_error = self._final_snapshot(run, failed)
+        try:
+            if run.began:
+                self._train_end(run, failed or snapshot_error is not None)
+        finally:
+            run.stream.close()
+        if snapshot_error is not None and not failed:
+            raise snapshot_error
 
     def _final_snapshot(self, run: _Run, failed: bool) -> Optional[Exception]:
-        """Record what ``fit(..., resume=True)`` continues from; return the error if a handler's
-        ``state_dict`` fails, so that it neither hides the error that ended the fit nor keeps
-        ``train_end`` from running."""
+        """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
+        held any state of its own); return the error if a handler's ``state_dict`` fails, so
+        that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
+        if not run.started:
+            return None
         try:
             self._last = self._snapshot(run, partial=not run.at_boundary)
             return None
@@ -493,9 +459,8 @@ class Estimator:
             raise first
 
     def _loop(self, run: _Run) -> None:
-        dispatch, pos, stream = run.dispatch, run.pos, run.stream
-        processor, device, axis = self.batch_processor, self.device, run.batch_axis
-        multi = distributed.is_distributed()
+        dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
+        processor, device, axis, multi = self.batch_processor, self.device, run.batch_axis, agreement.multi
         pending, run.pending = run.pending, None
         if pending is not None and pending["position"]["phase"] != "batch_end":
             self._restore(run, pending)
@@ -507,6 +472,8 @@ class Estimator:
                 return
         if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
             pos.epoch = pending["position"]["epoch"]
+        else:
+            run.started = True
         while True:
             epoch = pos.epoch
             run.at_boundary = False
@@ -518,7 +485,7 @@ class Estimator:
                 batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
                 started = pos.batch
                 for batch in stream.epoch_iter(epoch, pos.batch):
-                    run.at_boundary = False
+                    signals.stoppable = run.at_boundary = False
                     batch = to_device(batch, device)
                     for fn in batch_begin:
                         fn(self, batch=batch)
@@ -527,35 +494,45 @@ class Estimator:
                     for fn in batch_end:
                         if fn(self, batch=batch, pred=pred, label=label, loss=loss):
                             stop = True
-                    if multi:  # one collective: a stop or a Ctrl-C on any rank stops every rank here
-                        stop, run.interrupted = distributed.any_rank(stop, run.interrupted)
+                    if multi:  # every rank stops at the same step: see _stop_agreement
+                        stop, code = agreement.after_batch(stop, signals.code)
                     pos.batch += 1
                     pos.step += 1
                     pos.phase, pos.stop = "batch_end", stop
                     run.at_boundary = True
                     if run.boundary_actions:
                         self._run_boundary_actions(run)
-                    if run.interrupted:
-                        raise KeyboardInterrupt
+                    if not multi:  # one process: a signal now stops here, one while waiting for data at once
+                        signals.stoppable = True
+                        code = signals.code
+                    if code:
+                        self._stop_for(run, code)
                     if stop:
                         break
+                signals.stoppable = False
                 if started == 0 and pos.batch == 0:
                     raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
                                      "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
             run.at_boundary = False
             stop = dispatch.fire("epoch_end", self)
             self._record_history(run, epoch)
-            if multi:
-                stop, run.interrupted = distributed.any_rank(stop, run.interrupted)
+            stop, code = agreement.after_epoch(stop, signals.code)
             pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
             pos.stop = pos.stop or stop
             run.at_boundary = True
             if run.boundary_actions:
                 self._run_boundary_actions(run)
-            if run.interrupted:
-                raise KeyboardInterrupt
+            if code or (not multi and signals.code):
+                self._stop_for(run, code or signals.code)
             if pos.stop:
                 return
+
+    @staticmethod
+    def _stop_for(run: _Run, code: int) -> None:
+        """Leave the loop at this boundary because of a signal (agreed by every rank)."""
+        run.signals.stoppable = False
+        run.signals.stopped = SIGNAL_NAMES[code]
+        raise stop_exception(run.signals.stopped)
 
     def _run_boundary_actions(self, run: _Run) -> None:
         actions, run.boundary_actions = run.boundary_actions, []
@@ -606,6 +583,13 @@ class Estimator:
         return self._fitting and self._run.evaluated
 
     @property
+    def interruption(self) -> Optional[str]:
+        """``"SIGINT"`` or ``"SIGTERM"`` when the current (or last) fit ends because of that
+        signal at a step boundary, so that its state is exactly resumable (``CheckpointHandler``
+        saves it in ``train_end``); None otherwise (also after a second Ctrl-C, mid-step)."""
+        return self._run.signals.stopped if self._run is not None else None
+
+    @property
     def position(self) -> Position:
         """A copy of where the current (or last) fit stands."""
         return dataclasses.replace(self._run.pos) if self._run is not None else Position()
@@ -636,6 +620,7 @@ class Estimator:
             "data": run.stream.state_dict(),
             "fingerprint": run.stream.fingerprint(),
             "rng": rng.get_state(cuda=self.device.type == "cuda"),
+            "pending_stop": run.agreement.pending_stop,  # this rank's part of a stop agreement in flight
             "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
         }
 
@@ -648,6 +633,9 @@ class Estimator:
         if diffs:
             raise ValueError(f"cannot resume from {source}: the data stream differs ({'; '.join(diffs)}). "
                              "Resume with the same data, batch size, drop_last, world size and seed.")
+        if not isinstance(snapshot.get("pending_stop", False), bool):  # read by the stop agreement
+            raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, "
+                             f"got {snapshot['pending_stop']!r}")
         pos = snapshot["position"]
         epochs, batches = run.plan["epochs"], run.plan["batches"]
         same_plan = snapshot["plan"] == run.plan
@@ -686,6 +674,8 @@ class Estimator:
             setattr(run.pos, key, value)
         if snapshot["partial"] and self.optimizer is not None:
             self.optimizer.zero_grad(set_to_none=True)
+        run.agreement.restore(snapshot.get("pending_stop", False), pos["phase"] == "batch_end")
+        run.started = True
         rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step
 
     def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
@@ -764,31 +754,19 @@ class Estimator:
             torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
 
-    @contextlib.contextmanager
-    def _deferred_interrupt(self, run: _Run) -> Iterator[None]:
-        """Turn the first Ctrl-C into a stop at the next step boundary (a second one raises)."""
-        if threading.current_thread() is not threading.main_thread() \
-                or signal.getsignal(signal.SIGINT) is not signal.default_int_handler:
-            yield
-            return
+    def _signal_guard(self, handlers: list[Any]) -> SignalGuard:
+        """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are."""
+        from ..event_handlers import CheckpointHandler
 
-        main_pid, multi = os.getpid(), distributed.is_distributed()
+        savers = [h for h in handlers if isinstance(h, CheckpointHandler)]
 
-        def on_interrupt(signum: int, frame: Any) -> None:
-            if os.getpid() != main_pid:  # a DataLoader worker forked from here: its usual behaviour
-                signal.default_int_handler(signum, frame)
-            if run.interrupted or (run.at_boundary and not multi):  # ranks agree on a stop at a step end
-                signal.signal(signal.SIGINT, signal.default_int_handler)
-                raise KeyboardInterrupt
-            run.interrupted = True
-            self.logger.warning("Interrupted: stopping after the current step (Ctrl-C again to stop now); "
-                                "fit(..., resume=True) continues from there.")
+        def describe(name: str) -> str:
+            rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
+            return rank + stop_message(name, notebook=_notebook(), checkpointing=bool(savers),
+                                       resumes=any(h.resume_from_checkpoint for h in savers),
+                                       multi=distributed.is_distributed())
 
-        signal.signal(signal.SIGINT, on_interrupt)
-        try:
-            yield
-        finally:
-            signal.signal(signal.SIGINT, signal.default_int_handler)
+        return SignalGuard(describe, lambda message: self.logger.warning(message, extra={"all_ranks": True}))
 
     def __repr__(self) -> str:
         return (f"Estimator(net={type(self.net).__name__}, loss={type(self.loss).__name__}, "

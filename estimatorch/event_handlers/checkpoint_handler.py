@@ -364,9 +364,25 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         return found
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
-        self._epochs, self._batches = self.current_epoch, self.current_batch
-        self._estimator = None
-        self._release_lock()
+        try:
+            self._save_interrupted(estimator)
+        finally:
+            self._epochs, self._batches = self.current_epoch, self.current_batch
+            self._estimator = None
+            self._release_lock()
+
+    def _save_interrupted(self, estimator: Any) -> None:
+        """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
+        boundary (``estimator.interruption``), save that boundary, unless this fit just did or
+        trained nothing (exports, which no fit resumes from, are left alone). Every rank calls it
+        (the save is a collective) and decides alike."""
+        reason, pos = estimator.interruption, estimator.position
+        if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step):
+            return
+        self._save(estimator)
+        name = _checkpoint().checkpoint_name(self.model_prefix, pos.epoch, pos.step)
+        estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
+                              os.path.join(self.model_dir, name), reason)
 
     def _release_lock(self) -> None:
         """Give ``model_dir`` back to other writers (a no-op where no lock is held)."""

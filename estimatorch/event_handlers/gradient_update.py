@@ -6,19 +6,27 @@ import numbers
 from typing import Any, Optional
 
 import torch
+from torch.nn.parallel import DistributedDataParallel
 
+from .. import distributed
 from ._base import StatefulHandler, check_positive_int, check_state_keys
-from .mixins import BatchEnd, EpochEnd, TrainBegin
+from ._subscribe import subscribe
+from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["GradientUpdateHandler"]
 
 
-class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
+class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, TrainEnd):
     """Step the optimizer (and the grad scaler under ``"16-mixed"``), then zero the gradients.
 
     Runs at priority -2000, first in ``batch_end``. With ``accumulation_steps=k`` the gradients
     of ``k`` batches are averaged before a step; an epoch's leftover batches are stepped at its
     end. Accumulated gradients are part of the state, so a resume between steps is exact.
+
+    Under DDP with ``k > 1`` only the batch that completes a window synchronises gradients
+    across ranks (DDP's ``no_sync`` for the forward and backward of the ``k - 1`` others); a
+    window cut short (an epoch's leftover, a stop) is averaged across ranks in one all-reduce
+    before its step. The accumulated gradients then differ per rank, so each rank's are saved.
 
     Args:
         accumulation_steps: batches per optimizer step. Defaults to 1.
@@ -33,7 +41,15 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     priority = -2000
     _state_attrs = ("pending",)
-    shared_state = True  # accumulated gradients are the same on every rank under DDP
+    # gradients accumulated under DDP's no_sync differ per rank: saved for every rank
+
+    def __reduce__(self) -> tuple:
+        # pickle names a class by its path, which leads past the same-named subclass subscribe()
+        # made (it is not importable): rebuild from the class it was made from, then subscribe
+        cls = type(self)
+        while _same_name(cls, cls.__bases__[0]):
+            cls = cls.__bases__[0]
+        return _rebuild, (cls, dict(self.__dict__))
 
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
         self.accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
@@ -44,9 +60,15 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.pending = 0
         self._params: list[torch.nn.Parameter] = []
         self._plain_optimizer: Any = None
+        self._ddp: Optional[DistributedDataParallel] = None  # synchronised only at a window's end
         #: whether the optimizer stepped at the last batch_end (read by handlers that follow
         #: optimizer steps, e.g. a per-batch LR schedule under gradient accumulation)
         self.stepped = False
+        self._subscribe()
+
+    def _subscribe(self) -> None:
+        # batch_begin (choosing whether DDP synchronises this batch) only with accumulation
+        subscribe(self, ["batch_begin"] if self.accumulation_steps > 1 else [])
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.pending = 0
@@ -56,6 +78,19 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         estimator.optimizer.zero_grad(set_to_none=True)
         plain = self.accumulation_steps == 1 and self.clip_grad_norm is None and estimator.grad_scaler is None
         self._plain_optimizer = estimator.optimizer if plain else None
+        net = estimator.train_net
+        self._ddp = net if self.accumulation_steps > 1 and isinstance(net, DistributedDataParallel) else None
+
+    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        """Under DDP, let only the batch that completes a window synchronise its gradients (DDP
+        reads the flag in its forward, which must see it as well as the backward)."""
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = self.pending + 1 >= self.accumulation_steps
+
+    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        if self._ddp is not None:
+            self._ddp.require_backward_grad_sync = True  # DDP's default, for whatever runs next
+            self._ddp = None
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         optimizer = self._plain_optimizer
@@ -75,6 +110,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     def _step(self, estimator: Any) -> None:
         optimizer, scaler = estimator.optimizer, estimator.grad_scaler
+        if self._ddp is not None and self.pending < self.accumulation_steps:
+            self._synchronise()  # a window cut short: its batches ran under no_sync
         if self.pending > 1:
             for p in self._params:
                 if p.grad is not None:
@@ -91,6 +128,15 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         optimizer.zero_grad(set_to_none=True)
         self.pending = 0
 
+    def _synchronise(self) -> None:
+        """Average the accumulated gradients over the ranks, as DDP's synchronised backward would
+        have (a parameter without a gradient counts as zeros, so every rank sends the same shapes)."""
+        params = [p for p in self._ddp.module.parameters() if p.requires_grad]  # what DDP synchronises
+        for p in params:
+            if p.grad is None:
+                p.grad = torch.zeros_like(p)
+        distributed.all_reduce_mean_([p.grad for p in params], self._ddp.process_group)
+
     def state_dict(self) -> dict[str, Any]:
         grads = [p.grad.detach().clone() if p.grad is not None else None for p in self._params] \
             if self.pending else None
@@ -105,3 +151,14 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
                                  f"{len(self._params)} parameters")
             for p, g in zip(self._params, state["grads"]):
                 p.grad = None if g is None else g.to(p.device).clone()
+
+
+def _same_name(a: type, b: type) -> bool:
+    return (a.__qualname__, a.__module__) == (b.__qualname__, b.__module__)
+
+
+def _rebuild(cls: type, state: dict[str, Any]) -> GradientUpdateHandler:
+    handler = object.__new__(cls)
+    handler.__dict__.update(state)
+    handler._subscribe()
+    return handler

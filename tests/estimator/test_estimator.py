@@ -101,6 +101,12 @@ def events_of(log, tag="rec"):
     (dict(device="nonsense"), ValueError, ["device", "nonsense"]),
     (dict(precision="8"), ValueError, ["precision", "'8'"]),
     (dict(seed=-1), ValueError, ["seed", "-1"]),
+    (dict(seed=2**64), ValueError, ["seed", "2**64", str(2**64)]),
+    (dict(seed=1.5), ValueError, ["seed", "1.5"]),
+    (dict(device="meta"), ValueError, ["device='meta'", "real device"]),
+    (dict(device="xpu"), ValueError, ["device='xpu'", "not available"]),
+    (dict(optimizer=torch.optim.SGD(nn.Linear(2, 2).parameters(), lr=0.1)), ValueError,
+     ["optimizer", "none of them net's", "another module"]),
     (dict(train_metrics=[object()]), TypeError, ["train_metrics"]),
     (dict(val_metrics=[3]), TypeError, ["val_metrics", "3"]),
     (dict(batch_processor=object()), TypeError, ["batch_processor"]),
@@ -109,6 +115,8 @@ def events_of(log, tag="rec"):
     (dict(train_metrics=[Accuracy(), Accuracy()]), ValueError, ["unique", "train_accuracy"]),
 ])
 def test_constructor_rejects_bad_arguments(kwargs, exc, words):
+    if kwargs.get("device") == "xpu" and torch.xpu.is_available():
+        pytest.skip("this machine has an XPU")
     net = nn.Linear(2, 2)
     args = dict(net=net, loss=nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     args.update(kwargs)
@@ -131,6 +139,48 @@ def test_cuda_device_without_cuda_is_a_clear_error():
         pytest.skip("this machine has CUDA")
     with pytest.raises(ValueError, match="CUDA is not available"):
         Estimator(nn.Linear(2, 2), nn.MSELoss(), device="cuda")
+
+
+def test_mps_device_where_unavailable_is_a_clear_error():
+    if torch.backends.mps.is_available():
+        pytest.skip("this machine has MPS")
+    with pytest.raises(ValueError, match="device='mps' but 'mps' is not available"):
+        Estimator(nn.Linear(2, 2), nn.MSELoss(), device="mps")
+
+
+def test_the_largest_seed_every_generator_accepts_trains():
+    est = make_estimator(seed=2**64 - 1)
+    history = est.fit(torch.utils.data.DataLoader(torch.utils.data.TensorDataset(
+        torch.randn(16, 4), torch.randint(0, 3, (16,))), batch_size=4, shuffle=True), epochs=1, event_handlers=[])
+    assert est.seed == 2**64 - 1 and len(history.epochs) == 1
+
+
+def test_an_optimizer_may_hold_parameters_beside_the_nets():
+    """A loss with weights trained along with the net is legitimate."""
+    net, loss = nn.Linear(4, 3), nn.CrossEntropyLoss()
+    temperature = nn.Parameter(torch.ones(()))
+    est = Estimator(net, lambda pred, y: loss(pred / temperature, y),
+                    optimizer=torch.optim.SGD([*net.parameters(), temperature], lr=0.1))
+    est.fit(make_batches(n_batches=2), epochs=1, event_handlers=[])
+    assert temperature.grad is None and float(temperature.detach()) != 1.0  # it trained, and was zeroed
+
+
+def test_an_optimizer_swapped_for_a_foreign_one_is_refused_at_fit_start():
+    est = make_estimator()
+    est.optimizer = torch.optim.SGD(nn.Linear(4, 3).parameters(), lr=0.1)
+    rec = Recorder()
+    with pytest.raises(ValueError, match="none of them net's"):
+        est.fit(make_batches(), epochs=1, event_handlers=[rec])
+    assert rec.log == []
+
+
+@pytest.mark.parametrize("alias, canonical", [("bf16", "bf16-mixed"), ("fp16", "16-mixed"), ("16", "16-mixed"),
+                                              (16, "16-mixed"), (32, "32"), ("bf16-mixed", "bf16-mixed")])
+def test_precision_aliases_hold_the_canonical_name(alias, canonical):
+    est = make_estimator(precision=alias)
+    assert est.precision == canonical
+    assert (est.grad_scaler is not None) == (canonical == "16-mixed")
+    assert est.fit(make_batches(n_batches=1), epochs=1, event_handlers=[]).epochs == [1]
 
 
 def test_default_optimizer_is_sgd_with_a_warning():
@@ -250,11 +300,14 @@ def test_a_handler_referring_to_a_foreign_metric_fails_at_fit_start():
     (dict(epochs=1, event_handlers=[object()]), TypeError, ["event_handlers", "inherits no event mixin"]),
     (dict(epochs=1, event_handlers=[StoppingHandler]), TypeError, ["class StoppingHandler", "instance"]),
     (dict(epochs=1, resume=True), ValueError, ["resume=True", "no earlier fit"]),
+    (dict(epochs=1, event_handlers="twice"), ValueError, ["same Recorder instance twice", "positions 0 and 1"]),
 ])
 def test_fit_rejects_bad_arguments_before_any_work(kwargs, exc, words):
     est = make_estimator()
     rec = Recorder()
     handlers = kwargs.pop("event_handlers", None)
+    if handlers == "twice":
+        handlers = [rec, rec]
     with pytest.raises(exc) as info:
         est.fit(make_batches(), event_handlers=handlers if handlers is not None else [rec], **kwargs)
     for word in words:
@@ -396,6 +449,98 @@ def test_a_failing_train_end_does_not_mask_the_original_error():
         make_estimator().fit(make_batches(), epochs=1, event_handlers=[Explode(), BadEnd(), Recorder(log, priority=1)])
     assert info.value is error
     assert events_of(log)[-1] == "train_end"  # handlers after the failing one still ended
+
+
+class Raise(TrainBegin, BatchEnd, EpochEnd, TrainEnd):
+    """Raises at one point of the loop: ``train_begin``, the ``step``-th ``batch_end``,
+    ``epoch_end`` or ``train_end``."""
+
+    def __init__(self, where, step=3):
+        self.where, self.step, self.seen = where, step, 0
+
+    def train_begin(self, est, **kw):
+        if self.where == "train_begin":
+            raise RuntimeError("failed in train_begin")
+
+    def batch_end(self, est, **kw):
+        self.seen += 1
+        if self.where == "batch_end" and self.seen == self.step:
+            raise RuntimeError("failed in batch_end")
+
+    def epoch_end(self, est, **kw):
+        if self.where == "epoch_end":
+            raise RuntimeError("failed in epoch_end")
+
+    def train_end(self, est, **kw):
+        if self.where == "train_end":
+            raise RuntimeError("failed in train_end")
+
+
+def _fail(est, loader, where, tmp_path, monkeypatch):
+    """Make est.fit(..., epochs=4, resume=True) fail at ``where``."""
+    from estimatorch import CheckpointHandler, EarlyStoppingHandler, rng
+
+    fit = dict(epochs=4, resume=True)
+    if where == "arguments":
+        est.fit(loader, epochs=4, batches=2)
+    elif where == "seed set too large":
+        est.seed = 2**64
+        try:
+            est.fit(loader, **fit)
+        finally:
+            est.seed = 3
+    elif where == "seeding":  # the first thing inside the fit: it used to leave it 'fitting'
+        def refuse(seed=None):
+            raise ValueError("Overflow when unpacking long long")
+
+        with monkeypatch.context() as m:
+            m.setattr(rng, "seed_everything", refuse)
+            est.fit(loader, **fit)
+    elif where == "train_data":
+        est.fit([], **fit)
+    elif where == "other data":
+        est.fit(make_batches(), **fit)
+    elif where == "existing checkpoints":
+        (tmp_path / "model-epoch1batch7.pt").write_bytes(b"")
+        est.fit(loader, epochs=4, event_handlers=[CheckpointHandler(tmp_path)])
+    elif where == "foreign metric":
+        est.fit(loader, event_handlers=[EarlyStoppingHandler(Loss())], **fit)
+    elif where == "bad batches":
+        est.fit([(x, x, y) for x, y in make_batches()], epochs=1)
+    else:
+        est.fit(loader, event_handlers=[Raise(where)], **fit)
+
+
+BEFORE_TRAINING = ["arguments", "seed set too large", "seeding", "train_data", "other data", "existing checkpoints", "foreign metric", "train_begin"]
+
+
+@pytest.mark.parametrize("where", [*BEFORE_TRAINING, "bad batches", "batch_end", "epoch_end", "train_end"])
+def test_a_failed_fit_leaves_the_estimator_reusable(where, tmp_path, monkeypatch):
+    """Whatever point a fit fails at, the estimator is not left inside it (no handlers, signal
+    handlers and torch flags restored) and no half-applied state remains: a failure before
+    training keeps what resume=True continues from, and the next fit trains normally."""
+    est, loader = dropout_setup()
+    est.deterministic = True  # a flag fit sets and must restore
+    est.fit(loader, epochs=2, event_handlers=[])
+    signals = {s: signal.getsignal(s) for s in (signal.SIGINT, signal.SIGTERM)}
+    with pytest.raises((ValueError, TypeError, RuntimeError, FileExistsError)):
+        _fail(est, loader, where, tmp_path, monkeypatch)
+    assert not est._fitting and est.handlers == () and not est.resume_pending
+    assert {s: signal.getsignal(s) for s in signals} == signals
+    assert not torch.are_deterministic_algorithms_enabled()
+    assert est.max_epoch == 2 or where not in BEFORE_TRAINING  # the failed fit's plan was not applied
+    if where in BEFORE_TRAINING:  # resume=True continues the last good fit exactly
+        losses, rec = losses_recorder()
+        est.fit(loader, epochs=4, event_handlers=[rec], resume=True)
+        reference, loader = dropout_setup()
+        full, rec = losses_recorder()
+        reference.fit(loader, epochs=4, event_handlers=[rec])
+        assert losses == full[-len(losses):] and len(losses) == 2 * 7
+        assert all(torch.equal(v, reference.net.state_dict()[k]) for k, v in est.net.state_dict().items())
+    else:
+        count = Count()
+        est.fit(loader, epochs=1, event_handlers=[count])
+        assert (count.batches, count.epochs, est.position.step) == (7, 1, 7)
 
 
 def test_a_failing_train_end_raises_when_nothing_else_failed():
@@ -560,6 +705,32 @@ def test_batch_conventions_tuple_of_three_and_dict():
     assert history["train_loss"][0] > 0
     with pytest.raises(ValueError, match="'label'"):
         est.fit([{"a": a, "b": b} for a, b, _ in triples], epochs=1, event_handlers=[])
+
+
+def test_a_batch_with_more_parts_than_forward_takes_says_what_and_how_to_fix_it():
+    """torch alone says "forward() takes 2 positional arguments but 3 were given"."""
+    est = make_estimator()
+    rec = Recorder()
+    triples = [(x, x.clone(), y) for x, y in make_batches(n_batches=2)]
+    with pytest.raises(TypeError) as info:
+        est.fit(triples, epochs=1, event_handlers=[rec])
+    message = str(info.value)
+    for words in ("Sequential.forward(input)", "2 positional input(s)", "too many positional arguments",
+                  "(x1, ..., xn, label)", "BatchProcessor"):
+        assert words in message, message
+    assert "takes 2 positional arguments but 3 were given" in str(info.value.__cause__)
+    assert events_of(rec.log).count("batch_end") == 0 and events_of(rec.log)[-1] == "train_end"
+
+
+def test_a_type_error_raised_inside_forward_is_left_as_it_is():
+    class Strict(nn.Module):
+        def forward(self, x):
+            raise TypeError("my own check")
+
+    net = Strict()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(nn.Linear(1, 1).parameters(), lr=0.1))
+    with pytest.raises(TypeError, match="^my own check$"):
+        est.fit(make_batches(n_batches=1), epochs=1, event_handlers=[])
 
 
 def test_the_model_trains_in_train_mode_and_evaluate_restores_the_mode():

@@ -1,0 +1,219 @@
+"""``Estimator.fit`` on 2 processes (gloo, CPU) against a hand-written DDP loop, in the same run.
+
+Both ranks train the benchmark MLP (``_common.py``: 32-64-10, CrossEntropyLoss, SGD lr 0.01,
+batches of 32 per rank, seed 0, one torch thread per process) for ``--steps`` optimizer steps:
+
+- ``raw``: ``DistributedDataParallel(net)`` over a ``DataLoader`` with a ``DistributedSampler``
+  (shuffled, ``set_epoch`` every epoch): forward, loss, backward, ``opt.step()``,
+  ``opt.zero_grad()``. Nothing else: no metric, no log, no agreement on stops.
+- ``fit``: ``Estimator(net, ...).fit(DataLoader(shuffle=True), batches=steps)`` with the handlers
+  ``fit`` adds by itself except the progress bar (``StoppingHandler``, ``GradientUpdateHandler``,
+  ``MetricHandler`` over Loss and Accuracy, ``LoggingHandler`` once per epoch, its lines formatted
+  into a null stream). It shards the data with its resumable distributed sampler and wraps the
+  net in DDP itself.
+
+Each timed run builds its net (same initial weights), optimizer and DDP wrapper afresh; the two
+configurations alternate, the first of each round rotating, after one untimed warm-up round. A
+run starts after a barrier; its time is the slower rank's. The ratio is the median over rounds
+of (fit / raw in the same round).
+
+With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) two more
+configurations run, as diagnostics: ``fit-blocking`` makes that agreement blocking again (each
+step starts the flag all-reduce and waits for it at once, as ``fit`` did before), the same run's
+A/B of what the change saves per step; ``fit-unagreed`` skips the agreement altogether (unsafe
+in real use, where ranks could then stop at different steps; nothing asks to stop here), which
+shows what the per-step flag exchange still costs. Run the script from an older checkout for the
+"before".
+
+Usage::
+
+    python benchmarks/ddp_overhead.py                      # 2000 steps, 7 rounds
+    python benchmarks/ddp_overhead.py --hidden 1024 --json
+"""
+
+from __future__ import annotations
+
+import argparse
+import contextlib
+import io
+import json
+import statistics
+import sys
+import time
+from typing import Any, Optional
+
+import torch
+from torch import nn
+
+import _common as common  # noqa: I001 - puts the checkout on sys.path first
+
+from estimatorch import distributed  # noqa: E402
+
+
+class _NullStream(io.TextIOBase):
+    def write(self, text: str) -> int:
+        return len(text)
+
+    def writable(self) -> bool:
+        return True
+
+
+def _net(hidden: int) -> nn.Module:
+    torch.manual_seed(common.SEED)
+    return nn.Sequential(nn.Linear(common.IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, common.CLASSES))
+
+
+def _raw(steps: int, dataset: Any, hidden: int) -> None:
+    from torch.utils.data import DataLoader, DistributedSampler
+
+    ddp = nn.parallel.DistributedDataParallel(_net(hidden))
+    optimizer = torch.optim.SGD(ddp.parameters(), lr=common.LR)
+    loss_fn = nn.CrossEntropyLoss()
+    sampler = DistributedSampler(dataset, shuffle=True, seed=common.SEED)
+    loader = DataLoader(dataset, batch_size=common.BATCH_SIZE, sampler=sampler)
+    done, epoch = 0, 0
+    while done < steps:
+        sampler.set_epoch(epoch)
+        for x, y in loader:
+            loss = loss_fn(ddp(x), y)
+            loss.backward()
+            optimizer.step()
+            optimizer.zero_grad()
+            done += 1
+            if done >= steps:
+                return
+        epoch += 1
+
+
+def _fit(steps: int, dataset: Any, hidden: int) -> None:
+    from estimatorch import Estimator
+
+    net = _net(hidden)
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=common.LR),
+                    seed=common.SEED)
+    with contextlib.redirect_stdout(_NullStream()):
+        est.fit(common.make_loader(dataset), batches=steps)
+
+
+def _fit_blocking(steps: int, dataset: Any, hidden: int) -> None:
+    """``fit`` with the per-step agreement on stops waiting for its all-reduce at once."""
+
+    def after_batch(self: Any, requested: bool, code: int) -> tuple[bool, int]:
+        agreed = self._start(requested, code).wait()
+        return bool(agreed[0]), agreed[2]
+
+    _with_agreement(after_batch, steps, dataset, hidden)
+
+
+def _fit_unagreed(steps: int, dataset: Any, hidden: int) -> None:
+    """``fit`` without any per-step agreement (a diagnostic: what the exchange costs)."""
+    _with_agreement(lambda self, requested, code: (requested, code), steps, dataset, hidden)
+
+
+def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> None:
+    from estimatorch.estimator._stop_agreement import StopAgreement
+
+    asynchronous = StopAgreement.after_batch
+    StopAgreement.after_batch = after_batch  # type: ignore[method-assign]
+    try:
+        _fit(steps, dataset, hidden)
+    finally:
+        StopAgreement.after_batch = asynchronous  # type: ignore[method-assign]
+
+
+def _worker(settings: dict[str, Any]) -> dict[str, Any]:
+    import torch.distributed as dist
+
+    from estimatorch.estimator import estimator as estimator_module
+
+    torch.set_num_threads(settings["threads"])
+    estimator_module._interactive = lambda: False  # the default set without a progress bar
+    dataset = common.make_dataset(settings["samples"])
+    steps, hidden = settings["steps"], settings["hidden"]
+    configs = {"raw": lambda: _raw(steps, dataset, hidden), "fit": lambda: _fit(steps, dataset, hidden)}
+    try:
+        import estimatorch.estimator._stop_agreement  # noqa: F401 - only in versions that have it
+    except ImportError:
+        pass
+    else:
+        if settings["ab"]:
+            configs["fit-blocking"] = lambda: _fit_blocking(steps, dataset, hidden)
+            configs["fit-unagreed"] = lambda: _fit_unagreed(steps, dataset, hidden)
+    names = list(configs)
+    times: dict[str, list[float]] = {name: [] for name in names}
+    for round_ in range(settings["repeats"] + 1):  # round 0 warms up
+        shift = round_ % len(names)
+        for name in names[shift:] + names[:shift]:
+            dist.barrier()
+            start = time.perf_counter()
+            configs[name]()
+            elapsed = time.perf_counter() - start
+            if round_:
+                times[name].append(elapsed)
+    return {"rank": distributed.get_rank(), "times": times, "machine": common.machine_info()}
+
+
+def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, ab: bool) -> dict[str, Any]:
+    settings = dict(steps=steps, repeats=repeats, samples=samples, hidden=hidden, threads=threads, ab=ab)
+    ranks = distributed.spawn(_worker, 2, settings, backend="gloo")
+    names = list(ranks[0]["times"])
+    per_run = {name: [max(r["times"][name][i] for r in ranks) for i in range(repeats)] for name in names}
+    us = {name: [t / steps * 1e6 for t in values] for name, values in per_run.items()}
+    paired = [f / r for f, r in zip(per_run["fit"], per_run["raw"])]
+    if "fit-blocking" in per_run:
+        out_ab = statistics.median([b - f for b, f in zip(per_run["fit-blocking"], per_run["fit"])]) / steps * 1e6
+    else:
+        out_ab = None
+    out: dict[str, Any] = {
+        "settings": settings,
+        "machine": ranks[0]["machine"],
+        "us_per_step": {name: common.summary(values) for name, values in us.items()},
+        "ratio": statistics.median(paired),
+        "ratio_of_medians": statistics.median(per_run["fit"]) / statistics.median(per_run["raw"]),
+        "ratio_of_fastest": min(per_run["fit"]) / min(per_run["raw"]),
+        "paired": paired,
+        "blocking_minus_async_us_per_step": out_ab,
+    }
+    return out
+
+
+def table(out: dict[str, Any]) -> str:
+    rows = []
+    raw = out["us_per_step"]["raw"]["median"]
+    for name, s in out["us_per_step"].items():
+        rows.append([name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}", f"{s['median'] / raw:.3f}"])
+    lines = [common.format_table(["config", "µs/step median", "min", "max", "vs raw"], rows), "",
+             f"fit / raw, median of per-round ratios: {out['ratio']:.3f}  "
+             f"(of medians {out['ratio_of_medians']:.3f}, of fastest runs {out['ratio_of_fastest']:.3f})"]
+    if out["blocking_minus_async_us_per_step"] is not None:
+        lines.append("fit-blocking - fit, median of per-round differences: "
+                     f"{out['blocking_minus_async_us_per_step']:.1f} µs/step")
+    return "\n".join(lines)
+
+
+def main(argv: Optional[list[str]] = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
+    parser.add_argument("--steps", type=int, default=2000, help="optimizer steps per timed run (default 2000)")
+    parser.add_argument("--repeats", type=int, default=7, help="timed rounds (default 7)")
+    parser.add_argument("--samples", type=int, default=12800, help="dataset size: 200 batches per rank per epoch")
+    parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="hidden width (default 64)")
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    parser.add_argument("--no-ab", action="store_true", help="skip the fit-blocking and fit-unagreed diagnostics")
+    parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
+    args = parser.parse_args(argv)
+    for name in ("steps", "repeats", "samples", "hidden", "threads"):
+        if getattr(args, name) < 1:
+            parser.error(f"--{name} must be a positive int, got {getattr(args, name)}")
+    out = measure(args.steps, args.repeats, args.samples, args.hidden, args.threads, not args.no_ab)
+    if args.json:
+        print(json.dumps(out, indent=2))
+    else:
+        common.print_machine(out["machine"])
+        print(f"2 processes (gloo), {args.steps} steps per run, {args.repeats} rounds, batch "
+              f"{common.BATCH_SIZE} per rank, hidden {args.hidden}, {args.threads} torch thread(s) each")
+        print(table(out))
+    return 0
+
+
+if __name__ == "__main__":
+    sys.exit(main())

@@ -1,0 +1,131 @@
+"""Argument checks for ``Estimator`` and ``fit``: each names the argument and the value, and
+runs before any step and before any file is written."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable, Iterator, Mapping, Sequence
+from typing import Any, Optional, Union
+
+import torch
+from torch import nn
+
+from .. import distributed
+from ._dispatch import handler_name
+
+__all__ = ["PRECISIONS", "check_bool", "check_iterable", "check_optimizer", "check_unique_handlers",
+           "precision_name", "resolve_device"]
+
+#: canonical precision name -> autocast dtype (None: no autocast).
+PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
+_ALIASES = {"bf16": "bf16-mixed", "fp16": "16-mixed", "16": "16-mixed"}
+
+
+def check_bool(value: Any, arg: str) -> bool:
+    if not isinstance(value, bool):
+        raise TypeError(f"{arg} must be a bool, got {value!r}")
+    return value
+
+
+def check_iterable(value: Any, arg: str, *, reread: bool = False) -> None:
+    """An iterable of batches; with ``reread``, one that can be read more than once and is not
+    known to be empty (checked without iterating it)."""
+    if isinstance(value, (torch.Tensor, str, bytes, Mapping)) or not isinstance(value, Iterable):
+        raise TypeError(f"{arg} must be an iterable of batches (a DataLoader, a list...), got {type(value).__name__}")
+    if not reread:
+        return
+    if isinstance(value, Iterator):
+        raise TypeError(f"{arg} is an iterator ({type(value).__name__}), which can be read only once; "
+                        "pass a list or a DataLoader")
+    try:
+        empty = len(value) == 0
+    except TypeError:  # no length (e.g. a DataLoader over an IterableDataset)
+        empty = False
+    if empty:
+        raise ValueError(f"{arg} is empty: a {type(value).__name__} of length 0")
+
+
+def precision_name(precision: Union[str, int]) -> str:
+    """The canonical name of ``precision``: ``'bf16'`` -> ``'bf16-mixed'``, ``'fp16'`` and ``'16'``
+    (or the int ``16``) -> ``'16-mixed'``; the int ``32`` -> ``'32'``.
+
+    Example:
+        >>> precision_name("bf16"), precision_name(16), precision_name("32")
+        ('bf16-mixed', '16-mixed', '32')
+    """
+    if isinstance(precision, bool) or not isinstance(precision, (str, int)):
+        raise ValueError(f"precision must be one of {_choices()}, got {precision!r}")
+    name = _ALIASES.get(str(precision), str(precision))
+    if name not in PRECISIONS:
+        raise ValueError(f"precision must be one of {_choices()}, got {precision!r}")
+    return name
+
+
+def _choices() -> list[str]:
+    return [*PRECISIONS, *(a for a in _ALIASES if a not in PRECISIONS)]
+
+
+def resolve_device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` this machine can train on (CUDA for this process's local
+    rank, else the CPU, when None)."""
+    if device is None:
+        if torch.cuda.is_available():
+            return torch.device("cuda", distributed.get_local_rank() % torch.cuda.device_count())
+        return torch.device("cpu")
+    try:
+        resolved = torch.device(device)
+    except (RuntimeError, TypeError) as err:
+        raise ValueError(f"device must be a torch.device, a device string or None, got {device!r}") from err
+    kind = resolved.type
+    if kind == "meta":
+        raise ValueError(f"device={device!r} holds no data (shapes only): training needs a real device such as "
+                         "'cpu' or 'cuda'")
+    if kind == "cuda":
+        if not torch.cuda.is_available():
+            raise ValueError(f"device={device!r} but CUDA is not available on this machine")
+        if resolved.index is None:
+            resolved = torch.device("cuda", torch.cuda.current_device())
+        elif resolved.index >= torch.cuda.device_count():
+            raise ValueError(f"device={device!r} but this machine has {torch.cuda.device_count()} CUDA device(s)")
+        return resolved
+    if kind != "cpu" and not _available(resolved):
+        raise ValueError(f"device={device!r} but {kind!r} is not available in this torch build or on this machine")
+    return resolved
+
+
+def _available(device: torch.device) -> bool:
+    """Whether ``device`` can hold a tensor: the backend's own ``is_available()`` where torch has
+    one (``torch.mps``, ``torch.xpu``, ...), else a zero-size allocation."""
+    backend = torch.backends.mps if device.type == "mps" else getattr(torch, device.type, None)
+    is_available = getattr(backend, "is_available", None)
+    if callable(is_available) and not is_available():
+        return False
+    try:
+        torch.empty(0, device=device)
+    except (RuntimeError, AssertionError, NotImplementedError, ValueError, ImportError):  # 'not here', many ways
+        return False
+    return True
+
+
+def check_optimizer(optimizer: Optional[torch.optim.Optimizer], net: nn.Module) -> None:
+    """An optimizer over none of ``net``'s trainable parameters trains nothing of it: refused.
+    Parameters of other modules beside some of the net's (a loss with weights, a second module
+    a custom BatchProcessor trains) are fine."""
+    if optimizer is None:
+        return
+    own = {id(p) for p in net.parameters() if p.requires_grad}
+    held = [p for group in optimizer.param_groups for p in group["params"]]
+    if own and not any(id(p) in own for p in held):
+        raise ValueError(
+            f"optimizer holds {len(held)} parameter(s), none of them net's ({type(net).__name__}): it was built "
+            "over another module's parameters (an earlier copy of the net?), so fit would train nothing. "
+            "Build it from this net: torch.optim.SGD(net.parameters(), ...)")
+
+
+def check_unique_handlers(handlers: Sequence[Any], arg: str = "event_handlers") -> None:
+    """The same handler instance passed twice would receive every event twice."""
+    seen: dict[int, int] = {}
+    for i, handler in enumerate(handlers):
+        first = seen.setdefault(id(handler), i)
+        if first != i:
+            raise ValueError(f"{arg} holds the same {handler_name(handler)} instance twice (positions {first} "
+                             f"and {i}): it would receive every event twice. Pass it once, or two instances")

@@ -1,0 +1,137 @@
+"""Signals during ``fit``: SIGTERM and a first Ctrl-C stop training at the next step boundary.
+
+SIGTERM is what SLURM, Kubernetes and spot instances send before they kill a job. Python's
+default would end the process at once (SIGTERM) or raise ``KeyboardInterrupt`` in the middle of
+a step (Ctrl-C), and the steps since the last periodic checkpoint would be lost. During ``fit``
+both are deferred instead: the loop stops at the next step boundary, every ``CheckpointHandler``
+saves that boundary in ``train_end`` (``Estimator.interruption`` names the signal), and only then
+does ``fit`` raise what the signal would have: ``KeyboardInterrupt`` for Ctrl-C,
+``SystemExit(143)`` (128 + SIGTERM, the status a shell reports for a job ended by SIGTERM) for
+SIGTERM, so ``finally`` blocks run and the process exits with the conventional status.
+
+- A second Ctrl-C stops at once (a plain ``KeyboardInterrupt`` in the middle of a step). A
+  SIGTERM after a Ctrl-C turns the pending stop into a SIGTERM one (the process must end).
+- Handlers are installed only in the main thread, only over Python's defaults (SIGINT's
+  ``default_int_handler``, SIGTERM's ``SIG_DFL``): an ignored SIGINT (a job started in the
+  background) or a handler of your own is left alone. They are restored when ``fit`` ends,
+  also when it fails.
+- DataLoader worker processes forked during ``fit`` inherit the handlers and ignore both signals
+  (SLURM signals the whole process group): the main process decides, stops at a boundary and
+  then shuts its workers down.
+"""
+
+from __future__ import annotations
+
+import os
+import signal
+import threading
+from typing import Any, Callable, Optional
+
+__all__ = ["SIGNAL_CODES", "SignalGuard", "stop_exception", "stop_message"]
+
+#: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
+#: SIGTERM on any rank ends every rank with SIGTERM's exit status.
+SIGNAL_CODES = {"SIGINT": 1, "SIGTERM": 2}
+SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
+_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
+def stop_exception(name: str) -> BaseException:
+    """What ``fit`` raises once it has stopped at a boundary because of signal ``name``."""
+    if name == "SIGTERM":
+        return SystemExit(128 + signal.SIGTERM)
+    return KeyboardInterrupt()
+
+
+class SignalGuard:
+    """Defers SIGINT and SIGTERM while ``fit`` runs (a context manager around the loop).
+
+    Attributes:
+        code: the code (:data:`SIGNAL_CODES`) of the signal received, 0 while none was.
+        stoppable: set by the loop while raising at once would leave the fit exactly at a step
+            boundary (one process, between steps): a signal then stops without waiting for
+            another step.
+        stopped: the signal's name once the fit ends because of it at a step boundary.
+    """
+
+    def __init__(self, describe: Callable[[str], str], log: Callable[[str], None]):
+        self.code = 0
+        self.stoppable = False
+        self.stopped: Optional[str] = None
+        self._describe = describe
+        self._log = log
+        self._saved: dict[int, Any] = {}
+        self._pid = 0
+
+    @property
+    def received(self) -> Optional[str]:
+        """The name of the signal received during this fit, if any."""
+        return SIGNAL_NAMES.get(self.code)
+
+    def __enter__(self) -> "SignalGuard":
+        if threading.current_thread() is not threading.main_thread():
+            return self  # signals reach only the main thread: nothing to defer here
+        self._pid = os.getpid()
+        for signum, default in _DEFAULTS.items():
+            if signal.getsignal(signum) is default:
+                self._saved[signum] = default
+                signal.signal(signum, self._on_signal)
+        return self
+
+    def __exit__(self, *exc: Any) -> None:
+        saved, self._saved = self._saved, {}
+        for signum, previous in saved.items():
+            signal.signal(signum, previous)
+
+    def _on_signal(self, signum: int, frame: Any) -> None:
+        if os.getpid() != self._pid:
+            return  # a DataLoader worker forked during fit: the main process stops, then ends it
+        name = signal.Signals(signum).name
+        if not self.code:
+            self.code = SIGNAL_CODES[name]
+            self._log(self._describe(name))
+            if self.stoppable:
+                self.stopped = name
+                raise stop_exception(name)
+        elif name == "SIGINT":  # a second Ctrl-C: stop at once
+            signal.signal(signal.SIGINT, signal.default_int_handler)
+            raise KeyboardInterrupt
+        elif self.code < SIGNAL_CODES[name]:  # SIGTERM after a Ctrl-C: the process must end
+            self.code = SIGNAL_CODES[name]
+            self._log("SIGTERM too: fit will end with SystemExit(143) once it has stopped")
+
+
+def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: bool, multi: bool) -> str:
+    """What the log says when signal ``name`` first arrives, for where the user is.
+
+    Args:
+        name: ``"SIGINT"`` or ``"SIGTERM"``.
+        notebook: running in a Jupyter kernel (``fit(..., resume=True)`` is the way back there).
+        checkpointing: the fit has a ``CheckpointHandler`` (it saves the boundary).
+        resumes: one of them has ``resume_from_checkpoint=True`` (a rerun continues).
+        multi: several processes (they agree on the boundary: this step or the next).
+
+    Example:
+        >>> stop_message("SIGTERM", notebook=False, checkpointing=False, resumes=False, multi=False)[:46]
+        'SIGTERM: stopping at the end of the current st'
+    """
+    where = "at the end of this step or the next (all processes stop at the same one)" if multi \
+        else "at the end of the current step"
+    if name == "SIGTERM":
+        head = f"SIGTERM: stopping {where}"
+        tail = ", then fit raises SystemExit(143)."
+    else:
+        head = f"Ctrl-C: stopping {where}"
+        tail = f" ({'interrupt' if notebook else 'Ctrl-C'} again to stop at once, mid-step)."
+    if checkpointing:
+        head += " and writing a checkpoint of it"
+        if notebook and name == "SIGINT":
+            return head + tail + " fit(..., resume=True) continues from there."
+        if resumes:
+            return head + tail + " Rerunning the script resumes from that checkpoint."
+        return head + tail + (" To resume from it, rerun with CheckpointHandler(..., "
+                              "resume_from_checkpoint=True).")
+    if notebook and name == "SIGINT":
+        return head + tail + " fit(..., resume=True) continues from there."
+    return head + tail + (" No CheckpointHandler: the steps trained are lost when this process ends; add "
+                          "CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them.")

@@ -1,0 +1,109 @@
+"""Preemption as a cluster does it, in subprocesses: SIGTERM (to the whole process group, so the
+DataLoader workers get it too) or Ctrl-C during a step; the job checkpoints that step, exits with
+the conventional status, and the rerun resumes from the exact step, ending bit-identical to an
+uninterrupted run. (Two ranks: tests/estimator/test_stop_agreement.py.)"""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+
+import pytest
+import torch
+
+from tests.conftest import assert_tree_equal
+
+pytestmark = pytest.mark.slow
+
+ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+STEP = 9  # checkpoints every 4 batches: steps 5 to 8 would be lost without the preemption save
+
+SCRIPT = r'''
+import os, signal, sys
+import torch
+from torch import nn
+from estimatorch import CheckpointHandler, Estimator
+from estimatorch.event_handlers import BatchEnd
+
+model_dir, step, signame, workers, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background start inherits SIGINT ignored
+torch.set_num_threads(1)
+
+
+class Noisy(torch.utils.data.Dataset):
+    """Random augmentation in the workers: seeded per sample by fit."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(1)
+        self.x, self.y = torch.randn(40, 4, generator=g), torch.randint(0, 3, (40,), generator=g)
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(4), self.y[i]
+
+
+class Preempt(BatchEnd):
+    def batch_end(self, est, **kw):
+        if est.position.step + 1 == step:  # mid-step: the whole process group, as SLURM does
+            os.killpg(os.getpgid(0), getattr(signal, signame))
+
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 3))
+est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=7)
+loader = torch.utils.data.DataLoader(Noisy(), batch_size=6, shuffle=True, num_workers=workers)
+ckpt = CheckpointHandler(model_dir, batch_period=4, epoch_period=None, max_checkpoints=None,
+                         resume_from_checkpoint=True)
+try:
+    est.fit(loader, epochs=3, event_handlers=[Preempt(), ckpt])
+finally:
+    torch.save({"model": est.net.state_dict(), "optimizer": est.optimizer.state_dict(),
+                "step": est.position.step, "interruption": est.interruption}, out)
+    print("finally ran", flush=True)
+'''
+
+
+def run_script(tmp_path, model_dir, step=0, signame="SIGTERM", workers=0, tag="run"):
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    out = tmp_path / f"{tag}.pt"
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(step), signame, str(workers), str(out)],
+                          capture_output=True, text=True, env=env, timeout=300, start_new_session=True)
+    result = torch.load(out, weights_only=True) if out.exists() else None
+    return proc, result
+
+
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    tmp_path = tmp_path_factory.mktemp("reference")
+    proc, result = run_script(tmp_path, tmp_path / "ckpt", tag="reference")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    return result
+
+
+@pytest.mark.parametrize("signame, workers, status", [
+    ("SIGTERM", 2, 128 + signal.SIGTERM),  # loader workers receive it too
+    ("SIGTERM", 0, 128 + signal.SIGTERM),
+    ("SIGINT", 0, -signal.SIGINT),  # an unhandled KeyboardInterrupt: python ends itself by SIGINT
+])
+def test_a_preempted_job_loses_no_step_and_its_rerun_ends_bit_identical(signame, workers, status, tmp_path, reference):
+    model_dir = tmp_path / "ckpt"
+    proc, stopped = run_script(tmp_path, model_dir, step=STEP, signame=signame, workers=workers, tag="stopped")
+    assert proc.returncode == status, proc.stderr[-3000:]
+    assert "finally ran" in proc.stdout  # the user's finally blocks ran
+    assert stopped["step"] == STEP and stopped["interruption"] == signame
+    assert sorted(os.listdir(model_dir)) == sorted(["model-epoch0batch4.pt", "model-epoch1batch8.pt",
+                                                    f"model-epoch1batch{STEP}.pt", "model-latest"])
+    assert f"Saved checkpoint of step {STEP} to {model_dir / f'model-epoch1batch{STEP}.pt'} ({signame})" in proc.stdout
+
+    proc, resumed = run_script(tmp_path, model_dir, workers=workers, tag="resumed")
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert f"Resuming from {model_dir / f'model-epoch1batch{STEP}.pt'}: 1 epochs and {STEP} batches done" in proc.stdout
+    assert resumed["step"] == reference["step"] == 21 and resumed["interruption"] is None
+    assert_tree_equal(resumed["model"], reference["model"], "model")
+    assert_tree_equal(resumed["optimizer"], reference["optimizer"], "optimizer")

@@ -1,0 +1,28 @@
+"""benchmarks/ddp_overhead.py still runs and reports its figures (tiny settings; no timing is
+asserted). Beside tests/test_benchmarks.py, which covers the single-process scripts."""
+
+from __future__ import annotations
+
+import json
+import math
+import os
+import subprocess
+import sys
+
+import pytest
+
+pytestmark = [pytest.mark.slow, pytest.mark.distributed]
+
+SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "ddp_overhead.py")
+
+
+def test_ddp_overhead_reports_fit_against_a_hand_written_ddp_loop():
+    done = subprocess.run([sys.executable, SCRIPT, "--steps", "20", "--repeats", "2", "--samples", "1280", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert list(out["us_per_step"]) == ["raw", "fit", "fit-blocking", "fit-unagreed"]
+    assert all(math.isfinite(s["median"]) and s["median"] > 0 for s in out["us_per_step"].values())
+    assert len(out["paired"]) == 2 and math.isfinite(out["ratio"]) and out["ratio"] > 0
+    assert math.isfinite(out["blocking_minus_async_us_per_step"])
+    assert out["settings"]["steps"] == 20 and out["machine"]["torch_threads"] == 1
