@@ -4,6 +4,7 @@ from __future__ import annotations
 
 import logging
 import math
+import os
 import signal
 from typing import Any
 
@@ -25,14 +26,32 @@ def _ctrl_c_reaches_the_tests():
     signal.signal(signal.SIGINT, saved)
 
 
-@pytest.fixture(autouse=True)
-def _cpu_unless_marked_cuda(request, monkeypatch):
+_REAL_CUDA = torch.cuda.is_available  # pytest imports conftest before it collects (skipif asks it)
+_VISIBLE = os.environ.get("CUDA_VISIBLE_DEVICES")
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _cpu_by_default():
     """The suite tests the CPU paths (CI has no GPU) and the tests marked ``cuda`` test the GPU's.
-    On a machine with a GPU every other test runs as on one without: its fits default to the CPU,
-    the subprocesses it starts (spawn, torchrun) see no GPU either."""
-    if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
-        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
-        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    On a machine with a GPU every other test, and every fixture, runs as on one without: fits
+    default to the CPU, and the subprocesses tests start (spawn, torchrun) see no GPU either."""
+    if not _REAL_CUDA():
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setattr(torch.cuda, "is_available", lambda: False)
+        patch.setenv("CUDA_VISIBLE_DEVICES", "")  # read by child processes only: CUDA is initialised here
+        yield
+
+
+@pytest.fixture(autouse=True)
+def _gpu_for_cuda_tests(request, monkeypatch, _cpu_by_default):
+    if request.node.get_closest_marker("cuda") is not None and _REAL_CUDA():
+        monkeypatch.setattr(torch.cuda, "is_available", _REAL_CUDA)
+        if _VISIBLE is None:
+            monkeypatch.delenv("CUDA_VISIBLE_DEVICES", raising=False)
+        else:
+            monkeypatch.setenv("CUDA_VISIBLE_DEVICES", _VISIBLE)
     yield
 
 

@@ -36,6 +36,8 @@ def test_predict_equals_a_plain_loop_for_every_batch_layout():
     inputs = [x for x, _ in batches]
     want = plain_loop(make_estimator().net, inputs)
     dataset = TensorDataset(torch.cat(inputs))
+    # a CPU matmul need not give bitwise the same rows for another batch size (kernels block by it)
+    want_in_fives = plain_loop(make_estimator().net, torch.cat(inputs).split(5))
     layouts = {
         "(x, y) pairs: the label dropped": batches,
         "bare tensors": inputs,
@@ -46,7 +48,7 @@ def test_predict_equals_a_plain_loop_for_every_batch_layout():
     est.net = est.val_net = DictOrTensor(est.net)
     for name, data in layouts.items():
         got = est.predict(data)
-        assert got.device.type == "cpu" and torch.equal(got, want), name
+        assert got.device.type == "cpu" and torch.equal(got, want_in_fives if "DataLoader" in name else want), name
 
 
 class DictOrTensor(nn.Module):
