@@ -26,6 +26,17 @@ def _ctrl_c_reaches_the_tests():
 
 
 @pytest.fixture(autouse=True)
+def _cpu_unless_marked_cuda(request, monkeypatch):
+    """The suite tests the CPU paths (CI has no GPU) and the tests marked ``cuda`` test the GPU's.
+    On a machine with a GPU every other test runs as on one without: its fits default to the CPU,
+    the subprocesses it starts (spawn, torchrun) see no GPU either."""
+    if request.node.get_closest_marker("cuda") is None and torch.cuda.is_available():
+        monkeypatch.setattr(torch.cuda, "is_available", lambda: False)
+        monkeypatch.setenv("CUDA_VISIBLE_DEVICES", "")
+    yield
+
+
+@pytest.fixture(autouse=True)
 def _one_thread():
     threads = torch.get_num_threads()
     torch.set_num_threads(1)

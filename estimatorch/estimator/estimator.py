@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
+from ..event_handlers import _bars
 from ..event_handlers._base import check_positive_int
 from ..metrics import Accuracy, Loss
 from ..metrics.base import Metric, as_metric_list, metric_name
@@ -81,17 +82,9 @@ def _rename(metric: Any, prefix: str) -> Any:
     return metric
 
 
-def _notebook() -> bool:
-    """True in a Jupyter kernel."""
-    if "ipykernel" not in sys.modules:
-        return False
-    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    return shell is not None and getattr(shell, "kernel", None) is not None
-
-
 def _interactive() -> bool:
     """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
-    if _notebook():
+    if _bars.in_notebook():
         return True
     stream = sys.stderr
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
@@ -774,7 +767,7 @@ class Estimator:
 
         def describe(name: str) -> str:
             rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
-            return rank + stop_message(name, notebook=_notebook(), checkpointing=bool(savers),
+            return rank + stop_message(name, notebook=_bars.in_notebook(), checkpointing=bool(savers),
                                        resumes=any(h.resume_from_checkpoint for h in savers),
                                        multi=distributed.is_distributed())
 

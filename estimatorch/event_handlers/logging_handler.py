@@ -218,9 +218,10 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
         try:
             elapsed = time.perf_counter() - self._train_start
-            if estimator.position.stop or not distributed.is_distributed():
+            # a stop, or a signal every rank agreed on: every rank is here, the values reduce
+            if estimator.position.stop or estimator.interruption is not None or not distributed.is_distributed():
                 values = format_metrics(self._values(self._shown(estimator, with_val=self._validated)))
-            else:  # stopped by an error or an interrupt: other ranks may not be here to reduce
+            else:  # stopped by an error or a second Ctrl-C: other ranks may not be here to reduce
                 values = "(stopped early; values not reduced across processes)"
             # the loop returns only once a stop was requested: otherwise an error or Ctrl-C ended it
             ended = "finished in" if estimator.position.stop else "interrupted after"

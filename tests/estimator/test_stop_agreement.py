@@ -6,6 +6,7 @@ collective count is in tests/test_sync_count.py.)"""
 
 from __future__ import annotations
 
+import logging
 import os
 import shutil
 import signal
@@ -44,6 +45,15 @@ class SignalOn(BatchEnd):
             signal.raise_signal(getattr(signal, self.signame))
 
 
+class _LogLines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
 def _estimator():
     torch.manual_seed(0)
     torch.set_num_threads(1)
@@ -57,6 +67,8 @@ def _estimator():
 def _fit(kind, arg, ckpt_dir=None, resume=False, period=1):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # spawned from a background job: SIGINT ignored
     est, loader = _estimator()
+    lines = _LogLines()
+    est.logger.addHandler(lines)
     count = Count()
     handlers = [count]
     if kind == "ask":
@@ -77,7 +89,7 @@ def _fit(kind, arg, ckpt_dir=None, resume=False, period=1):
         outcome = f"SystemExit({exit.code})"
     pos = est.position
     return {"outcome": outcome, "step": pos.step, "phase": pos.phase, "batches": count.batches,
-            "interruption": est.interruption, "model": est.net.state_dict(), "optimizer": est.optimizer.state_dict()}
+            "interruption": est.interruption, "log": lines.messages, "model": est.net.state_dict(), "optimizer": est.optimizer.state_dict()}
 
 
 @pytest.mark.parametrize("kind, arg, step", [
@@ -99,6 +111,8 @@ def test_a_signal_reaching_one_rank_stops_both_one_step_later(signame, outcome):
     r0, r1 = distributed.spawn(_fit, 2, signame, {1: 3}, backend="gloo")
     for r in (r0, r1):
         assert (r["outcome"], r["step"], r["interruption"]) == (outcome, 4, signame)
+    ended = [line for line in r0["log"] if "interrupted after" in line]  # every rank is at train_end: reduced
+    assert len(ended) == 1 and "train_loss" in ended[0] and "not reduced" not in ended[0], r0["log"]
 
 
 def test_signals_reaching_the_ranks_at_different_steps_stop_both_at_the_first_agreed_one():
