@@ -83,6 +83,28 @@ def test_every_exported_name_of_event_handlers_is_in_the_guide():
     assert not missing, f"the guide never mentions {missing}"
 
 
+def test_every_public_name_of_distributed_is_on_its_page():
+    from estimatorch import distributed
+
+    page = read(DOCS / "distributed.md")
+    missing = [name for name in distributed.__all__ if not re.search(rf"[`.]{name}\b", page)]
+    assert not missing, f"docs/distributed.md never mentions {missing}"
+
+
+def test_the_module_map_names_every_internal_module():
+    """docs/architecture.md's map of where things are: every module of the estimator and
+    checkpoint packages, every private helper of event_handlers, every top-level module (a new
+    module must be placed on the map; a public handler's module is covered by its row)."""
+    package = ROOT / "estimatorch"
+    modules = [*(package / "estimator").glob("*.py"), *(package / "checkpoint").glob("*.py"),
+               *(package / "event_handlers").glob("_*.py"), package / "event_handlers" / "mixins.py",
+               *package.glob("*.py")]
+    where = section(read(DOCS / "architecture.md"), "Where things are")
+    missing = [str(m.relative_to(ROOT)) for m in sorted(modules)
+               if m.name != "__init__.py" and f"{m.name}`" not in where]
+    assert not missing, f"docs/architecture.md's map lacks {missing}"
+
+
 def test_the_loop_page_lists_every_event_and_its_mixin():
     loop = read(DOCS / "loop.md")
     for event, mixin in EVENTS.items():
