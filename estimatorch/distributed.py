@@ -49,6 +49,7 @@ __all__ = [
     "NullWriter",
     "PendingMax",
     "RankFailedError",
+    "raise_on_every_rank",
     "rank_zero_writer",
     "share_outcome",
     "spawn",
@@ -363,6 +364,27 @@ def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseExc
         if exception is not None:
             return failed, error if failed == rank else exception
     return None
+
+
+def raise_on_every_rank(error: Optional[BaseException], what: str = "a step every rank took") -> None:
+    """Raise on every rank when any rank met an error (:func:`share_outcome`, one small
+    collective; without a process group it raises ``error`` itself, if any).
+
+    The rank that failed raises its own exception (traceback kept); every other rank raises a copy
+    of it, with a note (Python 3.11+) naming the rank that failed and ``what`` it was doing.
+
+    Example:
+        >>> raise_on_every_rank(None)  # nothing failed anywhere: returns
+    """
+    failure = share_outcome(error)
+    if failure is None:
+        return
+    rank, exception = failure
+    if exception is error:
+        raise exception
+    if hasattr(exception, "add_note"):
+        exception.add_note(f"{what}: rank {rank} failed with this error (a copy of it); this rank stops too")
+    raise exception
 
 
 def barrier() -> None:

@@ -324,3 +324,48 @@ def test_the_async_max_and_the_in_place_mean_reduce_over_every_rank():
         assert r["max"] == r["again"] == (1, 1, 7) and r["done"]
         assert torch.equal(r["grads"][0], torch.full((2, 3), 1.5))
         assert torch.equal(r["grads"][1], torch.full((4,), 15.0, dtype=torch.float64))
+
+
+# -- a start check that fails on one rank only -----------------------------------------------------
+class RefuseOnRank(BatchEnd):
+    """A handler whose start check fails on one rank only (as a rank-0-only directory check does)."""
+
+    def __init__(self, rank):
+        self.rank = rank
+
+    def _check_fit(self, estimator, resume):
+        if distributed.get_rank() == self.rank:
+            raise ValueError(f"refused on rank {self.rank}")
+
+    def batch_end(self, est, **kw):
+        pass
+
+
+def _fit_refused(root, refusing_rank):
+    import time
+
+    est, loader = _setup()
+    handlers = [RefuseOnRank(refusing_rank)]
+    if refusing_rank == 0:  # the real case: LoggingHandler checks its log_dir on rank 0 only
+        blocker = os.path.join(root, "a-file")
+        open(blocker, "w").close()
+        handlers = [__import__("estimatorch").LoggingHandler(log_dir=blocker)]
+    start = time.monotonic()
+    try:
+        est.fit(loader, epochs=1, event_handlers=handlers)
+        outcome = "trained"
+    except ValueError as err:
+        outcome = f"ValueError: {err}"
+    return {"outcome": outcome, "seconds": time.monotonic() - start, "fitting": est._fitting,
+            "handlers": len(est.handlers)}
+
+
+@pytest.mark.parametrize("refusing_rank", [0, 1])
+def test_a_start_check_failing_on_one_rank_stops_every_rank_with_its_error(tmp_path, refusing_rank):
+    """Without one agreement on fit's start checks the other rank went on into DDP's first
+    collective and waited for a peer that had left (a hang until gloo's timeout)."""
+    results = distributed.spawn(_fit_refused, 2, str(tmp_path), refusing_rank, backend="gloo")
+    expected = "log_dir" if refusing_rank == 0 else f"refused on rank {refusing_rank}"
+    for result in results:
+        assert result["outcome"].startswith("ValueError") and expected in result["outcome"], result
+        assert result["seconds"] < 60 and not result["fitting"] and result["handlers"] == 0

@@ -323,6 +323,19 @@ class Estimator:
                 continues with the next epoch (resume from a ``batch_period`` checkpoint to
                 continue mid-epoch). Defaults to False.
         """
+        distributed.init_from_env()
+        error: Optional[Exception] = None
+        try:
+            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume)
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
+            error = err
+        distributed.raise_on_every_rank(error, "fit could not start")
+        return self._fit(run)
+
+    def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
+                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool) -> _Run:
+        """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
+        rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
         if (epochs is None) == (batches is None):
             raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
         check_positive_int(epochs, "epochs", allow_none=True)
@@ -343,7 +356,6 @@ class Estimator:
         check_unique_handlers(user)
         if resume and self._last is None:
             raise ValueError("resume=True but this estimator has no earlier fit to continue")
-        distributed.init_from_env()
         stream = make_train_stream(train_data, self.seed)
         handlers = order_handlers(user, self._default_handlers(user, val_data))
         check_metric_references(handlers, self.train_metrics + self.val_metrics)
@@ -356,12 +368,12 @@ class Estimator:
             warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
                           "(load and discard) the batches before the saved position, and random draws made while "
                           "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
-                          "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=2)
+                          "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
         run = _Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                    self._signal_guard(handlers))
         if resume:
             run.pending = self._resume_plan(self._last, run, source="the previous fit")
-        return self._fit(run)
+        return run
 
     def _default_handlers(self, user: list[Any], val_data: Any) -> list[Any]:
         from ..event_handlers import (GradientUpdateHandler, LoggingHandler, LRSchedulerHandler,

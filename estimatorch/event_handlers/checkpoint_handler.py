@@ -263,30 +263,25 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             "model_dir or model_prefix (nothing was changed)")
 
     def _check_fit(self, estimator: Any, resume: bool) -> None:
-        """Before any work, on every rank together: ``model_dir`` is usable, no other fit writes
-        there, and nothing saved would be overwritten (``fit(..., resume=True)`` continues this
-        estimator's own run, which may have written those files) or is of a newer format. (An
-        export's files are checked in ``train_begin``, which sees whether another handler resumes.)"""
+        """Before any work: ``model_dir`` is usable, no other fit writes there, and nothing saved
+        would be overwritten (``fit(..., resume=True)`` continues this estimator's own run, which
+        may have written those files) or is of a newer format. (An export's files are checked in
+        ``train_begin``, which sees whether another handler resumes.) ``fit`` agrees on the
+        outcome of every rank's start checks, so an error raised here on rank 0 only stops every
+        rank."""
         checkpoint = _checkpoint()
-        error: Optional[Exception] = None
-        try:
-            if distributed.is_main_process():
-                check_output_dir(self.model_dir, "model_dir")
-                checkpoint.DirectoryLock(self.model_dir).check()
-                if self._layout.resumable and not (self.resume_from_checkpoint or resume):
-                    names = self._layout.existing()
-                    if names:
-                        self._refuse_existing(names)
-                if not self.save_weights_only:
-                    checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
-            elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
-                # the other ranks only read (their model_dir may be node-local, or not there yet)
-                raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
-        except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
-            error = err
-        failure = distributed.share_outcome(error)
-        if failure is not None:
-            raise failure[1]
+        if distributed.is_main_process():
+            check_output_dir(self.model_dir, "model_dir")
+            checkpoint.DirectoryLock(self.model_dir).check()
+            if self._layout.resumable and not (self.resume_from_checkpoint or resume):
+                names = self._layout.existing()
+                if names:
+                    self._refuse_existing(names)
+            if not self.save_weights_only:
+                checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
+        elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
+            # the other ranks only read (their model_dir may be node-local, or not there yet)
+            raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
 
     def _check_siblings(self, estimator: Any) -> None:
         for other in estimator.handlers:
