@@ -41,7 +41,7 @@ import torch
 from .. import distributed, rng
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
 
-__all__ = ["ElasticLayout", "check_fingerprint", "configure_elastic", "slot_positions"]
+__all__ = ["ElasticLayout", "check_fingerprint", "configure_elastic", "is_elastic", "slot_positions"]
 
 #: the fingerprint key that marks an elastic stream (its value: the layout's name).
 LAYOUT_KEY = "layout"
@@ -174,15 +174,28 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
     stream.use_layout(layout)
 
 
+def is_elastic(fingerprint: dict[str, Any]) -> bool:
+    """Whether a data fingerprint is an elastic layout's."""
+    return fingerprint.get(LAYOUT_KEY) == _ELASTIC
+
+
 def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], source: str) -> None:
     """Refuse to resume from ``source`` when its data fingerprint ``saved`` differs from this
-    fit's ``now``, naming what differs (an elastic layout on one side only, in words)."""
-    if saved.get(LAYOUT_KEY) != now.get(LAYOUT_KEY):
-        if now.get(LAYOUT_KEY) == _ELASTIC:
+    fit's ``now``, naming what differs (an elastic layout on one side only, or another global
+    batch, in words)."""
+    if is_elastic(saved) != is_elastic(now):
+        if is_elastic(now):
             raise ValueError(f"cannot resume from {source} with elastic=True: it was written by a fit without it "
                              "(its samples are laid out per process); resume it without elastic=True")
         raise ValueError(f"cannot resume from {source}: it was written by a fit with CheckpointHandler(..., "
                          "elastic=True) (its samples are laid out in global steps): resume with elastic=True")
+    step = ("batch_size", "micro_batches_per_step")
+    if is_elastic(now) and any(saved.get(k) != now.get(k) for k in step):
+        before, after = (f"{fp.get('batch_size')!r} samples x {fp.get('micro_batches_per_step')!r} micro-batches"
+                         for fp in (saved, now))
+        raise ValueError(f"cannot resume from {source}: the global batch would change (saved {before} per optimizer "
+                         f"step, now {after}, from batch_size x world_size x accumulation_steps). Elastic resume keeps "
+                         "the samples of every optimizer step: keep batch_size, and world_size x accumulation_steps")
     diffs = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
              for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diffs:
