@@ -134,7 +134,7 @@ def test_four_ranks_resume_on_two_with_accumulation_within_rounding(tmp_path):
     assert _slots([r["losses"] for r in resumed], 2)[:2 * 2] == _slots([r["losses"] for r in reference], 1)[4 * k:4 * k + 4]
     assert _slots([r["labels"] for r in resumed], 2) == _slots([r["labels"] for r in reference], 1)[4 * k:]
     for key, want in reference[0]["model"].items():
-        torch.testing.assert_close(resumed[0]["model"][key], want, rtol=1e-5, atol=1e-6)
+        torch.testing.assert_close(resumed[0]["model"][key], want, rtol=1e-6, atol=1e-7)  # measured: <= 3e-8
         assert torch.equal(resumed[0]["model"][key], resumed[1]["model"][key])
     assert resumed[0]["counters"] == (10, 10)
 

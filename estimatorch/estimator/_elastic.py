@@ -26,6 +26,18 @@ device's), python's ``random`` and :func:`estimatorch.rng.default_numpy_rng` are
 not depend on the process that trains it. Draws between micro-batches (in ``epoch_end`` or
 ``epoch_begin`` handlers) continue from the last reseed.
 
+**What a resume on another world size reproduces** (``estimatorch.checkpoint._elastic`` maps
+the checkpoint): the samples and the random draws of every micro-batch, hence the same losses;
+the parameters bit for bit where the gradient sums are added in the same order (2 ranks <-> 1
+rank x 2 accumulation steps: DDP's ``g0 / 2 + g1 / 2`` and the accumulated ``(g0 + g1) / 2`` are
+the same floats), else to float rounding (4 ranks -> 2 x 2: gloo adds four gradients in another
+order than two sums of two). Not reproduced: BatchNorm running statistics (DDP broadcasts rank
+0's buffers before each forward, so with W ranks they follow rank 0's micro-batches, with one
+rank every micro-batch in turn; the batch statistics a training step normalises with are the
+micro-batch's own, the same on any topology), draws made in ``epoch_begin``/``epoch_end``
+handlers (they continue from the last micro-batch this rank trained), and metric values to the
+last bit (accumulators are combined in another order).
+
 Example:
     >>> [list(slot_positions(10, batch_size=2, slots=2, step=s, slot=m)) for s in (0, 2) for m in (0, 1)]
     [[0, 1], [2, 3], [8], [9]]

@@ -73,6 +73,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     ``resume_from_checkpoint``, ``fit`` refuses to start in a directory that already holds
     checkpoints of that prefix, so nothing saved is ever overwritten.
 
+    **Elastic resume.** With ``elastic=True`` (on every fit of the run, from the first) the
+    training samples are laid out in global optimizer steps and every micro-batch's random draws
+    are seeded from its place in the step, so the run can resume on another world size that keeps
+    ``batch_size x world_size x accumulation_steps``: every optimizer step trains the same samples.
+    The checkpoint must be at an optimizer step (not inside an accumulation window); the saved
+    ranks' states are mapped onto the new ones (:mod:`estimatorch.checkpoint._elastic`). Without
+    it a different world size is refused, and an elastic file resumes only an elastic fit (and
+    the reverse).
+
     **Retention** deletes only periodic files of ``model_prefix`` that this fit wrote or that
     belong to the run it resumed (readable files up to the one it resumed from), never the file
     the pointer names, never ``-best.pt``, never a file it skipped as unusable or cannot read.
