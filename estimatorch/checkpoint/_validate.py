@@ -293,6 +293,8 @@ def _check_snapshot(estimator: Any, snapshot: dict[str, Any]) -> None:
     for key in ("partial", "evaluated"):
         if not isinstance(snapshot[key], bool):
             raise CheckpointError(f"{key!r} must be a bool, got {_show(snapshot[key])}")
+    if not isinstance(snapshot.get("pending_stop", False), bool):  # absent in files of earlier versions
+        raise CheckpointError(f"'pending_stop' must be a bool, got {_show(snapshot['pending_stop'])}")
     fingerprint = _check_dict(snapshot["fingerprint"], "fingerprint")
     if not all(isinstance(key, str) for key in fingerprint):
         raise CheckpointError(f"fingerprint keys must be strings, got {list(fingerprint)}")

@@ -34,6 +34,7 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 
 from .. import distributed, rng
+from ._interrupts import IgnoreStopSignals
 from ..samplers.resumable import (
     ResumableDistributedSampler,
     ResumableRandomSampler,
@@ -287,13 +288,21 @@ class _KeyBatches:
         return max(self._length - self.start, 0)
 
 
+def _quiet_workers(loader: DataLoader) -> Optional[Callable[[int], Any]]:
+    """``loader``'s ``worker_init_fn``, wrapped so that its workers ignore Ctrl-C and SIGTERM."""
+    fn = loader.worker_init_fn
+    if loader.num_workers == 0 or isinstance(fn, IgnoreStopSignals):
+        return fn
+    return IgnoreStopSignals(fn)
+
+
 def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
     """The settings of ``loader`` that a rebuilt loader keeps."""
     kwargs: dict[str, Any] = dict(
         num_workers=loader.num_workers,
         pin_memory=loader.pin_memory,
         timeout=loader.timeout,
-        worker_init_fn=loader.worker_init_fn,
+        worker_init_fn=_quiet_workers(loader),
         multiprocessing_context=loader.multiprocessing_context,
         persistent_workers=loader.persistent_workers,
     )

@@ -15,9 +15,11 @@ SIGTERM, so ``finally`` blocks run and the process exits with the conventional s
   ``default_int_handler``, SIGTERM's ``SIG_DFL``): an ignored SIGINT (a job started in the
   background) or a handler of your own is left alone. They are restored when ``fit`` ends,
   also when it fails.
-- DataLoader worker processes forked during ``fit`` inherit the handlers and ignore both signals
-  (SLURM signals the whole process group): the main process decides, stops at a boundary and
-  then shuts its workers down.
+- DataLoader worker processes ignore both signals (SLURM and a terminal's Ctrl-C signal the whole
+  process group): the main process decides, stops at a boundary and then shuts its workers down.
+  Workers forked during ``fit`` inherit the handlers; workers started by ``spawn`` or
+  ``forkserver`` (macOS's default, or ``multiprocessing_context=``) run
+  :class:`IgnoreStopSignals` as their ``worker_init_fn``, which ``fit`` wraps around yours.
 """
 
 from __future__ import annotations
@@ -27,13 +29,34 @@ import signal
 import threading
 from typing import Any, Callable, Optional
 
-__all__ = ["SIGNAL_CODES", "SignalGuard", "stop_exception", "stop_message"]
+__all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "stop_exception", "stop_message"]
 
 #: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
 SIGNAL_CODES = {"SIGINT": 1, "SIGTERM": 2}
 SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
 _DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
+class IgnoreStopSignals:
+    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT and SIGTERM, then runs ``fn``.
+
+    A worker that took Ctrl-C as a ``KeyboardInterrupt`` would exit, and the main process, which
+    trains on to the step boundary to checkpoint it, would fail with "DataLoader worker exited
+    unexpectedly". Picklable when ``fn`` is (a spawned worker receives it pickled).
+
+    Args:
+        fn: the loader's own ``worker_init_fn``, called with the worker's id. Defaults to None.
+    """
+
+    def __init__(self, fn: Optional[Callable[[int], Any]] = None):
+        self.fn = fn
+
+    def __call__(self, worker_id: int) -> None:
+        signal.signal(signal.SIGINT, signal.SIG_IGN)
+        signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        if self.fn is not None:
+            self.fn(worker_id)
 
 
 def stop_exception(name: str) -> BaseException:

@@ -20,6 +20,7 @@ from .mixins import EVENTS
 __all__ = ["periodic_events", "subscribe", "with_events"]
 
 _CLASSES: dict[tuple[type, frozenset], type] = {}
+_ORIGIN: dict[type, tuple[type, tuple[str, ...]]] = {}  # subclass -> (class, events it adds)
 
 
 def with_events(cls: type, events: Iterable[str]) -> type:
@@ -39,15 +40,32 @@ def with_events(cls: type, events: Iterable[str]) -> type:
     unknown = sorted(wanted - set(EVENTS))
     if unknown:
         raise ValueError(f"unknown event {unknown[0]!r}; events are {list(EVENTS)}")
-    missing = tuple(EVENTS[e] for e in EVENTS if e in wanted and not issubclass(cls, EVENTS[e]))
-    if not missing:
+    if cls in _ORIGIN:  # subscribing a subscribed handler again: one subclass of the original
+        cls, added = _ORIGIN[cls]
+        wanted.update(added)
+    names = tuple(e for e in EVENTS if e in wanted and not issubclass(cls, EVENTS[e]))
+    if not names:
         return cls
-    key = (cls, frozenset(m.__name__ for m in missing))
+    key = (cls, frozenset(names))
     sub = _CLASSES.get(key)
     if sub is None:
-        body = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
-        sub = _CLASSES[key] = type(cls.__name__, (cls, *missing), body)
+        body: dict[str, Any] = {"__module__": cls.__module__, "__qualname__": cls.__qualname__, "__doc__": cls.__doc__}
+        if cls.__reduce__ is object.__reduce__ and cls.__reduce_ex__ is object.__reduce_ex__:
+            body["__reduce__"] = _reduce  # pickle finds no such class under the module's name
+        sub = _CLASSES[key] = type(cls.__name__, (cls, *(EVENTS[e] for e in names)), body)
+        _ORIGIN[sub] = (cls, names)
     return sub
+
+
+def _reduce(handler: Any) -> tuple:
+    """Pickle a handler of a subscribed subclass as its original class plus the events added."""
+    getstate = getattr(handler, "__getstate__", None)  # object.__getstate__ is Python 3.11+
+    return _new_subscribed, _ORIGIN[type(handler)], getstate() if getstate is not None else handler.__dict__
+
+
+def _new_subscribed(cls: type, events: tuple[str, ...]) -> Any:
+    """An uninitialised instance of ``with_events(cls, events)`` (unpickling fills its state)."""
+    return object.__new__(with_events(cls, events))
 
 
 def subscribe(handler: Any, events: Iterable[str]) -> None:

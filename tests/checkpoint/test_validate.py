@@ -92,6 +92,7 @@ DEFECTS = [
     ("history-string", _set(["ranks", 0, "history", "values", "train_loss"], ["high"]), "list of numbers"),
     ("history-no-epochs", _delete(["ranks", 0, "history", "epochs"]), "history['epochs']"),
     ("partial-string", _set(["ranks", 0, "partial"], "no"), "'partial' must be a bool"),
+    ("pending-stop-string", _set(["ranks", 0, "pending_stop"], "yes"), "'pending_stop' must be a bool"),
     ("data-not-a-dict", _set(["ranks", 0, "data"], 3), "data must be a dict"),
     ("fingerprint-not-a-dict", _set(["ranks", 0, "fingerprint"], [1]), "fingerprint must be a dict"),
     ("handlers-not-a-dict", _set(["ranks", 0, "handlers"], None), "handler states of rank 0"),

@@ -254,3 +254,32 @@ def test_the_sigterm_message_names_the_exit_status():
     text = stop_message("SIGTERM", notebook=True, checkpointing=True, resumes=True, multi=True)
     assert "SystemExit(143)" in text and "all processes stop at the same one" in text
     assert "resume=True) continues" not in text  # a notebook's kernel is being shut down: no hint
+
+
+class SignalInWorker(torch.utils.data.Dataset):
+    """Sends ``signum`` to the DataLoader worker that loads sample ``at`` (a terminal's Ctrl-C or
+    SLURM's SIGTERM reaches the whole process group, workers included)."""
+
+    def __init__(self, n, at, signum):
+        self.x, self.at, self.signum = torch.arange(n, dtype=torch.float32).reshape(n, 1).repeat(1, 4), at, signum
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i == self.at and torch.utils.data.get_worker_info() is not None:
+            signal.raise_signal(self.signum)
+        return self.x[i], i % 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("context", ["fork", "spawn"])
+@pytest.mark.parametrize("signum", SIGNALS, ids=["SIGINT", "SIGTERM"])
+def test_dataloader_workers_ignore_the_signals_the_main_process_decides_on(context, signum, default_signals):
+    """A worker that took Ctrl-C as KeyboardInterrupt (or died of SIGTERM) would leave the main
+    process, which trains on to a step boundary, with "DataLoader worker exited unexpectedly"."""
+    data = torch.utils.data.DataLoader(SignalInWorker(24, at=13, signum=signum), batch_size=4, num_workers=1,
+                                       multiprocessing_context=context)
+    est, count = make_estimator(), Count()
+    est.fit(data, epochs=1, event_handlers=[count])
+    assert count.batches == 6 and est.interruption is None

@@ -3,12 +3,14 @@ also when a subclass's own ``__init__`` sets the option."""
 
 from __future__ import annotations
 
+import copy
 import inspect
+import pickle
 
 import pytest
 
 from estimatorch.event_handlers import BatchEnd, CheckpointHandler, EpochEnd, StatefulHandler, TrainBegin
-from estimatorch.event_handlers import ValidationHandler
+from estimatorch.event_handlers import GradientUpdateHandler, LoggingHandler, ValidationHandler
 from estimatorch.event_handlers._subscribe import periodic_events, subscribe, with_events
 from tests.conftest import make_batches, make_estimator
 
@@ -34,6 +36,27 @@ def test_a_subscribed_handler_is_called_by_fit():
     on, off = Periodic(every=2), Periodic()
     make_estimator().fit(make_batches(4), epochs=1, event_handlers=[on, off])
     assert (on.calls, off.calls) == (4, 0)
+
+
+@pytest.mark.parametrize("make", [
+    lambda tmp: Periodic(every=2),
+    lambda tmp: CheckpointHandler(str(tmp), batch_period=3),
+    lambda tmp: LoggingHandler(log_interval=5),
+    lambda tmp: GradientUpdateHandler(accumulation_steps=2),
+], ids=["own", "checkpoint", "logging", "gradient"])
+def test_a_subscribed_handler_pickles_and_copies_as_itself(make, tmp_path):
+    handler = make(tmp_path)
+    assert isinstance(handler, BatchEnd)
+    for clone in (pickle.loads(pickle.dumps(handler)), copy.deepcopy(handler)):
+        assert type(clone) is type(handler)
+        assert vars(clone).keys() == vars(handler).keys()
+
+
+def test_subscribing_a_subscribed_handler_again_keeps_one_subclass_of_the_original():
+    handler = Periodic(every=2)
+    subscribe(handler, ["epoch_end"])
+    assert type(handler).__bases__[0] is Periodic and isinstance(handler, (BatchEnd, EpochEnd))
+    assert type(pickle.loads(pickle.dumps(handler))) is type(handler)
 
 
 def test_subscribe_sees_what_a_subclass_passed_on():
