@@ -39,6 +39,8 @@ __all__ = [
     "keep_random_state",
     "sample_seeding",
     "seed_everything",
+    "seed_position",
+    "seeded_state",
     "seed_worker",
     "set_state",
 ]
@@ -227,6 +229,11 @@ def _reseed_fast(seed: int) -> None:
     torch.default_generator.manual_seed(seed)
     random.seed(seed)
     np.random.seed(seed & 0xFFFFFFFF)
+    _reseed_numpy(seed)
+
+
+def _reseed_numpy(seed: int) -> None:
+    """Reseed :func:`default_numpy_rng` from a 63-bit seed without numpy's slower seeding."""
     hi = _splitmix64(seed)
     lo = _splitmix64(hi)
     inc = _splitmix64(lo)
@@ -236,6 +243,43 @@ def _reseed_fast(seed: int) -> None:
         "has_uint32": 0,
         "uinteger": 0,
     }
+
+
+def seed_position(seed: int, *position: int, device: Optional[torch.device] = None) -> None:
+    """Reseed torch's CPU generator (and ``device``'s, when it is a CUDA device), python
+    ``random`` and :func:`default_numpy_rng` from ``derive_seed(seed, *position)``, so that what
+    is drawn next is a function of that position alone (numpy's legacy global state is left
+    alone). Elastic training calls it before every micro-batch with ``(epoch, global
+    micro-batch)``: a micro-batch's dropout does not depend on the process that trains it.
+
+    Example:
+        >>> seed_position(0, 3, 7)
+        >>> a = torch.rand(2)
+        >>> seed_position(0, 3, 7)
+        >>> torch.equal(a, torch.rand(2))
+        True
+    """
+    value = derive_seed(seed, *position)
+    torch.default_generator.manual_seed(value)
+    if device is not None and device.type == "cuda":
+        with torch.cuda.device(device):
+            torch.cuda.manual_seed(value)
+    random.seed(value)
+    _reseed_numpy(value)
+
+
+def seeded_state(seed: int, cuda: Optional[bool] = None) -> dict[str, Any]:
+    """The state :func:`get_state` captures right after ``seed_everything(seed)``, computed
+    without changing any generator (a process that resumes an elastic run on another world size
+    starts from one of these: the generators of the process it replaces may not exist).
+
+    Args:
+        seed: an int in ``[0, 2**64)``.
+        cuda: as in :func:`get_state`. Defaults to None.
+    """
+    with keep_random_state():
+        seed_everything(seed)
+        return get_state(cuda=cuda)
 
 
 @contextlib.contextmanager

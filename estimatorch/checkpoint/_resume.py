@@ -9,6 +9,7 @@ from typing import Any, Callable, Optional
 
 from .. import distributed
 from ._files import PathLike, best_name, list_checkpoints
+from ._elastic import for_this_fit, world_size_error
 from ._format import (FORMAT_VERSION, CheckpointError, NewerFormatError, file_digest, load, newer_format_error,
                       read_format_version)
 from ._validate import check_against_fit
@@ -19,13 +20,15 @@ logger = logging.getLogger("estimatorch")
 Found = tuple[str, dict[str, Any]]
 
 
-def _newest_valid(model_dir: PathLike, prefix: str, check: Optional[Callable[[str, dict[str, Any]], None]],
+def _newest_valid(model_dir: PathLike, prefix: str, check: Optional[Callable[[str, dict[str, Any]], Any]],
                   reasons: dict[str, str]) -> Optional[Found]:
+    """The newest file that passes ``check`` (which may return the payload as the fit reads it)."""
     for _, _, path in reversed(list_checkpoints(model_dir, prefix)):
         try:
             payload = load(path)
             if check is not None:
-                check(path, payload)
+                checked = check(path, payload)
+                payload = payload if checked is None else checked
             return path, payload
         except NewerFormatError:
             raise
@@ -80,8 +83,10 @@ def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple
     """
     reasons: dict[str, str] = {}
 
-    def check(path: str, payload: dict[str, Any]) -> None:
+    def check(path: str, payload: dict[str, Any]) -> dict[str, Any]:
+        payload = for_this_fit(estimator, payload, repr(path))
         check_against_fit(estimator, payload, distributed.get_rank(), repr(path))
+        return payload
 
     found = _newest_valid(model_dir, prefix, check, reasons)
     if found is None and reasons:
@@ -95,8 +100,7 @@ def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple
 
 def _check_world_size(path: str, payload: dict[str, Any]) -> None:
     if payload["world_size"] != distributed.get_world_size():
-        raise CheckpointError(f"{path} was written by {payload['world_size']} processes; this run has "
-                              f"{distributed.get_world_size()}: resume with the same world size")
+        raise world_size_error(path, payload["world_size"])
 
 
 def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, rank: int) -> Found:
@@ -111,7 +115,7 @@ def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, r
     if file_digest(path) != digest:
         raise CheckpointError(f"rank {rank} reads other bytes in {path} than rank 0 (another file of the same "
                               f"name, or a copy still being written); {hint}")
-    payload = load(path)
+    payload = for_this_fit(estimator, load(path), repr(path))
     _check_world_size(path, payload)
     check_against_fit(estimator, payload, rank, repr(path))
     return path, payload

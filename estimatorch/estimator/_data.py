@@ -319,6 +319,9 @@ def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
 class _LoaderStream(TrainStream):
     """A map-style DataLoader rebuilt so that any (epoch, batch) is reachable in O(1)."""
 
+    #: the elastic layout of the batches (see ``_elastic``), else None: the sampler's shards.
+    layout: Any = None
+
     def __init__(self, loader: DataLoader, seed: int):
         super().__init__(seed)
         dataset = loader.dataset
@@ -398,7 +401,15 @@ class _LoaderStream(TrainStream):
         for batch in itertools.islice(iter(source), start, None):
             yield batch if isinstance(batch, list) else [batch]
 
+    def use_layout(self, layout: Any) -> None:
+        """Take this rank's batches from an ``_elastic.ElasticLayout`` instead of the sampler's shard."""
+        self.layout = layout
+        self.batches_per_epoch = self._keys._length = layout.batches_per_epoch
+        self._keys._index_batches = layout.index_batches
+
     def fingerprint(self) -> dict[str, Any]:
+        if self.layout is not None:  # the same on any world size of the same global batch
+            return self.layout.fingerprint()
         return {**super().fingerprint(), "dataset_len": self.dataset_len,
                 "batch_size": self.batch_size, "drop_last": self.drop_last,
                 "sampler": self.sampler_name}
@@ -411,6 +422,8 @@ class _LoaderStream(TrainStream):
             return iter(())
         self._keys.epoch, self._keys.start = epoch, start
         self._generator.manual_seed(rng.derive_seed(self.seed, epoch, _LOADER_SALT))
+        if self.layout is not None:  # elastic: each batch's random draws follow its place in the step
+            return self.layout.reseeding(iter(self.loader), epoch, start)
         return iter(self.loader)
 
 

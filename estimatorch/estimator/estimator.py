@@ -23,6 +23,7 @@ from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precisi
 from ._checks import check_bool, check_iterable
 from ._data import TrainStream, make_train_stream, to_device
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
+from ._elastic import check_fingerprint, configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message
 from ._logging import default_logger as _default_logger  # the demo imports it from here
@@ -355,6 +356,7 @@ class Estimator:
             check = getattr(handler, "_check_fit", None)
             if check is not None:
                 check(self, resume=resume)
+        configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
         if not stream.exact and (resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)):
             warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
                           "(load and discard) the batches before the saved position, and random draws made while "
@@ -632,12 +634,7 @@ class Estimator:
     def _resume_plan(self, snapshot: dict[str, Any], run: _Run, source: str) -> dict[str, Any]:
         """Check a snapshot against this fit (data fingerprint, plan) before any work starts,
         and decide whether its recorded stop still holds under the new plan."""
-        saved_fp, fp = snapshot["fingerprint"], run.stream.fingerprint()
-        diffs = [f"{k}: saved {saved_fp.get(k)!r}, now {fp.get(k)!r}"
-                 for k in sorted(set(saved_fp) | set(fp)) if saved_fp.get(k) != fp.get(k)]
-        if diffs:
-            raise ValueError(f"cannot resume from {source}: the data stream differs ({'; '.join(diffs)}). "
-                             "Resume with the same data, batch size, drop_last, world size and seed.")
+        check_fingerprint(snapshot["fingerprint"], run.stream.fingerprint(), source)
         if not isinstance(snapshot.get("pending_stop", False), bool):  # read by the stop agreement
             raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, "
                              f"got {snapshot['pending_stop']!r}")

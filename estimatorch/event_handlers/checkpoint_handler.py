@@ -73,6 +73,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     ``resume_from_checkpoint``, ``fit`` refuses to start in a directory that already holds
     checkpoints of that prefix, so nothing saved is ever overwritten.
 
+    **Elastic resume.** With ``elastic=True`` (on every fit of the run, from the first) the
+    training samples are laid out in global optimizer steps and every micro-batch's random draws
+    are seeded from its place in the step, so the run can resume on another world size that keeps
+    ``batch_size x world_size x accumulation_steps``: every optimizer step trains the same samples.
+    The checkpoint must be at an optimizer step (not inside an accumulation window); the saved
+    ranks' states are mapped onto the new ones (:mod:`estimatorch.checkpoint._elastic`). Without
+    it a different world size is refused, and an elastic file resumes only an elastic fit (and
+    the reverse).
+
     **Retention** deletes only periodic files of ``model_prefix`` that this fit wrote or that
     belong to the run it resumed (readable files up to the one it resumed from), never the file
     the pointer names, never ``-best.pt``, never a file it skipped as unusable or cannot read.
@@ -130,6 +139,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             training state. Defaults to False.
         initial_value_threshold: write the best file only once ``monitor`` beats this value
             (needs ``save_best`` or ``save_best_only``). Defaults to None.
+        elastic: lay the training samples out in global optimizer steps, so that the run can
+            resume on another world size with the same ``batch_size x world_size x
+            accumulation_steps`` (see :mod:`estimatorch.estimator._elastic`); set it from the
+            run's first fit on, and on every resume. Defaults to False.
 
     Example:
         >>> import tempfile
@@ -147,7 +160,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                  verbose: int = 0, save_best: bool = False, mode: str = "auto", epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
-                 save_weights_only: bool = False, initial_value_threshold: Optional[float] = None):
+                 save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
+                 elastic: bool = False):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
@@ -156,7 +170,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
-                           ("save_best_only", save_best_only), ("save_weights_only", save_weights_only)):
+                           ("save_best_only", save_best_only), ("save_weights_only", save_weights_only),
+                           ("elastic", elastic)):
             if not isinstance(value, bool):
                 raise TypeError(f"{arg} must be a bool, got {value!r}")
         if mode not in ("auto", "min", "max"):
@@ -184,6 +199,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self.resume_from_checkpoint = resume_from_checkpoint
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
+        self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         self._layout = _checkpoint().Layout(self.model_dir, model_prefix, weights=save_weights_only,
                                             periodic=not save_best_only, best=save_best or save_best_only)

@@ -1,0 +1,191 @@
+"""An elastic fit's view of a checkpoint: the per-rank snapshots of a run saved on one world size,
+mapped onto the ranks of a fit on another (``CheckpointHandler(..., elastic=True)``; the layout of
+the samples is in :mod:`estimatorch.estimator._elastic`).
+
+Both runs train ``S = world_size x accumulation_steps`` micro-batches of ``batch_size`` samples
+per optimizer step, the same samples in each step (anything else is refused). The mapping:
+
+- **Where.** Only a checkpoint at an optimizer step maps (no accumulation window half done: the
+  gradients a rank accumulated under ``no_sync`` belong to slots another topology splits
+  differently). The position, counted in this process's batches, becomes ``optimizer steps x
+  accumulation_steps`` of the new fit: ``batch`` and ``step`` are scaled by ``k_new / k_old``
+  (exact: an elastic epoch is a whole number of steps), and so is a ``batches=`` plan.
+- **Handlers.** Every rank takes rank 0's handler states (the ranks of an elastic run train the
+  same number of batches, and at an optimizer step ``GradientUpdateHandler`` holds nothing).
+  Counters of this process's batches (:data:`BATCH_COUNTERS`, and the state keys a handler lists
+  in its ``elastic_batch_counters`` attribute) are scaled like the position; any other state is
+  carried over as saved.
+- **Metrics.** The accumulators of every saved rank are combined by each state's ``reduce``:
+  rank 0 takes the sum (``"sum"``) and the concatenation (``"cat"``, rank order) and the other
+  ranks start from the state's default; every rank takes the mean (``"mean"``) and the minimum or
+  maximum (``"min"``/``"max"``). ``compute()`` over the new ranks then gives the value over every
+  sample trained so far, as before the change (up to float rounding: pending updates are folded
+  at the mapping). A metric that is not an estimatorch ``Metric`` (its reductions are unknown)
+  restarts its running value for this epoch, with a warning.
+- **Randomness.** Per-rank generator states do not exist on another topology: each rank starts
+  from the generators ``fit`` seeds at its start; every micro-batch reseeds from its position
+  anyway (:func:`estimatorch.rng.seed_position`).
+- **Stops.** A stop request in flight on any saved rank is carried to every new rank.
+"""
+
+from __future__ import annotations
+
+import copy
+import warnings
+from typing import Any
+
+from .. import distributed, rng
+from ._format import CheckpointError, rank_snapshot
+
+__all__ = ["BATCH_COUNTERS", "for_this_fit"]
+
+#: handler class name -> the state keys that count this process's batches (or samples).
+BATCH_COUNTERS: dict[str, tuple[str, ...]] = {
+    "StoppingHandler": ("current_batch",),
+    "CheckpointHandler": ("current_batch",),
+    "ValidationHandler": ("current_batch",),
+    "LoggingHandler": ("batch_in_epoch", "samples_in_epoch"),
+    "ProgressBarHandler": ("batch_in_epoch", "total_batches"),
+    "TerminateOnNaNHandler": ("total_batches", "batch_in_epoch", "checked"),
+    "TensorBoardHandler": ("total_batches",),
+}
+
+
+def for_this_fit(estimator: Any, payload: dict[str, Any], source: str) -> dict[str, Any]:
+    """``payload`` as ``estimator``'s current fit resumes it: unchanged unless the fit is elastic;
+    for an elastic fit, refused unless written by an elastic fit of the same global batch, and
+    mapped onto this world size when it was written on another.
+
+    Raises:
+        CheckpointError: written without ``elastic=True``, with another global batch, or (on
+            another world size) in the middle of an accumulation window.
+    """
+    from ..estimator._elastic import check_fingerprint, is_elastic
+
+    layout = getattr(getattr(estimator._run, "stream", None), "layout", None)
+    if layout is None:
+        return payload
+    saved = payload["ranks"][0].get("fingerprint")
+    if not isinstance(saved, dict) or not is_elastic(saved):
+        raise CheckpointError(f"{source} was written by a fit without CheckpointHandler(..., elastic=True) (its "
+                              "samples are laid out per process, on its world size): resume it without elastic=True, "
+                              f"on the {payload['world_size']} processes that wrote it")
+    try:
+        check_fingerprint(saved, layout.fingerprint(), source)
+    except ValueError as err:
+        raise CheckpointError(str(err)) from None
+    if payload["world_size"] == layout.world_size:
+        return payload
+    return _remap(estimator, payload, layout, source)
+
+
+def _remap(estimator: Any, payload: dict[str, Any], layout: Any, source: str) -> dict[str, Any]:
+    old_world, new_world = payload["world_size"], layout.world_size
+    old_k, rest = divmod(layout.slots, old_world)
+    if rest or not old_k:
+        raise CheckpointError(f"{source} was written by {old_world} processes, which do not divide its "
+                              f"{layout.slots} micro-batches per optimizer step")
+    new_k = layout.accumulation_steps
+    snapshots = [rank_snapshot(payload, rank) for rank in range(old_world)]
+    first = snapshots[0]
+    position = first["position"]
+    accumulators = _accumulator_names(estimator)
+    pending = [s["handlers"].get(name, {}).get("pending", 0) for s in snapshots for name in accumulators]
+    if position["batch"] % old_k or any(pending):
+        raise CheckpointError(
+            f"{source} was saved in the middle of an accumulation window (batch {position['batch']} of its epoch, "
+            f"{old_k} batches per optimizer step): it can resume on its {old_world} processes only. Resuming on "
+            f"{new_world} needs a checkpoint at an optimizer step (batch_period a multiple of accumulation_steps)")
+
+    def scale(count: Any) -> Any:
+        return count // old_k * new_k if isinstance(count, int) and not isinstance(count, bool) else count
+
+    plan = dict(first["plan"])
+    if plan.get("batches") is not None and plan["batches"] % old_k == 0:
+        plan["batches"] = scale(plan["batches"])
+    metrics = _combined_metrics(estimator, [s["metrics"] for s in snapshots], new_world)
+    handlers = _scaled_handlers(estimator, first["handlers"], scale)
+    cuda = estimator.device.type == "cuda"
+    ranks = []
+    for rank in range(new_world):
+        seed = estimator.seed if new_world == 1 else rng.derive_seed(estimator.seed, rank)
+        ranks.append({
+            **first,
+            "position": dict(position, batch=scale(position["batch"]), step=scale(position["step"])),
+            "plan": plan,
+            "handlers": copy.deepcopy(handlers),
+            "metrics": metrics[rank],
+            "rng": rng.seeded_state(seed, cuda=cuda),  # as fit seeds this rank; each micro-batch reseeds
+            "pending_stop": any(s.get("pending_stop", False) for s in snapshots),
+            "shared": [],
+        })
+    estimator.logger.info("Elastic resume: %s was written by %d processes x %d accumulation steps; mapped onto "
+                          "%d x %d", source, old_world, old_k, new_world, new_k)
+    return {**payload, "world_size": new_world, "ranks": ranks}
+
+
+def _accumulator_names(estimator: Any) -> list[str]:
+    from ..event_handlers import GradientUpdateHandler
+
+    return [name for name, h in estimator._run.dispatch.by_name.items() if isinstance(h, GradientUpdateHandler)]
+
+
+def _scaled_handlers(estimator: Any, saved: dict[str, Any], scale: Any) -> dict[str, Any]:
+    """Rank 0's handler states with the counters of this process's batches scaled."""
+    handlers = dict(saved)
+    for name, handler in estimator._run.dispatch.by_name.items():
+        state = handlers.get(name)
+        if not isinstance(state, dict):
+            continue
+        keys = list(getattr(handler, "elastic_batch_counters", ()))
+        keys += [key for cls in type(handler).__mro__ for key in BATCH_COUNTERS.get(cls.__name__, ())]
+        handlers[name] = {key: scale(value) if key in keys else value for key, value in state.items()}
+    return handlers
+
+
+def _combined_metrics(estimator: Any, saved: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
+    """Per new rank: every metric's state, the saved ranks' accumulators combined (module notes)."""
+    from ..metrics.base import Metric, metric_name
+
+    out: list[dict[str, Any]] = [{} for _ in range(new_world)]
+    for metric in estimator.train_metrics + estimator.val_metrics:
+        name = metric_name(metric)
+        if not all(name in states for states in saved):
+            continue
+        if not isinstance(metric, Metric):
+            warnings.warn(f"metric {name!r} is not an estimatorch Metric: its per-rank state cannot be combined "
+                          f"onto {new_world} processes, so its running value restarts for this epoch", stacklevel=4)
+            continue
+        folded = []
+        for states in saved:
+            scratch = copy.deepcopy(metric)
+            scratch.load_state_dict(states[name])
+            folded.append(scratch._states())
+        for rank, state in enumerate(_combine_states(metric, folded, new_world)):
+            out[rank][name] = state
+    return out
+
+
+def _combine_states(metric: Any, folded: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
+    from ..metrics.base import _combine, _copy_state
+
+    ranks: list[dict[str, Any]] = [{"pending": []} for _ in range(new_world)]
+    for attr, reduce in metric._reductions.items():
+        values = [states[attr] for states in folded]
+        total = values[0]
+        for value in values[1:]:
+            total = _combine("sum" if reduce == "mean" else reduce, total, value)
+        if reduce == "mean":
+            total = total / len(values)
+        everywhere = reduce in ("mean", "min", "max")
+        for rank, state in enumerate(ranks):
+            state[attr] = _copy_state(total if everywhere or rank == 0 else metric._fresh(metric._defaults[attr]))
+    return ranks
+
+
+def world_size_error(path: str, world_size: int) -> CheckpointError:
+    """The refusal of a checkpoint written by ``world_size`` processes in a fit on another world size."""
+    return CheckpointError(f"{path} was written by {world_size} processes; this run has "
+                           f"{distributed.get_world_size()}: resume with the same world size (a run whose "
+                           "fits all pass CheckpointHandler(..., elastic=True) can resume on another world size "
+                           "with the same batch_size x world_size x accumulation_steps)")

@@ -1,0 +1,77 @@
+"""The elastic layout: any world size x accumulation with the same micro-batches per step gives
+every slot the same samples; the fit's data must be one it can lay out."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from estimatorch import CheckpointHandler, Estimator, rng
+from estimatorch.estimator._elastic import ElasticLayout, slot_positions
+
+
+@pytest.mark.parametrize("n, drop_last", [(48, False), (45, False), (45, True), (5, False)])
+def test_slots_of_one_epoch_cover_each_sample_once_and_differ_by_at_most_one_in_the_last_step(n, drop_last):
+    batch_size, slots = 4, 8
+    steps = n // (batch_size * slots) + (1 if n % (batch_size * slots) and not drop_last else 0)
+    seen = []
+    for step in range(steps):
+        sizes = [len(slot_positions(n, batch_size, slots, step, m)) for m in range(slots)]
+        assert max(sizes) - min(sizes) <= 1 and min(sizes) >= 1
+        seen += [p for m in range(slots) for p in slot_positions(n, batch_size, slots, step, m)]
+    kept = n if not drop_last else n // (batch_size * slots) * batch_size * slots
+    assert sorted(set(seen)) == list(range(kept))
+    assert len(seen) == max(kept, steps * slots)  # repeats only to give every slot a sample
+
+
+def _slots(world_size, accumulation, n=45, epoch=1):
+    """Every slot's samples, step by step, gathered from the layouts of every rank."""
+    def order(e):
+        return torch.randperm(n, generator=torch.Generator().manual_seed(e))
+
+    layouts = [ElasticLayout(order, ["shuffled", 0], n, 4, world_size, rank, accumulation, False, 0)
+               for rank in range(world_size)]
+    per_rank = [list(layout.index_batches(epoch, 0)) for layout in layouts]
+    assert len({layout.batches_per_epoch for layout in layouts}) == 1
+    micro = [layouts[r].micro_batch(b) for r in range(world_size) for b in range(len(per_rank[r]))]
+    assert sorted(micro) == list(range(len(micro)))  # every global micro-batch once
+    return {layouts[r].micro_batch(b): batch for r in range(world_size) for b, batch in enumerate(per_rank[r])}
+
+
+def test_every_topology_of_a_global_batch_trains_the_same_samples_per_slot():
+    reference = _slots(4, 1)
+    assert _slots(2, 2) == reference
+    assert _slots(1, 4) == reference
+    assert _slots(2, 1) != reference  # another global batch: other steps
+
+
+def test_a_resume_in_the_middle_of_an_epoch_continues_with_the_same_batches():
+    order = lambda e: torch.arange(40)  # noqa: E731
+    layout = ElasticLayout(order, ["sequential", None], 40, 4, 2, 1, 2, False, 0)
+    assert list(layout.index_batches(0, 3)) == list(layout.index_batches(0, 0))[3:]
+
+
+def test_reseeding_makes_each_micro_batchs_draws_a_function_of_its_place():
+    order = lambda e: torch.arange(16)  # noqa: E731
+    one = ElasticLayout(order, ["sequential", None], 16, 2, 1, 0, 2, False, 7)
+    two = ElasticLayout(order, ["sequential", None], 16, 2, 2, 1, 1, False, 7)
+    draws_one = [torch.rand(1).item() for _ in one.reseeding(iter(range(4)), 0, 0)]
+    draws_two = [torch.rand(1).item() for _ in two.reseeding(iter(range(2)), 0, 0)]
+    assert draws_two == draws_one[1::2]  # rank 1 of 2 trains slot 1 of each step
+
+
+def test_seeded_state_is_what_seed_everything_leaves_and_changes_nothing():
+    before = torch.get_rng_state()
+    state = rng.seeded_state(5, cuda=False)
+    assert torch.equal(torch.get_rng_state(), before)
+    rng.seed_everything(5)
+    assert torch.equal(state["torch"], torch.get_rng_state())
+
+
+def test_elastic_needs_a_dataloader_it_can_lay_out(tmp_path):
+    net = nn.Linear(2, 1)
+    est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    data = [(torch.randn(2, 2), torch.randn(2, 1))] * 2
+    with pytest.raises(ValueError, match="elastic=True lays the samples.*map-style DataLoader"):
+        est.fit(data, epochs=1, event_handlers=[CheckpointHandler(str(tmp_path), elastic=True)])
