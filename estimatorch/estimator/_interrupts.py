@@ -156,5 +156,5 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
                               "resume_from_checkpoint=True).")
     if notebook and name == "SIGINT":
         return head + tail + " fit(..., resume=True) continues from there."
-    return head + tail + (" No CheckpointHandler: the steps trained are lost when this process ends; add "
-                          "CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them.")
+    return head + tail + (" No CheckpointHandler writes resumable checkpoints: the steps trained are lost when this "
+                          "process ends; add CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them.")

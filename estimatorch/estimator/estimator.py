@@ -760,7 +760,8 @@ class Estimator:
         """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are."""
         from ..event_handlers import CheckpointHandler
 
-        savers = [h for h in handlers if isinstance(h, CheckpointHandler)]
+        # only a handler writing resumable checkpoints saves the boundary (exporters do not)
+        savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h._layout.resumable]
 
         def describe(name: str) -> str:
             rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""

@@ -237,6 +237,7 @@ def test_a_signal_after_the_last_step_still_ends_the_process(default_signals):
     (False, None, ["No CheckpointHandler", "lost", "resume_from_checkpoint=True"]),
     (False, dict(resume_from_checkpoint=True), ["writing a checkpoint of it", "Rerunning the script resumes"]),
     (False, dict(), ["writing a checkpoint of it", "rerun with CheckpointHandler(..., resume_from_checkpoint=True)"]),
+    (False, dict(save_weights_only=True), ["No CheckpointHandler writes resumable checkpoints", "lost"]),  # an export
 ])
 def test_the_ctrl_c_message_fits_where_you_are(notebook, handler, words, tmp_path, default_signals,
                                                estimatorch_log, monkeypatch):
