@@ -7,7 +7,8 @@ import pytest
 import torch
 from torch import nn
 
-from estimatorch import CheckpointHandler, Estimator, rng
+from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, rng
+from estimatorch.event_handlers import BatchBegin
 from estimatorch.estimator._elastic import ElasticLayout, slot_positions
 
 
@@ -75,3 +76,34 @@ def test_elastic_needs_a_dataloader_it_can_lay_out(tmp_path):
     data = [(torch.randn(2, 2), torch.randn(2, 1))] * 2
     with pytest.raises(ValueError, match="elastic=True lays the samples.*map-style DataLoader"):
         est.fit(data, epochs=1, event_handlers=[CheckpointHandler(str(tmp_path), elastic=True)])
+
+
+def draws_follow_the_micro_batch(device, tmp_path):
+    """In an elastic fit on ``device``, what a micro-batch draws (dropout's generator: the CPU's,
+    or the CUDA device's) is the draw of ``seed_position(seed, epoch, micro-batch)``. Returns the
+    (got, wanted) pairs."""
+    drawn = []
+
+    class Draw(BatchBegin):
+        def batch_begin(self, est, **kw):
+            drawn.append((est.position.epoch, est.position.batch, torch.rand(3, device=device).cpu()))
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.Dropout(0.5), nn.Linear(8, 2))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), seed=3,
+                    device=device)
+    data = torch.utils.data.TensorDataset(torch.randn(24, 4), torch.arange(24) % 2)
+    loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+    est.fit(loader, epochs=2, event_handlers=[Draw(), GradientUpdateHandler(accumulation_steps=2),
+                                              CheckpointHandler(str(tmp_path), elastic=True)])
+    pairs = []
+    for epoch, batch, got in drawn:
+        rng.seed_position(3, epoch, batch, device=torch.device(device))  # one process: micro-batch = batch
+        pairs.append((got, torch.rand(3, device=device).cpu()))
+    assert len(pairs) == 12
+    return pairs
+
+
+def test_each_micro_batch_of_an_elastic_fit_draws_from_its_place(tmp_path):
+    for got, wanted in draws_follow_the_micro_batch("cpu", tmp_path):
+        assert torch.equal(got, wanted)
