@@ -216,7 +216,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         else:
             self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
-        self._saved_step = -1  # the step of this run's last periodic checkpoint
+        self._saved_step = -1  # the step of this run's last periodic checkpoint (or the one resumed from)
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
 
@@ -334,6 +334,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             estimator.logger.info("No checkpoint of prefix %r in %s: starting a new run", self.model_prefix, self.model_dir)
             return
         checkpoint.restore_training_state(estimator, found[1])
+        # that boundary is saved already: a signal before the first step saves nothing again
+        self._saved_step = checkpoint.rank_snapshot(found[1], rank)["position"]["step"]
 
     def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,

@@ -155,6 +155,19 @@ def test_a_signal_while_waiting_for_data_stops_at_once_at_the_boundary(signum, e
     assert est.interruption == signal.Signals(signum).name
 
 
+def test_a_signal_before_the_first_step_of_a_resume_writes_nothing_again(tmp_path, default_signals):
+    batches = make_batches(n_batches=6)
+    options = dict(batch_period=3, epoch_period=None, max_checkpoints=None)
+    make_estimator().fit(batches, epochs=1, event_handlers=[CheckpointHandler(tmp_path, **options)])
+    written = {name: os.stat(tmp_path / name).st_mtime_ns for name in os.listdir(tmp_path)}
+    est = make_estimator()
+    with pytest.raises(KeyboardInterrupt):  # the fetch of epoch 2's first batch: no step trained
+        est.fit(SignallingBatches(batches, 0, signal.SIGINT), epochs=2,
+                event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True, **options)])
+    assert (est.position.step, est.interruption) == (6, "SIGINT")
+    assert {name: os.stat(tmp_path / name).st_mtime_ns for name in os.listdir(tmp_path)} == written
+
+
 def test_a_second_ctrl_c_stops_at_once_without_a_checkpoint(tmp_path, default_signals):
     est = make_estimator()
     with pytest.raises(KeyboardInterrupt):
