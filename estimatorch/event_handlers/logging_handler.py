@@ -205,6 +205,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._interval_start, self._interval_batches = now, 0
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        if self._resumed and self._resume_step is None:  # resumed at this epoch's last batch: none ran
+            self._mark_resume(ran=0)
         elapsed = time.perf_counter() - self._epoch_start
         self._validated = self._validated or estimator.validated
         values = format_metrics(self._values(self._shown(estimator, with_val=estimator.validated)))
@@ -235,12 +237,17 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self._close_file()
 
     # -- state -----------------------------------------------------------------------------
-    def _mark_resume(self) -> None:
-        """At the first boundary after a resume: where it continued from (one batch ago)."""
+    def _mark_resume(self, ran: Optional[int] = None) -> None:
+        """At the first boundary after a resume: where it continued from (one batch ago, unless
+        this boundary is the end of the epoch the resume started at its last batch)."""
         position = self._estimator.position
-        self._resume_step = position.step - 1
-        if position.batch > 1:  # it resumed in the middle of this epoch
-            self._resume_epoch, self._resume_batch = self.current_epoch, position.batch - 1
+        if self._resume_step is not None:  # marked already, at this epoch's end
+            return
+        if ran is None:  # a boundary: one batch ago, unless it is an epoch's end
+            ran = 1 if position.phase == "batch_end" else 0
+        self._resume_step = position.step - ran
+        if position.batch > ran:  # it resumed in the middle of this epoch (or at its last batch)
+            self._resume_epoch, self._resume_batch = self.current_epoch, position.batch - ran
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved counts; with ``log_dir``, continue the saved run's log file if this

@@ -264,6 +264,19 @@ def test_a_resume_at_an_epoch_boundary_counts_from_there(lines):
     assert f"({2 * N_BATCHES} since resume)" in lines[-1]
 
 
+def test_a_resume_from_an_epochs_last_batch_counts_none_of_that_epoch(lines, tmp_path):
+    """The first boundary after that resume is the epoch's end, where no step has run yet."""
+    options = dict(batch_period=N_BATCHES, epoch_period=None, max_checkpoints=None)
+    est = make_estimator()
+    est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[CheckpointHandler(tmp_path, **options)])
+    lines.clear()
+    make_estimator().fit(make_batches(N_BATCHES), epochs=2, event_handlers=[
+        LoggingHandler(), CheckpointHandler(tmp_path, resume_from_checkpoint=True, **options)])
+    finished = [ln for ln in lines if "Finished in" in ln]
+    assert f"{N_BATCHES} batches (0 since resume):" in finished[0], finished
+    assert lines[-1].startswith("Train finished in") and f"({N_BATCHES} since resume)" in lines[-1], lines[-1]
+
+
 def test_a_resume_with_nothing_left_to_run_ran_nothing(lines):
     est = make_estimator()
     est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[LoggingHandler()])
