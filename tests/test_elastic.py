@@ -13,6 +13,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, StoppingHandler, distributed
 from estimatorch.checkpoint import CheckpointError
+from estimatorch.checkpoint._elastic import world_size_error
 from estimatorch.event_handlers import BatchEnd
 from estimatorch.metrics import Accuracy
 
@@ -162,12 +163,12 @@ def test_elastic_must_be_a_bool(tmp_path):
         CheckpointHandler(str(tmp_path), elastic="yes")
 
 
-def _fit(ckpt_dir, accumulation=1, resume=False, elastic=True, batches=2):
+def _fit(ckpt_dir, accumulation=1, resume=False, elastic=True, batches=2, batch_size=4):
     torch.manual_seed(0)
     net = nn.Linear(4, 3)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), seed=3)
     dataset = torch.utils.data.TensorDataset(torch.randn(16, 4), torch.arange(16) % 3)
-    loader = torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True)
+    loader = torch.utils.data.DataLoader(dataset, batch_size=batch_size, shuffle=True)
     handler = CheckpointHandler(ckpt_dir, batch_period=1, resume_from_checkpoint=resume, elastic=elastic)
     est.fit(loader, batches=batches, event_handlers=[handler, GradientUpdateHandler(accumulation_steps=accumulation)])
     return est
@@ -191,6 +192,21 @@ def test_a_different_global_batch_is_refused(tmp_path):
     with pytest.raises(CheckpointError, match=r"global batch would change \(saved 4 samples x 2 micro-batches per "
                                               r"optimizer step, now 4 samples x 1 micro-batches"):
         _fit(str(tmp_path), accumulation=1, resume=True, batches=4)
+
+
+def test_another_batch_size_is_refused_even_with_the_same_global_batch(tmp_path):
+    _fit(str(tmp_path), accumulation=2, batches=2)  # 4 samples x 2 micro-batches
+    with pytest.raises(CheckpointError, match=r"batch_size would change \(saved 4, now 8\)"):
+        _fit(str(tmp_path), accumulation=1, resume=True, batches=4, batch_size=8)  # 8 x 1: the same 8 samples
+
+
+def test_an_elastic_file_of_another_world_size_names_the_opt_in_without_it():
+    payload = {"world_size": 2, "ranks": [{"fingerprint": {"layout": "elastic"}}] * 2}
+    message = str(world_size_error("model-epoch0batch4.pt", payload))
+    assert "written by 2 processes of an elastic run; this run has 1: pass CheckpointHandler(..., elastic=True)" \
+        in message
+    plain = str(world_size_error("model-epoch0batch4.pt", {"world_size": 1, "ranks": [{"fingerprint": {}}]}))
+    assert "written by 1 process;" in plain and "resume with the same world size" in plain
 
 
 def test_an_elastic_run_resumes_on_its_own_world_size_exactly(tmp_path):

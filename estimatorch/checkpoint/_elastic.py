@@ -39,7 +39,10 @@ from ._format import CheckpointError, rank_snapshot
 
 __all__ = ["BATCH_COUNTERS", "for_this_fit"]
 
-#: handler class name -> the state keys that count this process's batches (or samples).
+_BATCH_EVENTS = ("batch_begin", "forward_begin", "forward_end", "backward_begin", "backward_end", "batch_end")
+
+#: handler class name -> the state keys that count this process's batches (or samples); a key
+#: ``"a.b"`` names entry ``b`` of the dict under ``a``.
 BATCH_COUNTERS: dict[str, tuple[str, ...]] = {
     "StoppingHandler": ("current_batch",),
     "CheckpointHandler": ("current_batch",),
@@ -48,6 +51,8 @@ BATCH_COUNTERS: dict[str, tuple[str, ...]] = {
     "ProgressBarHandler": ("batch_in_epoch", "total_batches"),
     "TerminateOnNaNHandler": ("total_batches", "batch_in_epoch", "checked"),
     "TensorBoardHandler": ("total_batches",),
+    "MeterHandler": ("step",),
+    "LambdaHandler": tuple(f"counts.{event}" for event in _BATCH_EVENTS),
 }
 
 
@@ -139,8 +144,24 @@ def _scaled_handlers(estimator: Any, saved: dict[str, Any], scale: Any) -> dict[
             continue
         keys = list(getattr(handler, "elastic_batch_counters", ()))
         keys += [key for cls in type(handler).__mro__ for key in BATCH_COUNTERS.get(cls.__name__, ())]
-        handlers[name] = {key: scale(value) if key in keys else value for key, value in state.items()}
+        handlers[name] = _scaled(state, keys, scale)
     return handlers
+
+
+def _scaled(state: dict[str, Any], keys: list[str], scale: Any) -> dict[str, Any]:
+    """``state`` with the entries ``keys`` names (``"a.b"``: entry ``b`` of the dict ``a``) scaled."""
+    nested: dict[str, list[str]] = {}
+    for key in keys:
+        outer, _, inner = key.partition(".")
+        if inner:
+            nested.setdefault(outer, []).append(inner)
+    out = {}
+    for key, value in state.items():
+        if key in nested and isinstance(value, dict):
+            out[key] = _scaled(value, nested[key], scale)
+        else:
+            out[key] = scale(value) if key in keys else value
+    return out
 
 
 def _combined_metrics(estimator: Any, saved: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
@@ -183,9 +204,18 @@ def _combine_states(metric: Any, folded: list[dict[str, Any]], new_world: int) -
     return ranks
 
 
-def world_size_error(path: str, world_size: int) -> CheckpointError:
-    """The refusal of a checkpoint written by ``world_size`` processes in a fit on another world size."""
-    return CheckpointError(f"{path} was written by {world_size} processes; this run has "
-                           f"{distributed.get_world_size()}: resume with the same world size (a run whose "
-                           "fits all pass CheckpointHandler(..., elastic=True) can resume on another world size "
-                           "with the same batch_size x world_size x accumulation_steps)")
+def world_size_error(path: str, payload: dict[str, Any]) -> CheckpointError:
+    """The refusal of checkpoint ``payload`` (from ``path``), written on another world size, by a
+    fit that cannot resume it there."""
+    from ..estimator._elastic import is_elastic
+
+    written, now = payload["world_size"], distributed.get_world_size()
+    processes = f"{written} process{'es' if written != 1 else ''}"
+    fingerprint = payload["ranks"][0].get("fingerprint") if payload["ranks"] else None
+    if isinstance(fingerprint, dict) and is_elastic(fingerprint):
+        return CheckpointError(f"{path} was written by {processes} of an elastic run; this run has {now}: pass "
+                               "CheckpointHandler(..., elastic=True) to resume it on another world size (with the "
+                               "same batch_size and batch_size x world_size x accumulation_steps)")
+    return CheckpointError(f"{path} was written by {processes}; this run has {now}: resume with the same world "
+                           "size (a run whose fits all pass CheckpointHandler(..., elastic=True) can resume on another "
+                           "world size with the same batch_size x world_size x accumulation_steps)")

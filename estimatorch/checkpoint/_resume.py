@@ -100,7 +100,7 @@ def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple
 
 def _check_world_size(path: str, payload: dict[str, Any]) -> None:
     if payload["world_size"] != distributed.get_world_size():
-        raise world_size_error(path, payload["world_size"])
+        raise world_size_error(path, payload)
 
 
 def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, rank: int) -> Found:

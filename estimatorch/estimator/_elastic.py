@@ -156,6 +156,11 @@ def _order_of(sampler: Any) -> Optional[tuple[Callable[[int], torch.Tensor], lis
     return None
 
 
+#: what the user passed, by the stream ``make_train_stream`` made of it (for messages).
+_GIVEN = {"_SequenceStream": "a list or tuple of batches", "_StatefulIterableStream": "an IterableDataset",
+          "_ReplayStream": "an iterable of batches without indices (a generator, an IterableDataset...)"}
+
+
 def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device) -> None:
     """Lay ``stream`` out in global steps when one of ``handlers`` asks for elastic checkpoints
     (an ``elastic`` attribute that is True); raises ``ValueError`` before any work when its data
@@ -170,7 +175,8 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
            "epoch): shuffle=True or False, a torch DistributedSampler or an estimatorch ResumableRandomSampler, "
            "ResumableSequentialSampler or ResumableDistributedSampler")
     if not isinstance(stream, _LoaderStream):
-        raise ValueError(f"{why}; got train_data stepping through a {type(stream).__name__[1:]}")
+        given = _GIVEN.get(type(stream).__name__, type(stream).__name__)
+        raise ValueError(f"{why}; got train_data that is {given}")
     found = _order_of(stream.sampler) if stream.batch_size is not None else None
     if found is None:
         raise ValueError(f"{why}; got a DataLoader with batch_size={stream.batch_size!r} and a {stream.sampler_name}")
@@ -201,8 +207,12 @@ def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], source: str) -
                              "(its samples are laid out per process); resume it without elastic=True")
         raise ValueError(f"cannot resume from {source}: it was written by a fit with CheckpointHandler(..., "
                          "elastic=True) (its samples are laid out in global steps): resume with elastic=True")
-    step = ("batch_size", "micro_batches_per_step")
-    if is_elastic(now) and any(saved.get(k) != now.get(k) for k in step):
+    if is_elastic(now) and saved.get("batch_size") != now.get("batch_size"):
+        raise ValueError(f"cannot resume from {source}: batch_size would change (saved {saved.get('batch_size')!r}, "
+                         f"now {now.get('batch_size')!r}). Elastic resume keeps every micro-batch's samples: keep "
+                         "batch_size, and change only world_size x accumulation_steps (their product stays "
+                         f"{saved.get('micro_batches_per_step')!r})")
+    if is_elastic(now) and saved.get("micro_batches_per_step") != now.get("micro_batches_per_step"):
         before, after = (f"{fp.get('batch_size')!r} samples x {fp.get('micro_batches_per_step')!r} micro-batches"
                          for fp in (saved, now))
         raise ValueError(f"cannot resume from {source}: the global batch would change (saved {before} per optimizer "
@@ -211,5 +221,6 @@ def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], source: str) -
     diffs = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
              for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diffs:
+        same = "drop_last and seed" if is_elastic(now) else "drop_last, world size and seed"
         raise ValueError(f"cannot resume from {source}: the data stream differs ({'; '.join(diffs)}). "
-                         "Resume with the same data, batch size, drop_last, world size and seed.")
+                         f"Resume with the same data, batch size, {same}.")

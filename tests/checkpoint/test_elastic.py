@@ -5,7 +5,7 @@ from __future__ import annotations
 
 import torch
 
-from estimatorch.checkpoint._elastic import BATCH_COUNTERS, _combine_states
+from estimatorch.checkpoint._elastic import _BATCH_EVENTS, BATCH_COUNTERS, _combine_states, _scaled
 from estimatorch.metrics import Metric
 
 
@@ -46,9 +46,31 @@ def test_saved_ranks_combine_into_new_ranks_by_each_states_reduction():
     assert first["pending"] == second["pending"] == []
 
 
-def test_the_counters_scaled_on_a_topology_change_are_state_keys_of_their_handlers():
+def _built(name, tmp_path):
     from estimatorch import event_handlers
+    from estimatorch.statistics import WeightNorm
 
+    special = {
+        "CheckpointHandler": lambda cls: cls(str(tmp_path)),
+        "ValidationHandler": lambda cls: cls([(1, 2)], lambda *a, **k: None),
+        "TensorBoardHandler": lambda cls: cls(str(tmp_path)),
+        "MeterHandler": lambda cls: cls([WeightNorm()], writer=event_handlers.TensorBoardHandler(str(tmp_path))),
+        "LambdaHandler": lambda cls: cls(batch_end=print, epoch_end=print),
+    }
+    cls = getattr(event_handlers, name)
+    return special.get(name, lambda cls: cls())(cls)
+
+
+def test_the_counters_scaled_on_a_topology_change_are_state_keys_of_their_handlers(tmp_path):
     for name, keys in BATCH_COUNTERS.items():
-        handler_cls = getattr(event_handlers, name)
-        assert set(keys) <= set(getattr(handler_cls, "_state_attrs", ())) | {"current_batch"}, name
+        state = _built(name, tmp_path).state_dict()
+        for key in keys:
+            outer, _, inner = key.partition(".")
+            assert outer in state and (not inner or isinstance(state[outer], dict)), (name, key)
+    assert "batch_end" in _BATCH_EVENTS and "epoch_end" not in _BATCH_EVENTS
+
+
+def test_counters_in_a_nested_state_are_scaled_and_nothing_else():
+    state = {"counts": {"batch_end": 3, "epoch_end": 1}, "every": 3}
+    assert _scaled(state, list(BATCH_COUNTERS["LambdaHandler"]), lambda count: count * 2) == \
+        {"counts": {"batch_end": 6, "epoch_end": 1}, "every": 3}

@@ -74,7 +74,8 @@ def test_elastic_needs_a_dataloader_it_can_lay_out(tmp_path):
     net = nn.Linear(2, 1)
     est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     data = [(torch.randn(2, 2), torch.randn(2, 1))] * 2
-    with pytest.raises(ValueError, match="elastic=True lays the samples.*map-style DataLoader"):
+    with pytest.raises(ValueError, match="elastic=True lays the samples.*map-style DataLoader.*"
+                                         "got train_data that is a list or tuple of batches"):
         est.fit(data, epochs=1, event_handlers=[CheckpointHandler(str(tmp_path), elastic=True)])
 
 
