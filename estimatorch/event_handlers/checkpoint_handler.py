@@ -216,7 +216,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         else:
             self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
-        self._saved_step = -1  # the step of this run's last periodic checkpoint (or the one resumed from)
+        self._saved_step = -1  # the step of this run's last periodic checkpoint
+        self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
 
@@ -335,7 +336,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             return
         checkpoint.restore_training_state(estimator, found[1])
         # that boundary is saved already: a signal before the first step saves nothing again
-        self._saved_step = checkpoint.rank_snapshot(found[1], rank)["position"]["step"]
+        self._resumed_step = checkpoint.rank_snapshot(found[1], rank)["position"]["step"]
 
     def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
@@ -390,7 +391,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         trained nothing (exports, which no fit resumes from, are left alone). Every rank calls it
         (the save is a collective) and decides alike."""
         reason, pos = estimator.interruption, estimator.position
-        if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step):
+        if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step, self._resumed_step):
             return
         self._save(estimator)
         name = _checkpoint().checkpoint_name(self.model_prefix, pos.epoch, pos.step)
