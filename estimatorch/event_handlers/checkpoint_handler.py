@@ -76,7 +76,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     **Elastic resume.** With ``elastic=True`` (on every fit of the run, from the first) the
     training samples are laid out in global optimizer steps and every micro-batch's random draws
     are seeded from its place in the step, so the run can resume on another world size that keeps
-    ``batch_size x world_size x accumulation_steps``: every optimizer step trains the same samples.
+    ``batch_size`` and ``world_size x accumulation_steps``: every optimizer step trains the same
+    samples.
     The checkpoint must be at an optimizer step (not inside an accumulation window); the saved
     ranks' states are mapped onto the new ones (:mod:`estimatorch.checkpoint._elastic`). Without
     it a different world size is refused, and an elastic file resumes only an elastic fit (and
@@ -140,7 +141,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         initial_value_threshold: write the best file only once ``monitor`` beats this value
             (needs ``save_best`` or ``save_best_only``). Defaults to None.
         elastic: lay the training samples out in global optimizer steps, so that the run can
-            resume on another world size with the same ``batch_size x world_size x
+            resume on another world size with the same ``batch_size`` and ``world_size x
             accumulation_steps`` (see :mod:`estimatorch.estimator._elastic`); set it from the
             run's first fit on, and on every resume. Defaults to False.
 
