@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from estimatorch import Estimator
-from estimatorch.event_handlers import BatchEnd, EpochEnd
+from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -161,3 +161,48 @@ def losses_recorder() -> tuple[list[str], LossRecorder]:
     """``(losses, handler)``: the list the handler fills with every step's loss."""
     recorder = LossRecorder()
     return recorder.losses, recorder
+
+
+class CrashAt(BatchBegin):
+    """Raise when batch ``n`` (1-based, over the run) begins: a process that dies there."""
+
+    def __init__(self, n: int) -> None:
+        self.n, self.seen = n, 0
+
+    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+        self.seen += 1
+        if self.seen == self.n:
+            raise RuntimeError(f"crash at batch {self.n}")
+
+
+class CtrlC(BatchEnd):
+    """Presses Ctrl-C during step ``at`` (counted from this handler's first batch): fit stops at
+    that step's end."""
+
+    def __init__(self, at: int) -> None:
+        self.at, self.seen = at, 0
+
+    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.seen += 1
+        if self.seen == self.at:
+            signal.raise_signal(signal.SIGINT)
+
+
+def ctrl_c_at(step: int) -> Any:
+    """Interrupt at the end of ``step`` of the fit as a user's Ctrl-C would (fit stops at that
+    boundary)."""
+    from estimatorch.event_handlers import LambdaHandler
+
+    return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGINT), once=step)
+
+
+class ScriptedValLoss:
+    """A validation loss that returns the next of ``values`` at each evaluation (one batch each)."""
+
+    def __init__(self, values: list[float]):
+        self.values, self.calls = values, 0
+
+    def __call__(self, pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
+        value = self.values[self.calls]
+        self.calls += 1
+        return torch.tensor(value)

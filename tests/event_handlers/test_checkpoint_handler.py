@@ -16,10 +16,10 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset
 
 from estimatorch import CheckpointHandler, Estimator, ValidationHandler, checkpoint, rng
-from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin, EpochEnd
+from estimatorch.event_handlers import BatchEnd, EpochBegin, EpochEnd
 from estimatorch.metrics import Loss
-from tests.conftest import (LossRecorder, assert_same_training_state, assert_tree_equal, losses_recorder, make_batches,
-                            make_estimator)
+from tests.conftest import (CrashAt, LossRecorder, ScriptedValLoss, assert_same_training_state, assert_tree_equal,
+                            losses_recorder, make_batches, make_estimator)
 
 # -- the run that every exactness test resumes -------------------------------------------------
 FEATURES, CLASSES = 5, 3
@@ -62,18 +62,6 @@ class EventCounter(EpochBegin, EpochEnd, BatchEnd):
 
     def batch_end(self, estimator: Any, **kwargs: Any) -> None:
         self.batches += 1
-
-
-class CrashAt(BatchBegin):
-    """Raise when batch ``n`` (1-based, over the run) begins: a process that dies there."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.seen += 1
-        if self.seen == self.n:
-            raise RuntimeError(f"crash at batch {self.n}")
 
 
 def build(*, seed: int = 0, samples: int = SAMPLES, batch_size: int = BATCH_SIZE,
@@ -257,18 +245,6 @@ def test_best_is_never_pruned(tmp_path):
 
 
 # -- best --------------------------------------------------------------------------------------
-class ScriptedValLoss:
-    """A validation loss that returns the next of ``values`` at each evaluation (one batch each)."""
-
-    def __init__(self, values: list[float]):
-        self.values, self.calls = values, 0
-
-    def __call__(self, pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        value = self.values[self.calls]
-        self.calls += 1
-        return torch.tensor(value)
-
-
 @pytest.fixture
 def writes(monkeypatch: pytest.MonkeyPatch) -> list[tuple[str, Any]]:
     """Every file written from now on, in order, as (file name, position) for checkpoints and

@@ -6,7 +6,6 @@ resume: continued state)."""
 from __future__ import annotations
 
 import os
-import signal
 from typing import Any
 
 import pytest
@@ -15,7 +14,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd
-from tests.conftest import assert_tree_equal, make_batches, make_estimator
+from tests.conftest import CrashAt, CtrlC, ScriptedValLoss, assert_tree_equal, make_batches, make_estimator
 
 N_BATCHES, EPOCHS = 4, 3
 STEPS = N_BATCHES * EPOCHS
@@ -56,16 +55,6 @@ class Probe(BatchEnd, EpochEnd):
         self._read()
         self.expected.append((self.epochs, self.batches))  # this epoch's batches are done, not the epoch
         self.epochs += 1
-
-
-class CrashAt(BatchBegin):
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.seen += 1
-        if self.seen == self.n:
-            raise RuntimeError(f"crash at batch {self.n}")
 
 
 def make(directory: Any, estimator: Estimator, combination: str, resume: bool = False) -> CheckpointHandler:
@@ -163,33 +152,11 @@ def test_the_directory_is_logged_once_at_fit_start(tmp_path, estimatorch_log, kw
 
 
 # -- one handler object, several fits --------------------------------------------------------------
-class ScriptedValLoss:
-    def __init__(self, values: list[float]):
-        self.values, self.calls = values, 0
-
-    def __call__(self, pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        value = self.values[self.calls]
-        self.calls += 1
-        return torch.tensor(value)
-
-
 def scripted(values: list[float]) -> Estimator:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3))
     return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
                      val_loss=ScriptedValLoss(values))
-
-
-class CtrlC(BatchEnd):
-    """Presses Ctrl-C during step ``at``: fit stops at that step's end."""
-
-    def __init__(self, at: int) -> None:
-        self.at, self.seen = at, 0
-
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
-        self.seen += 1
-        if self.seen == self.at:
-            signal.raise_signal(signal.SIGINT)
 
 
 @pytest.mark.parametrize("combination", ["both", "best-weights"])

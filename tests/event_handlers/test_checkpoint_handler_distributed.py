@@ -12,23 +12,13 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint, distributed
-from estimatorch.event_handlers import BatchBegin
+from tests.conftest import CrashAt
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*has no saved state:UserWarning")]
 
 EPOCHS, STEPS_PER_EPOCH = 2, 3  # 24 samples, 2 ranks, batches of 4
 CRASH = 5
-
-
-class CrashAt(BatchBegin):
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def batch_begin(self, estimator, **kwargs) -> None:
-        self.seen += 1
-        if self.seen == self.n:
-            raise RuntimeError(f"crash at batch {self.n}")
 
 
 def _fit(model_dir, exporter, resume, crash):

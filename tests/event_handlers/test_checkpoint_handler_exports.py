@@ -10,41 +10,16 @@ import os
 import shutil
 import subprocess
 import sys
-from typing import Any, Optional
+from typing import Any
 
 import pytest
 import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint
-from estimatorch.event_handlers import BatchBegin
-from tests.conftest import Count, assert_tree_equal, make_batches, make_estimator
+from tests.conftest import Count, CrashAt, ScriptedValLoss, assert_tree_equal, make_batches, make_estimator
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
-
-
-class ScriptedValLoss:
-    """A validation loss that returns the next of ``values`` at each evaluation (one batch each)."""
-
-    def __init__(self, values: list[float]):
-        self.values, self.calls = values, 0
-
-    def __call__(self, pred: torch.Tensor, label: torch.Tensor) -> torch.Tensor:
-        value = self.values[self.calls]
-        self.calls += 1
-        return torch.tensor(value)
-
-
-class CrashAt(BatchBegin):
-    """Raise when batch ``n`` (1-based, over the run) begins."""
-
-    def __init__(self, n: int) -> None:
-        self.n, self.seen = n, 0
-
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self.seen += 1
-        if self.seen == self.n:
-            raise RuntimeError(f"crash at batch {self.n}")
 
 
 def scripted_estimator(values: list[float]) -> Estimator:

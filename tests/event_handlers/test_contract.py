@@ -12,7 +12,6 @@ from __future__ import annotations
 import inspect
 import io
 import shutil
-import signal
 
 import pytest
 import torch
@@ -21,7 +20,7 @@ from torch import nn
 import estimatorch.event_handlers as eh
 from estimatorch import Estimator
 from estimatorch.statistics import ActivationStatistics, EpochGradientNorm, GradientNorm, Throughput
-from tests.conftest import make_batches
+from tests.conftest import CtrlC, make_batches
 
 # CheckpointHandler here saves every 3 batches with save_best on a val metric, so its first saves
 # come before any validation: the warning it gives then is expected (tested in its own tests).
@@ -110,18 +109,6 @@ def _comparable(state):
 
 def _fit(est, handler, **kwargs):
     return est.fit(make_batches(n_batches=N_BATCHES), val_data=VAL, epochs=EPOCHS, event_handlers=[handler], **kwargs)
-
-
-class CtrlC(eh.BatchEnd):
-    """Presses Ctrl-C during the step ``at``: fit stops at that step's end."""
-
-    def __init__(self, at):
-        self.at, self.seen = at, 0
-
-    def batch_end(self, est, **kw):
-        self.seen += 1
-        if self.seen == self.at:
-            signal.raise_signal(signal.SIGINT)
 
 
 def test_every_exported_handler_is_covered():

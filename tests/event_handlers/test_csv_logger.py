@@ -5,7 +5,6 @@ from __future__ import annotations
 import csv
 import math
 import os
-import signal
 
 import pytest
 import torch
@@ -13,7 +12,7 @@ from torch import nn
 
 from estimatorch import CSVLoggerHandler, Estimator, distributed
 from estimatorch.event_handlers import CheckpointHandler, EpochEnd, LambdaHandler, ValidationHandler
-from tests.conftest import Count, make_batches, make_estimator
+from tests.conftest import Count, ctrl_c_at, make_batches, make_estimator
 
 N_BATCHES = 4  # per epoch
 VAL = make_batches(2, seed=1)
@@ -31,10 +30,6 @@ def as_history_row(history, i, columns):
         value = history[name][i]
         cells.append("" if math.isnan(value) else repr(value))
     return cells
-
-
-def ctrl_c_at(step):
-    return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGINT), once=step)
 
 
 def test_a_row_per_epoch_with_every_metric_and_the_learning_rate(tmp_path):

@@ -24,7 +24,7 @@ from estimatorch.event_handlers import (
     ValidationHandler,
 )
 from estimatorch.event_handlers.logging_handler import format_metrics
-from tests.conftest import Count, make_batches, make_estimator
+from tests.conftest import Count, ctrl_c_at, make_batches, make_estimator
 
 N_BATCHES = 4  # per epoch
 FILE_NAME = re.compile(r"(?P<run>.+)_[A-Z][a-z]{2}\d{2}_\d{2}-\d{2}-\d{2}(_\d+)?\.log")
@@ -44,10 +44,6 @@ def lines():
     logger.addHandler(handler)
     yield kept
     logger.removeHandler(handler)
-
-
-def ctrl_c_at(step):
-    return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGINT), once=step)
 
 
 def test_a_line_every_log_interval_batches_and_every_epoch(lines):

@@ -7,7 +7,6 @@ import math
 import os
 import re
 import shutil
-import signal
 
 import numpy as np
 import pytest
@@ -23,7 +22,7 @@ from estimatorch.event_handlers import (
     ValidationHandler,
 )
 from estimatorch.event_handlers._event_files import carry_over_events, event_files
-from tests.conftest import Count, make_batches, make_estimator
+from tests.conftest import Count, ctrl_c_at, make_batches, make_estimator
 
 pytest.importorskip("tensorboard")
 from tensorboard.backend.event_processing.event_accumulator import EventAccumulator  # noqa: E402
@@ -42,11 +41,6 @@ def read_events(run_dir):
 
 def f32(value):
     return float(np.float32(value))  # event files store scalars as float32
-
-
-def ctrl_c_at(step):
-    """Interrupt at the end of ``step`` as a user's Ctrl-C would (fit stops at that boundary)."""
-    return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGINT), once=step)
 
 
 def assert_no_fork(scalars):
