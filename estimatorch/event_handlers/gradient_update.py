@@ -43,14 +43,6 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
     _state_attrs = ("pending",)
     # gradients accumulated under DDP's no_sync differ per rank: saved for every rank
 
-    def __reduce__(self) -> tuple:
-        # pickle names a class by its path, which leads past the same-named subclass subscribe()
-        # made (it is not importable): rebuild from the class it was made from, then subscribe
-        cls = type(self)
-        while _same_name(cls, cls.__bases__[0]):
-            cls = cls.__bases__[0]
-        return _rebuild, (cls, dict(self.__dict__))
-
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
         self.accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
         if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real)
@@ -151,14 +143,3 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
                                  f"{len(self._params)} parameters")
             for p, g in zip(self._params, state["grads"]):
                 p.grad = None if g is None else g.to(p.device).clone()
-
-
-def _same_name(a: type, b: type) -> bool:
-    return (a.__qualname__, a.__module__) == (b.__qualname__, b.__module__)
-
-
-def _rebuild(cls: type, state: dict[str, Any]) -> GradientUpdateHandler:
-    handler = object.__new__(cls)
-    handler.__dict__.update(state)
-    handler._subscribe()
-    return handler
