@@ -13,7 +13,7 @@ import torch
 from torch import nn
 
 from estimatorch import Estimator
-from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd
+from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd, LambdaHandler
 
 
 @pytest.fixture(autouse=True, scope="session")
@@ -191,8 +191,6 @@ class CtrlC(BatchEnd):
 def ctrl_c_at(step: int) -> Any:
     """Interrupt at the end of ``step`` of the fit as a user's Ctrl-C would (fit stops at that
     boundary)."""
-    from estimatorch.event_handlers import LambdaHandler
-
     return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGINT), once=step)
 
 
