@@ -374,6 +374,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             self.saved = [path for path, version in versions.items()
                           if self._layout.resumable and version is not None and path != best_path
                           and path not in skipped]
+            if found is not None:  # finish a prune a killed writer left undone (after its pointer)
+                self._prune(keep=found[0])
         estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(),
                               os.path.abspath(self.model_dir))
         return found

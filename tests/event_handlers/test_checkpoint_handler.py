@@ -200,6 +200,19 @@ def test_max_checkpoints_keeps_the_newest(tmp_path):
     assert latest(tmp_path) == name(*batch_save_position(last, n_batches))
 
 
+def test_a_resume_finishes_the_prune_a_killed_writer_left_undone(tmp_path):
+    """Killed after writing the pointer, before pruning: one file too many is left. A resume
+    prunes it at start, even when it has nothing left to train (then it saves nothing)."""
+    n_batches, epochs = 4, 1
+    options = dict(epoch_period=None, batch_period=1)
+    small_fit(tmp_path, epochs=epochs, n_batches=n_batches, max_checkpoints=3, **options)
+    assert len(periodic_files(tmp_path)) == 3  # as if a max_checkpoints=2 run died before its prune
+    small_fit(tmp_path, epochs=epochs, n_batches=n_batches, max_checkpoints=2, resume_from_checkpoint=True,
+              **options)
+    assert periodic_files(tmp_path) == [name(*batch_save_position(s, n_batches)) for s in (n_batches - 1, n_batches)]
+    assert latest(tmp_path) == name(*batch_save_position(n_batches, n_batches))
+
+
 def test_max_checkpoints_none_keeps_all(tmp_path):
     n_batches, epochs = 4, 2
     small_fit(tmp_path, epochs=epochs, n_batches=n_batches, epoch_period=1, batch_period=1, max_checkpoints=None)
