@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import distributed, rng
 from ..event_handlers import _bars
-from ..event_handlers._base import check_positive_int
+from .._checks import check_positive_int
 from ..metrics import Accuracy, Loss
 from ..metrics.base import Metric, as_metric_list, metric_name
 from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precision_name, resolve_device

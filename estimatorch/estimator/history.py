@@ -7,7 +7,7 @@ import math
 import os
 from typing import Any, Optional, Union
 
-from ..event_handlers._base import check_state_keys
+from .._checks import check_state_keys
 
 __all__ = ["History"]
 

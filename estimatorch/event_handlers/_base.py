@@ -4,39 +4,13 @@ from __future__ import annotations
 
 import copy
 import inspect
-import os
-from collections.abc import Iterable
 from typing import Any, ClassVar, Optional
 
 import torch
 
-__all__ = ["StatefulHandler", "check_file_prefix", "check_positive_int", "check_state_keys"]
+from .._checks import check_state_keys
 
-
-def check_state_keys(state: Any, keys: Iterable[str], owner: str) -> None:
-    """Raise ``ValueError`` naming the first of ``keys`` missing from ``state``."""
-    if not isinstance(state, dict):
-        raise TypeError(f"state of {owner} must be a dict, got {type(state).__name__}")
-    for key in keys:
-        if key not in state:
-            raise ValueError(f"state of {owner} is missing the key {key!r}")
-
-
-def check_positive_int(value: Any, arg: str, *, allow_none: bool = False, minimum: int = 1) -> Any:
-    """Validate an int argument, naming it and the value in the error."""
-    if value is None and allow_none:
-        return None
-    if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
-        kind = {0: "a non-negative int", 1: "a positive int"}.get(minimum, f"an int >= {minimum}")
-        raise ValueError(f"{arg} must be {kind}{' or None' if allow_none else ''}, got {value!r}")
-    return value
-
-
-def check_file_prefix(value: Any, arg: str) -> str:
-    """A non-empty name that is not a path: the start of the files a handler writes."""
-    if not isinstance(value, str) or not value or os.sep in value or (os.altsep and os.altsep in value):
-        raise ValueError(f"{arg} must be a non-empty file-name prefix (no path separator), got {value!r}")
-    return value
+__all__ = ["StatefulHandler"]
 
 
 class _InitSignature:

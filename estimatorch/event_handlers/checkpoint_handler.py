@@ -12,7 +12,8 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from ..metrics.base import is_metric, metric_name
-from ._base import StatefulHandler, check_file_prefix, check_positive_int, check_state_keys
+from .._checks import check_file_prefix, check_positive_int, check_state_keys
+from ._base import StatefulHandler
 from ._paths import check_output_dir
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events

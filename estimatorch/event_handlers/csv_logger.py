@@ -9,7 +9,8 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from ..metrics.base import metric_name
-from ._base import StatefulHandler, check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
+from ._base import StatefulHandler
 from ._paths import check_output_file, path_argument
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
 from .mixins import EpochEnd, TrainBegin, TrainEnd

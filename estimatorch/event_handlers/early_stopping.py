@@ -10,7 +10,8 @@ from typing import Any, Optional
 import torch
 
 from ..metrics.base import is_metric, metric_name
-from ._base import StatefulHandler, check_positive_int
+from .._checks import check_positive_int
+from ._base import StatefulHandler
 from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["EarlyStoppingHandler", "improved", "resolve_mode"]

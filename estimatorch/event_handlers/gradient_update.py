@@ -9,7 +9,8 @@ import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
-from ._base import StatefulHandler, check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
+from ._base import StatefulHandler
 from ._subscribe import subscribe
 from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
 

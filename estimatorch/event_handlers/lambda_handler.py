@@ -5,7 +5,8 @@ from __future__ import annotations
 import numbers
 from typing import Any, Callable, Optional
 
-from ._base import StatefulHandler, check_state_keys
+from .._checks import check_state_keys
+from ._base import StatefulHandler
 from ._schedule import EventFilter
 from ._subscribe import subscribe
 from .mixins import EVENTS, TrainBegin

@@ -11,7 +11,8 @@ from typing import Any, Optional, Union
 from .. import distributed
 from ..estimator._data import batch_size_of
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler, check_file_prefix, check_state_keys
+from .._checks import check_file_prefix, check_state_keys
+from ._base import StatefulHandler
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from ._schedule import EventFilter
 from ._subscribe import subscribe

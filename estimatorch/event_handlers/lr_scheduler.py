@@ -5,7 +5,8 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from ..metrics.base import is_metric, metric_name
-from ._base import StatefulHandler, check_state_keys
+from .._checks import check_state_keys
+from ._base import StatefulHandler
 from ._subscribe import subscribe
 from .mixins import TrainBegin
 

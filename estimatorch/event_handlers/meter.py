@@ -10,7 +10,8 @@ import torch
 from .. import distributed
 from ..statistics.base import STEP_EVENTS, Statistic
 from ..statistics.callback import CallbackStatistic
-from ._base import StatefulHandler, check_state_keys
+from .._checks import check_state_keys
+from ._base import StatefulHandler
 from ._subscribe import subscribe
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from .tensorboard import EPOCH_PREFIX, TensorBoardHandler

@@ -10,7 +10,8 @@ from typing import Any, Callable, Optional
 from .. import distributed
 from ..metrics.base import Metric, as_metric_list, metric_name
 from . import _bars
-from ._base import StatefulHandler, check_state_keys
+from .._checks import check_state_keys
+from ._base import StatefulHandler
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["ProgressBarHandler"]

@@ -4,7 +4,8 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from ._base import StatefulHandler, check_positive_int
+from .._checks import check_positive_int
+from ._base import StatefulHandler
 from .mixins import BatchEnd, EpochEnd, TrainBegin
 
 __all__ = ["StoppingHandler"]

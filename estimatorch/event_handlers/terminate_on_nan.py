@@ -9,7 +9,8 @@ import torch
 
 from .. import distributed
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler, check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
+from ._base import StatefulHandler
 from ._schedule import EventFilter
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
 

@@ -5,7 +5,8 @@ from __future__ import annotations
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
-from ._base import StatefulHandler, check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
+from ._base import StatefulHandler
 from ._schedule import EventFilter
 from ._subscribe import subscribe
 from .mixins import TrainBegin

@@ -49,7 +49,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from .. import distributed, rng
-from ..event_handlers._base import check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
 from .resumable import ResumableSampler, _permutation
 
 __all__ = [

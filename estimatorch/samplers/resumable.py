@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .. import distributed, rng
-from ..event_handlers._base import check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
 
 __all__ = [
     "ResumableDistributedSampler",

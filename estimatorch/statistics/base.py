@@ -18,7 +18,7 @@ from typing import Any, ClassVar, Optional, Union
 
 import torch
 
-from ..event_handlers._base import check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys
 from ..event_handlers._schedule import EventFilter
 
 __all__ = ["InstantaneousStatistic", "RunningStatistic", "Statistic", "select_parameters"]

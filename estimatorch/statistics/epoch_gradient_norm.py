@@ -6,7 +6,7 @@ from typing import Any, Optional
 
 import torch
 
-from ..event_handlers._base import check_state_keys
+from .._checks import check_state_keys
 from .base import RunningStatistic, Value, check_names, select_parameters
 
 __all__ = ["EpochGradientNorm"]

@@ -6,7 +6,7 @@ import time
 from typing import Any
 
 from ..estimator._data import batch_size_of
-from ..event_handlers._base import check_state_keys
+from .._checks import check_state_keys
 from .base import RunningStatistic, Value
 
 __all__ = ["Throughput"]

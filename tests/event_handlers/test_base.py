@@ -9,7 +9,7 @@ import torch
 
 from estimatorch.event_handlers import EVENTS, StatefulHandler
 from estimatorch.event_handlers import mixins
-from estimatorch.event_handlers._base import check_positive_int, check_state_keys
+from estimatorch._checks import check_positive_int, check_state_keys
 
 
 class Counter(StatefulHandler):
