@@ -49,7 +49,7 @@ import torch
 import _common as common
 import overhead
 
-from estimatorch.estimator._data import to_device  # noqa: E402
+from estimatorch._batches import to_device  # noqa: E402
 from estimatorch.event_handlers import (GradientUpdateHandler, LoggingHandler,  # noqa: E402
                                         MetricHandler, ProgressBarHandler, StoppingHandler)
 

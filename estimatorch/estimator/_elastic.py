@@ -168,7 +168,7 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
     if not any(getattr(h, "elastic", False) is True for h in handlers):
         return
     from ..event_handlers import GradientUpdateHandler
-    from ._data import _LoaderStream
+    from ._streams import _LoaderStream
 
     why = ("elastic=True lays the samples of every optimizer step out over the processes, so train_data "
            "must be a map-style DataLoader with a batch_size and a sampler estimatorch orders by (seed, "

@@ -12,7 +12,7 @@ import torch
 
 from .. import distributed, rng
 from ..metrics.base import split_loss_metrics, update_metrics
-from ._data import to_device
+from .._batches import to_device
 from ._dispatch import Dispatch, check_handlers, order_handlers
 from ._sharding import InferenceData, for_inference
 

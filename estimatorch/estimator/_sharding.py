@@ -38,7 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from .. import distributed
 from ..samplers import composable
 from ..samplers.resumable import ResumableDistributedSampler
-from ._data import _loader_kwargs
+from ._streams import _loader_kwargs
 
 __all__ = ["InferenceData", "for_inference"]
 

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ._data import call_net, split_batch, split_inputs
+from .._batches import call_net, split_batch, split_inputs
 
 __all__ = ["BatchProcessor"]
 

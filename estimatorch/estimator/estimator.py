@@ -21,7 +21,8 @@ from ..metrics import Accuracy, Loss
 from ..metrics.base import Metric, as_metric_list, metric_name
 from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precision_name, resolve_device
 from ._checks import check_bool, check_iterable
-from ._data import TrainStream, make_train_stream, to_device
+from .._batches import to_device
+from ._streams import TrainStream, make_train_stream
 from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ._elastic import check_fingerprint, configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches

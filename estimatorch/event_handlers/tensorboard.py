@@ -7,7 +7,7 @@ import time
 from typing import Any, Optional, Union
 
 from .. import distributed
-from ..estimator._data import batch_size_of
+from .._batches import batch_size_of
 from ..metrics.base import metric_name
 from .._checks import check_file_prefix, check_positive_int, check_state_keys
 from ._base import StatefulHandler

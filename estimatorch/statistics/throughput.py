@@ -5,7 +5,7 @@ from __future__ import annotations
 import time
 from typing import Any
 
-from ..estimator._data import batch_size_of
+from .._batches import batch_size_of
 from .._checks import check_state_keys
 from .base import RunningStatistic, Value
 

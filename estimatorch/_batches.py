@@ -1,0 +1,142 @@
+"""The batch conventions: ``(data, label)`` splitting, inputs passed to the net, moves to the
+device, and the number of samples in a batch (from shapes, without a device sync).
+
+Lowest layer: handlers, statistics and the estimator all count and split batches the same way.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+
+__all__ = ["batch_size_of", "call_net", "split_batch", "split_inputs", "to_device"]
+
+
+def to_device(obj: Any, device: torch.device) -> Any:
+    """Move every tensor in a (nested) tuple, list or dict to ``device``; copies from the CPU
+    to an accelerator are ``non_blocking`` (truly asynchronous from pinned memory)."""
+    if isinstance(obj, torch.Tensor):
+        if obj.device == device:
+            return obj
+        return obj.to(device, non_blocking=device.type != "cpu")
+    if type(obj) is list and len(obj) == 2:  # the common collated (data, label) batch
+        data, label = obj
+        if type(data) is torch.Tensor and type(label) is torch.Tensor and data.device == device \
+                and label.device == device:
+            return obj
+    if isinstance(obj, tuple):
+        moved = [to_device(x, device) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
+    if isinstance(obj, list):
+        return [to_device(x, device) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: to_device(v, device) for k, v in obj.items()}
+    return obj
+
+
+def split_batch(batch: Any) -> tuple[Any, Any]:
+    """Split a batch into ``(data, label)``.
+
+    The convention:
+
+    - ``(data, label)``: a pair; ``data`` may itself be a tuple of inputs;
+    - ``(x1, x2, ..., label)``: the last element is the label, the others are the inputs;
+    - ``{"label": y, **inputs}`` (or ``"labels"``): the rest of the dict are keyword inputs.
+    """
+    if isinstance(batch, (tuple, list)):
+        if len(batch) == 2:
+            return batch[0], batch[1]
+        if len(batch) > 2:
+            return tuple(batch[:-1]), batch[-1]
+    elif isinstance(batch, Mapping):
+        for key in ("label", "labels"):
+            if key in batch:
+                return {k: v for k, v in batch.items() if k != key}, batch[key]
+        raise ValueError(f"a dict batch needs a 'label' or 'labels' key, got keys {sorted(batch)}")
+    raise TypeError(
+        "a batch must be a (data, label) pair, a tuple whose last element is the label, or a dict "
+        f"with a 'label' key; got {type(batch).__name__}"
+        + (f" of length {len(batch)}" if isinstance(batch, (tuple, list)) else "")
+        + ". Replace the BatchProcessor to train on other batch layouts."
+    )
+
+
+def split_inputs(batch: Any) -> Any:
+    """The inputs of a batch to predict on: the batch without its label, when it has one.
+
+    - a tensor, or anything but a tuple, list or dict: the input itself;
+    - ``(x,)``: ``x`` (a ``TensorDataset(x)`` loader yields one-element batches);
+    - ``(data, label)`` or ``(x1, ..., label)``: the last element is the label, as in
+      :func:`split_batch`; for several inputs without a label, pass ``((x1, x2),)`` or a dict;
+    - a dict: without its ``"label"`` / ``"labels"`` key, if any (keyword inputs).
+
+    Example:
+        >>> import torch
+        >>> x, y = torch.zeros(2, 3), torch.ones(2)
+        >>> split_inputs(x) is x, split_inputs((x,)) is x, split_inputs((x, y)) is x
+        (True, True, True)
+        >>> split_inputs({"a": x, "label": y}).keys()
+        dict_keys(['a'])
+    """
+    if type(batch) is torch.Tensor:
+        return batch
+    if isinstance(batch, Mapping):
+        return {k: v for k, v in batch.items() if k not in ("label", "labels")}
+    if isinstance(batch, (tuple, list)):
+        return batch[0] if len(batch) == 1 else split_batch(batch)[0]
+    return batch
+
+
+def call_net(net: Callable[..., Any], data: Any) -> Any:
+    """``net(data)``; a tuple of inputs is unpacked, a dict is passed as keywords. Inputs that
+    do not fit ``net.forward`` are a ``TypeError`` that says what the batch held and how to fix it."""
+    try:
+        if type(data) is torch.Tensor:  # the common case first: no abstract-class checks
+            return net(data)
+        if isinstance(data, tuple):
+            return net(*data)
+        if isinstance(data, Mapping):
+            return net(**data)
+        return net(data)
+    except TypeError as err:
+        args = data if isinstance(data, tuple) else () if isinstance(data, Mapping) else (data,)
+        mismatch = _inputs_mismatch(net, args, data if isinstance(data, Mapping) else {})
+        if mismatch is None:  # a TypeError from inside forward: not ours to explain
+            raise
+        raise TypeError(mismatch) from err
+
+
+def _inputs_mismatch(net: Callable[..., Any], args: tuple, kwargs: Mapping) -> Optional[str]:
+    """Why ``net`` cannot take these inputs, or None when its signature accepts them."""
+    while isinstance(getattr(net, "module", None), torch.nn.Module) or \
+            isinstance(getattr(net, "_orig_mod", None), torch.nn.Module):  # DDP, torch.compile
+        inner = getattr(net, "module", None)
+        net = inner if isinstance(inner, torch.nn.Module) else net._orig_mod
+    forward = getattr(net, "forward", net)
+    try:
+        inspect.signature(forward).bind(*args, **kwargs)
+        return None
+    except TypeError as err:
+        reason = str(err)
+    except ValueError:  # no signature to check against (a builtin)
+        return None
+    given = f"{len(args)} positional input(s)" + (f" and the keywords {sorted(kwargs)}" if kwargs else "")
+    return (f"{type(net).__name__}.forward{inspect.signature(forward)} cannot take what the batch gave it: "
+            f"{given} ({reason}). A batch (x1, ..., xn, label) gives its first n parts as inputs and its "
+            "last as the label; a dict batch gives its keys (but 'label'/'labels') as keywords. Make the "
+            "batches match forward, or pass Estimator(..., batch_processor=...) with a BatchProcessor that "
+            "splits your batches.")
+
+
+def batch_size_of(value: Any, batch_axis: int = 0) -> int:
+    """The number of samples in a label or data structure (from shapes: no device sync)."""
+    if isinstance(value, torch.Tensor):
+        return value.shape[batch_axis] if value.dim() > batch_axis else 1
+    if isinstance(value, (tuple, list)) and value:
+        return batch_size_of(value[0], batch_axis)
+    if isinstance(value, Mapping) and value:
+        return batch_size_of(next(iter(value.values())), batch_axis)
+    return 1
