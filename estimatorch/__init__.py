@@ -3,8 +3,7 @@
 >>> from estimatorch import Estimator
 """
 
-__version__ = "0.1.0"
-
+from ._version import __version__
 from . import distributed, metrics, rng, samplers  # noqa: E402
 from .estimator import BatchProcessor, Estimator, History  # noqa: E402
 from .event_handlers import (  # noqa: E402

@@ -10,6 +10,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .. import distributed
+from .._version import __version__
 from ._files import PathLike
 from ._model import model_state
 
@@ -70,8 +72,6 @@ def build_payload(estimator: Any) -> Optional[dict[str, Any]]:
 
     The model's state has the plain module's keys whatever wraps it (``torch.compile``, DDP).
     """
-    from .. import __version__, distributed
-
     snapshot = estimator._snapshot(estimator._run)
     ranks = distributed.gather_to_main(snapshot)
     if ranks is None:  # not rank 0: its snapshot went there

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import distributed
-from ._dispatch import handler_name
+from ..event_handlers._dispatch import handler_name
 
 __all__ = ["PRECISIONS", "check_bool", "check_iterable", "check_optimizer", "check_unique_handlers",
            "precision_name", "resolve_device"]

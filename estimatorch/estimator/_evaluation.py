@@ -13,7 +13,7 @@ import torch
 from .. import distributed, rng
 from ..metrics.base import split_loss_metrics, update_metrics
 from .._batches import to_device
-from ._dispatch import Dispatch, check_handlers, order_handlers
+from ..event_handlers._dispatch import Dispatch, check_handlers, order_handlers
 from ._sharding import InferenceData, for_inference
 
 __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]

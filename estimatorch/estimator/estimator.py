@@ -23,7 +23,7 @@ from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precisi
 from ._checks import check_bool, check_iterable
 from .._batches import to_device
 from ._streams import TrainStream, make_train_stream
-from ._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
+from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ._elastic import check_fingerprint, configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message

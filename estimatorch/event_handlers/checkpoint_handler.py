@@ -10,27 +10,19 @@ import warnings
 import weakref
 from typing import Any, Optional, Union
 
-from .. import distributed
+from .. import checkpoint, distributed
 from ..metrics.base import is_metric, metric_name
 from .._checks import check_file_prefix, check_positive_int, check_state_keys
 from ._base import StatefulHandler
 from ._paths import check_output_dir
 from ._schedule import EventFilter
 from ._subscribe import periodic_events, with_events
-from .early_stopping import improved, resolve_mode
+from ._monitor import improved, resolve_mode
 from .mixins import TrainBegin, TrainEnd
 
 __all__ = ["CheckpointHandler"]
 
 logger = logging.getLogger("estimatorch")
-
-
-def _checkpoint() -> Any:
-    """``estimatorch.checkpoint``, imported on first use (it needs the rest of the package, which
-    imports this module while it initialises)."""
-    from .. import checkpoint
-
-    return checkpoint
 
 
 class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
@@ -203,7 +195,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self.save_weights_only = save_weights_only
         self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
-        self._layout = _checkpoint().Layout(self.model_dir, model_prefix, weights=save_weights_only,
+        self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
                                             periodic=not save_best_only, best=save_best or save_best_only)
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
@@ -288,7 +280,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         ``train_begin``, which sees whether another handler resumes.) ``fit`` agrees on the
         outcome of every rank's start checks, so an error raised here on rank 0 only stops every
         rank."""
-        checkpoint = _checkpoint()
         if distributed.is_main_process():
             check_output_dir(self.model_dir, "model_dir")
             checkpoint.DirectoryLock(self.model_dir).check()
@@ -314,7 +305,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self._reset()
         self._estimator = weakref.ref(estimator)
         self._check_siblings(estimator)
-        checkpoint = _checkpoint()
         found, error = None, None
         if distributed.is_main_process():
             try:
@@ -344,7 +334,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
         refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
         files retention owns."""
-        checkpoint = _checkpoint()
         os.makedirs(self.model_dir, exist_ok=True)
         self._lock = checkpoint.DirectoryLock(self.model_dir)
         self._lock.acquire()
@@ -398,7 +387,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step, self._resumed_step):
             return
         self._save(estimator)
-        name = _checkpoint().checkpoint_name(self.model_prefix, pos.epoch, pos.step)
+        name = checkpoint.checkpoint_name(self.model_prefix, pos.epoch, pos.step)
         estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
                               os.path.join(self.model_dir, name), reason)
 
@@ -441,7 +430,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
 
     def _save(self, estimator: Any) -> None:
         """Write what is due at the current boundary. A collective: every rank calls it."""
-        checkpoint = _checkpoint()
         is_best, value = self._check_best()
         pos = estimator.position
         names = self._layout.due(pos.epoch, pos.step, is_best)
@@ -475,7 +463,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float]) -> None:
         """On rank 0: the files of one save, the periodic one first, then the best one; then the
         pointer, retention and orphaned temporaries."""
-        checkpoint = _checkpoint()
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths:
             checkpoint.atomic_save(state, path)

@@ -9,37 +9,14 @@ from typing import Any, Optional
 
 import torch
 
+from ..checkpoint import load_model_state, model_state
 from ..metrics.base import is_metric, metric_name
 from .._checks import check_positive_int
 from ._base import StatefulHandler
+from ._monitor import improved, resolve_mode
 from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["EarlyStoppingHandler", "improved", "resolve_mode"]
-
-
-def resolve_mode(mode: str, monitor: Any, owner: str) -> str:
-    """``"min"`` or ``"max"``; ``"auto"`` follows the monitor's ``higher_is_better``."""
-    if mode not in ("auto", "min", "max"):
-        raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
-    if mode != "auto":
-        return mode
-    higher = getattr(monitor, "higher_is_better", None)
-    if not isinstance(higher, bool):
-        raise ValueError(f"{owner}: mode='auto' needs the monitor's higher_is_better, which "
-                         f"{metric_name(monitor)!r} does not declare; pass mode='min' or mode='max'")
-    return "max" if higher else "min"
-
-
-def improved(value: float, best: float, mode: str, min_delta: float = 0.0) -> bool:
-    """Whether ``value`` beats ``best`` by more than ``min_delta`` in ``mode`` (``nan`` never does).
-
-    Example:
-        >>> improved(0.8, 1.0, "min"), improved(0.95, 1.0, "min", min_delta=0.1), improved(2.0, 1.0, "max")
-        (True, False, True)
-    """
-    if mode == "min":
-        return value < best - min_delta
-    return value > best + min_delta
 
 
 class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
@@ -154,12 +131,8 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
 def _plain_weights(net: Any) -> dict[str, Any]:
     """A CPU copy of ``net``'s weights under the plain module's keys (no ``_orig_mod.`` of
     ``torch.compile``), so that they restore into a compiled or a plain net after a resume."""
-    from ..checkpoint import model_state  # on first use: checkpoint imports the handlers' modules
-
     return {k: v.detach().to("cpu", copy=True) for k, v in model_state(net).items()}
 
 
 def _load_plain_weights(net: Any, weights: dict[str, Any]) -> None:
-    from ..checkpoint import load_model_state
-
     load_model_state(net, weights)

@@ -10,6 +10,7 @@ from ._base import StatefulHandler
 from ._schedule import EventFilter
 from ._subscribe import subscribe
 from .mixins import TrainBegin
+from ._dispatch import check_handlers
 
 __all__ = ["ValidationHandler"]
 
@@ -45,8 +46,6 @@ class ValidationHandler(StatefulHandler, TrainBegin):
 
     def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, event_handlers: Any = None):
-        from ..estimator._dispatch import check_handlers
-
         if not isinstance(val_data, Iterable) or isinstance(val_data, (str, bytes)):
             raise TypeError(f"val_data must be an iterable of batches, got {type(val_data).__name__}")
         if isinstance(val_data, Iterator):

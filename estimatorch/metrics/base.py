@@ -2,7 +2,9 @@
 
 from __future__ import annotations
 
+import copy
 import math
+from collections.abc import Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -89,7 +91,7 @@ class Metric:
         if name is not None and (not isinstance(name, str) or not name):
             raise ValueError(f"name must be a non-empty str, got {name!r}")
         self.name = name or self.default_name
-        self.device = torch.device(device) if device is not None else torch.device("cpu")
+        self.device = _device(device)
         self._defaults: dict[str, Any] = {}
         self._reductions: dict[str, str] = {}
         self._pending: list[Any] = []
@@ -199,7 +201,7 @@ class Metric:
 
     def to(self, device: Union[str, torch.device]) -> "Metric":
         """Move the accumulators to ``device`` and return ``self``."""
-        self.device = torch.device(device)
+        self.device = _device(device)
         for attr in self._defaults:
             value = getattr(self, attr)
             if isinstance(value, torch.Tensor):
@@ -240,8 +242,65 @@ class Metric:
         self._pending_bytes = sum(t.numel() * t.element_size() for item in self._pending for t in item
                                   if isinstance(t, torch.Tensor))
 
+    # -- saved states across ranks -----------------------------------------------------------
+    def state_defaults(self) -> dict[str, Any]:
+        """The accumulators declared with :meth:`add_state`, each with (a copy of) its default:
+        what a :meth:`state_dict` holds besides ``"pending"``."""
+        return {attr: _copy_state(default) for attr, default in self._defaults.items()}
+
+    def combine_rank_states(self, states: Sequence[dict[str, Any]], world_size: int) -> list[dict[str, Any]]:
+        """The :meth:`state_dict` of this metric on each of ``len(states)`` ranks, combined into
+        the states of ``world_size`` ranks whose :meth:`compute` gives the same value.
+
+        Pending updates are folded first. Each accumulator is combined by its ``reduce``: rank 0
+        takes the sum (``"sum"``) and the concatenation in rank order (``"cat"``) and the other
+        ranks start from the default; every rank takes the mean (``"mean"``) and the minimum or
+        maximum (``"min"``/``"max"``). An elastic resume maps a checkpoint's metrics onto another
+        world size with it.
+
+        Example:
+            >>> from estimatorch.metrics import Loss
+            >>> saved = []
+            >>> for value, n in ((1.0, 2), (4.0, 1)):
+            ...     m = Loss()
+            ...     m.update(torch.tensor(value), torch.zeros(n))
+            ...     saved.append(m.state_dict())
+            >>> first, second = Loss().combine_rank_states(saved, world_size=2)
+            >>> merged = Loss()
+            >>> merged.load_state_dict(first)
+            >>> merged.compute(), second["count"]
+            (2.0, 0)
+        """
+        folded = []
+        for state in states:
+            scratch = copy.deepcopy(self)
+            scratch.load_state_dict(state)
+            folded.append(scratch._states())
+        ranks: list[dict[str, Any]] = [{"pending": []} for _ in range(world_size)]
+        for attr, reduce in self._reductions.items():
+            values = [each[attr] for each in folded]
+            total = values[0]
+            for value in values[1:]:
+                total = _combine("sum" if reduce == "mean" else reduce, total, value)
+            if reduce == "mean":
+                total = total / len(values)
+            everywhere = reduce in ("mean", "min", "max")
+            for rank, state in enumerate(ranks):
+                state[attr] = _copy_state(total if everywhere or rank == 0 else self._fresh(self._defaults[attr]))
+        return ranks
+
     def __repr__(self) -> str:
         return f"{type(self).__name__}(name={self.name!r})"
+
+
+def _device(device: Any) -> torch.device:
+    """``device`` as a ``torch.device`` (the CPU for None); an unknown device names the argument."""
+    if device is None:
+        return torch.device("cpu")
+    try:
+        return torch.device(device)
+    except (RuntimeError, TypeError, ValueError) as err:
+        raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} ({err})") from None
 
 
 def _combine(reduce: str, state: Any, increment: Any) -> Any:
@@ -318,11 +377,9 @@ def metric_name(metric: Any) -> str:
 
 def split_loss_metrics(metrics: list[Any]) -> tuple[list[Any], list[Any]]:
     """``(loss metrics, other metrics)``: loss metrics are updated with the loss, the others
-    with the predictions (a metric counts as a loss metric if it is a ``Loss`` or sets
-    ``is_loss_metric = True``)."""
-    from .loss import Loss
-
-    losses = [m for m in metrics if isinstance(m, Loss) or getattr(m, "is_loss_metric", False)]
+    with the predictions (a metric counts as a loss metric if it sets ``is_loss_metric = True``,
+    as :class:`~estimatorch.metrics.Loss` does)."""
+    losses = [m for m in metrics if getattr(m, "is_loss_metric", False)]
     return losses, [m for m in metrics if not any(m is l for l in losses)]
 
 

@@ -36,6 +36,8 @@ class Loss(Metric):
 
     default_name = "loss"
     higher_is_better = False
+    #: updated with the loss the step computed, not the predictions (see ``split_loss_metrics``).
+    is_loss_metric = True
     max_pending = 32
 
     def __init__(self, name: Optional[str] = None, *, device: Any = None):

@@ -7,7 +7,7 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from ..event_handlers.mixins import EVENTS
+from .mixins import EVENTS
 from ..metrics.base import is_metric, metric_name
 
 __all__ = ["Dispatch", "check_handlers", "handler_name", "order_handlers"]
