@@ -221,11 +221,9 @@ def _valid_payload(reference: SimpleNamespace) -> dict:
     (lambda ref: {k: v for k, v in _valid_payload(ref).items() if k != "ranks"}, "missing 'ranks'"),
     (lambda ref: dict(_valid_payload(ref), world_size=2), "1 rank snapshots for world size 2"),
     (lambda ref: dict(_valid_payload(ref), ranks=[{k: v for k, v in _valid_payload(ref)["ranks"][0].items()
-                                                    if k != "partial"}]), "rank 0 is missing 'partial'"),
-    (lambda ref: dict(_valid_payload(ref), ranks=[{k: v for k, v in _valid_payload(ref)["ranks"][0].items()
-                                                    if k != "rng"}]), "rank 0 is missing 'rng'"),
+                                                    if k != "handlers"}]), "rank 0 is missing 'handlers'"),
 ], ids=["no-version", "tensor", "bool-version", "version-0", "damaged-v1", "no-ranks", "world-size",
-        "no-partial", "no-rng"])
+        "no-handlers"])
 def test_load_refuses_what_is_not_a_valid_checkpoint(reference, tmp_path, make, match):
     path = save_raw(make(reference), tmp_path / "model.pt")
     with pytest.raises(CheckpointError, match=match):
@@ -287,6 +285,23 @@ def test_find_latest_skips_a_corrupt_newest_file_and_resume_uses_the_next(refere
     assert resumed.losses == reference.losses[newest - 1:]
     assert_same_training_state(resumed.estimator, reference.estimator)
     checkpoint.load(corrupt)  # rewritten by the resumed run
+
+
+@pytest.mark.parametrize("key", ["partial", "rng", "position"])
+def test_a_newest_file_whose_snapshot_lacks_a_key_is_skipped_naming_it(reference, tmp_path, estimatorch_log, key):
+    """The store reads the envelope; the estimator's check (``check_payload``) finds what a rank's
+    snapshot lacks, and the resume falls back to the previous file."""
+    newest = v1.STEP
+    for step in (newest - 1, newest):
+        shutil.copy(os.path.join(reference.dir, periodic_name(step)), tmp_path)
+    payload = checkpoint.load(tmp_path / periodic_name(newest))
+    del payload["ranks"][0][key]
+    torch.save(payload, tmp_path / periodic_name(newest))
+
+    resumed = fit_fixture_run(tmp_path, resume_from_checkpoint=True)
+    assert resumed.losses == reference.losses[newest - 1:]
+    assert any(r.levelno == logging.WARNING and periodic_name(newest) in r.getMessage()
+               and f"rank 0 is missing {key!r}" in r.getMessage() for r in estimatorch_log)
 
 
 def test_find_latest_takes_the_newest_file_even_when_the_pointer_lags(reference, tmp_path):

@@ -46,10 +46,10 @@ from ._files import (
     weights_name,
     write_latest,
 )
+from .._saved import CheckpointError
 from ._format import (
     FORMAT_VERSION,
     MIGRATIONS,
-    CheckpointError,
     NewerFormatError,
     build_payload,
     file_digest,

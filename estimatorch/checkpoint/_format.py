@@ -10,10 +10,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import distributed
+from .._checks import is_int
+from .._saved import CheckpointError
 from .._version import __version__
 from ._files import PathLike
-from ._model import model_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -29,15 +29,11 @@ __all__ = [
 ]
 
 FORMAT_VERSION = 2
-_SNAPSHOT_KEYS = ("position", "plan", "handlers", "metrics", "history", "data", "fingerprint", "rng")
-#: what a version-2 snapshot adds (``Estimator._resume_plan`` / ``_restore`` read both).
-_SNAPSHOT_KEYS_2 = (*_SNAPSHOT_KEYS, "partial", "evaluated")
+#: what format 1 held at the top level besides the training states: one process's snapshot
+#: (a frozen description of old files; the snapshot of today is declared by the estimator).
+_V1_SNAPSHOT_KEYS = ("position", "plan", "handlers", "metrics", "history", "data", "fingerprint", "rng")
 _TOP_KEYS = ("model", "optimizer", "lr_scheduler", "grad_scaler", "ranks", "world_size")
 _PLAIN = (type(None), bool, int, float, str, bytes)
-
-
-class CheckpointError(ValueError):
-    """A checkpoint that cannot be used: unreadable, invalid, too new, or for other data."""
 
 
 class NewerFormatError(CheckpointError):
@@ -66,30 +62,26 @@ def _check_safe(obj: Any, where: str) -> None:
 
 
 def build_payload(estimator: Any) -> Optional[dict[str, Any]]:
-    """Everything needed to resume ``estimator``'s current fit. A collective under
-    torch.distributed: every rank must call it (each contributes its snapshot); global rank 0
-    gets the payload, the other ranks None.
+    """Everything needed to resume ``estimator``'s current fit, as a file of this format holds it.
+    A collective under torch.distributed: every rank must call it (each contributes its
+    snapshot); global rank 0 gets the payload, the other ranks None.
 
-    The model's state has the plain module's keys whatever wraps it (``torch.compile``, DDP).
+    The state comes from ``estimator.state_payload()`` (the store seam); this adds the format's
+    header and stores the handler states the estimator declares the same on every rank
+    (``shared``) once, with rank 0's (:func:`rank_snapshot` gives them back).
     """
-    snapshot = estimator._snapshot(estimator._run)
-    ranks = distributed.gather_to_main(snapshot)
-    if ranks is None:  # not rank 0: its snapshot went there
+    state = estimator.state_payload()
+    if state is None:  # not rank 0: its snapshot went there
         return None
-    for other in ranks[1:]:  # states the same on every rank are stored once, with rank 0's
-        for name in snapshot.get("shared", ()):
+    ranks = state["ranks"]
+    for other in ranks[1:]:
+        for name in ranks[0].get("shared", ()):
             other["handlers"].pop(name, None)
     payload = {
         "format_version": FORMAT_VERSION,
         "estimatorch_version": __version__,
         "torch_version": str(torch.__version__),
-        "world_size": len(ranks),
-        "model": model_state(estimator.net),
-        "optimizer": estimator.optimizer.state_dict(),
-        "optimizer_class": type(estimator.optimizer).__name__,
-        "lr_scheduler": estimator.lr_scheduler.state_dict() if estimator.lr_scheduler is not None else None,
-        "grad_scaler": estimator.grad_scaler.state_dict() if estimator.grad_scaler is not None else None,
-        "ranks": ranks,
+        **state,
     }
     _check_safe(payload, "payload")
     return payload
@@ -98,9 +90,9 @@ def build_payload(estimator: Any) -> Optional[dict[str, Any]]:
 # -- versions -----------------------------------------------------------------------------------
 def _migrate_1_to_2(payload: dict[str, Any]) -> dict[str, Any]:
     """Version 1 kept one process's snapshot at the top level (``format_version`` 1, the keys of
-    ``_SNAPSHOT_KEYS``, an optional ``evaluated``, and the training states), and neither the
+    ``_V1_SNAPSHOT_KEYS``, an optional ``evaluated``, and the training states), and neither the
     library versions nor ``partial``."""
-    snapshot = {key: payload[key] for key in _SNAPSHOT_KEYS}
+    snapshot = {key: payload[key] for key in _V1_SNAPSHOT_KEYS}
     snapshot["partial"] = False
     snapshot["evaluated"] = payload.get("evaluated", False)
     return {
@@ -122,7 +114,7 @@ MIGRATIONS: dict[int, Callable[[dict[str, Any]], dict[str, Any]]] = {1: _migrate
 
 def _version(payload: Any, source: str) -> int:
     version = payload.get("format_version") if isinstance(payload, dict) else None
-    if isinstance(version, bool) or not isinstance(version, int) or version < 1:
+    if not is_int(version) or version < 1:
         raise CheckpointError(f"{source} is not an estimatorch checkpoint (format_version={version!r})")
     if version > FORMAT_VERSION:
         raise newer_format_error(source, version)
@@ -157,14 +149,16 @@ def migrate(payload: dict[str, Any], source: str = "checkpoint") -> dict[str, An
 def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
     """Raise :class:`CheckpointError` naming what a (current-version) payload lacks.
 
-    This checks the layout only; :func:`estimatorch.checkpoint.check_against_fit` checks every
-    key, type and shape a resume reads against the fit it resumes.
+    This checks the envelope only: the top-level keys, one entry per rank, and the ``handlers``
+    and ``shared`` entries the store itself reads (:func:`rank_snapshot`);
+    :func:`estimatorch.checkpoint.check_against_fit` checks every key, type and shape a resume
+    reads against the fit it resumes.
     """
     for key in ("format_version", *_TOP_KEYS):
         if key not in payload:
             raise CheckpointError(f"{source} is missing {key!r}")
     world_size = payload["world_size"]
-    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+    if not is_int(world_size) or world_size < 1:
         raise CheckpointError(f"{source}: world_size must be a positive int, got {world_size!r}")
     ranks = payload["ranks"]
     if not isinstance(ranks, list) or len(ranks) != world_size:
@@ -173,9 +167,8 @@ def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
     for rank, snapshot in enumerate(ranks):
         if not isinstance(snapshot, dict):
             raise CheckpointError(f"{source}: the snapshot of rank {rank} is a {type(snapshot).__name__}, not a dict")
-        for key in _SNAPSHOT_KEYS_2:
-            if key not in snapshot:
-                raise CheckpointError(f"{source}: the snapshot of rank {rank} is missing {key!r}")
+        if "handlers" not in snapshot:
+            raise CheckpointError(f"{source}: the snapshot of rank {rank} is missing 'handlers'")
         if not isinstance(snapshot["handlers"], dict):
             raise CheckpointError(f"{source}: the handler states of rank {rank} are a "
                                   f"{type(snapshot['handlers']).__name__}, not a dict")
@@ -239,7 +232,7 @@ def read_format_version(path: PathLike) -> Optional[int]:
     except (CheckpointError, OSError):
         return None
     version = payload.get("format_version") if isinstance(payload, dict) else None
-    return version if isinstance(version, int) and not isinstance(version, bool) else None
+    return version if is_int(version) else None
 
 
 def file_digest(path: PathLike) -> str:

@@ -1,5 +1,10 @@
 """Which checkpoint a fit resumes from: the newest that loads and validates against the fit,
-chosen by global rank 0 and checked by every rank (same bytes, valid for that rank)."""
+chosen by global rank 0 and checked by every rank (same bytes, valid for that rank).
+
+The fit is reached through the estimator's seam only: ``estimator.check_payload(payload, source)``
+(check, and map an elastic run's payload onto this world size) and, passed in as ``accept``,
+``estimator.load_payload(payload, source)`` (refuse another world size, request the resume).
+"""
 
 from __future__ import annotations
 
@@ -9,7 +14,6 @@ from typing import Any, Callable, Optional
 
 from .. import distributed
 from ._files import PathLike, best_name, list_checkpoints
-from ._elastic import for_this_fit, world_size_error
 from ._format import (FORMAT_VERSION, CheckpointError, NewerFormatError, file_digest, load, newer_format_error,
                       read_format_version)
 from ._validate import check_against_fit
@@ -84,9 +88,7 @@ def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple
     reasons: dict[str, str] = {}
 
     def check(path: str, payload: dict[str, Any]) -> dict[str, Any]:
-        payload = for_this_fit(estimator, payload, repr(path))
-        check_against_fit(estimator, payload, distributed.get_rank(), repr(path))
-        return payload
+        return check_against_fit(estimator, payload, distributed.get_rank(), repr(path))
 
     found = _newest_valid(model_dir, prefix, check, reasons)
     if found is None and reasons:
@@ -96,11 +98,6 @@ def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple
             f"this fit: {listed}. Nothing was changed: make the fit match them (model, optimizer, handlers), "
             "move the files away, or choose another model_dir.")
     return found, list(reasons)
-
-
-def _check_world_size(path: str, payload: dict[str, Any]) -> None:
-    if payload["world_size"] != distributed.get_world_size():
-        raise world_size_error(path, payload)
 
 
 def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, rank: int) -> Found:
@@ -115,10 +112,7 @@ def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, r
     if file_digest(path) != digest:
         raise CheckpointError(f"rank {rank} reads other bytes in {path} than rank 0 (another file of the same "
                               f"name, or a copy still being written); {hint}")
-    payload = for_this_fit(estimator, load(path), repr(path))
-    _check_world_size(path, payload)
-    check_against_fit(estimator, payload, rank, repr(path))
-    return path, payload
+    return path, check_against_fit(estimator, load(path), rank, repr(path))
 
 
 def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Found],
@@ -127,8 +121,9 @@ def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Fou
 
     Rank 0 sends the file's name and a digest of its bytes; every other rank loads that name from
     its own ``model_dir``, checks it reads the same bytes and that the file fits it; then every
-    rank calls ``accept(path, payload)`` (the estimator's own checks). The outcome is agreed in
-    one collective: a rank that cannot resume is an error on every rank, never a hang.
+    rank calls ``accept(path, payload)`` (``estimator.load_payload``: another world size is refused
+    there). The outcome is agreed in one collective: a rank that cannot resume is an error on every
+    rank, never a hang.
 
     Raises:
         CheckpointError: (on every rank) a rank could not resume from the chosen file.
@@ -142,7 +137,6 @@ def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Fou
         if multi and rank != 0:
             found = None if chosen is None else _load_as_rank(estimator, model_dir, *chosen, rank)
         if found is not None:
-            _check_world_size(*found)
             accept(*found)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
         error = err

@@ -16,7 +16,12 @@ from torch import nn
 
 from .. import distributed, rng
 from ..event_handlers import _bars
+from .. import checkpoint
 from .._checks import check_positive_int
+from .._saved import CheckpointError
+from ..event_handlers import (CheckpointHandler, GradientUpdateHandler, LoggingHandler, LRSchedulerHandler,
+                              MetricHandler, ProgressBarHandler, StoppingHandler, ValidationHandler)
+from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..metrics import Accuracy, Loss
 from ..metrics.base import Metric, as_metric_list, metric_name
 from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precision_name, resolve_device
@@ -24,56 +29,20 @@ from ._checks import check_bool, check_iterable
 from .._batches import to_device
 from ._streams import TrainStream, make_train_stream
 from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
-from ._elastic import check_fingerprint, configure_elastic
+from ._elastic import configure_elastic
+from ._elastic_resume import map_payload, world_size_error
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._predict import run_prediction
-from ._stop_agreement import StopAgreement
+from ._state import (POSITION_KEYS, Position, Run, check_positions, check_snapshot, describe_plan,
+                     restore_snapshot, resume_plan, take_snapshot)
 from .batch_processor import BatchProcessor
 from .history import History
 
 __all__ = ["Estimator"]
 
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
-
-
-@dataclasses.dataclass
-class Position:
-    """Where the loop stands, at a boundary between events.
-
-    ``phase`` is ``"start"`` before the first batch, ``"batch_end"`` after a batch and all its
-    ``batch_end`` handlers, ``"epoch_end"`` after an epoch and all its ``epoch_end`` handlers
-    (then ``epoch`` is already the next epoch). ``stop`` records a stop requested there.
-    """
-
-    epoch: int = 0
-    batch: int = 0
-    step: int = 0
-    phase: str = "start"
-    stop: bool = False
-
-
-class _Run:
-    """The state of one ``fit`` call that is not a handler's: the loop's own bookkeeping."""
-
-    def __init__(self, dispatch: Dispatch, stream: TrainStream, plan: dict[str, Optional[int]],
-                 batch_axis: int, signals: SignalGuard):
-        self.dispatch = dispatch
-        self.stream = stream
-        self.plan = plan
-        self.batch_axis = batch_axis
-        self.signals = signals
-        self.agreement = StopAgreement(distributed.is_distributed())
-        self.pos = Position()
-        self.history = History()
-        self.pending: Optional[dict[str, Any]] = None
-        self.boundary_actions: list[Callable[[], None]] = []
-        self.at_boundary = True
-        self.began = False  # train_begin was fired: train_end will be
-        self.started = False  # the loop holds this fit's state (a resume applied): worth recording
-        self.evaluated = False
-        self.stateless_metrics: set[str] = set()
 
 
 def _rename(metric: Any, prefix: str) -> Any:
@@ -209,7 +178,7 @@ class Estimator:
         self.max_batch: Optional[int] = None
         self.batch_axis = 0
         self._dispatch = Dispatch([])
-        self._run: Optional[_Run] = None
+        self._run: Optional[Run] = None
         self._fitting = False
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
@@ -327,7 +296,7 @@ class Estimator:
         return self._fit(run)
 
     def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
-                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool) -> _Run:
+                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool) -> Run:
         """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
         rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
         if (epochs is None) == (batches is None):
@@ -363,17 +332,13 @@ class Estimator:
                           "(load and discard) the batches before the saved position, and random draws made while "
                           "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
                           "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
-        run = _Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
+        run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                    self._signal_guard(handlers))
         if resume:
-            run.pending = self._resume_plan(self._last, run, source="the previous fit")
+            run.pending = resume_plan(run, self._last, source="the previous fit")
         return run
 
     def _default_handlers(self, user: list[Any], val_data: Any) -> list[Any]:
-        from ..event_handlers import (GradientUpdateHandler, LoggingHandler, LRSchedulerHandler,
-                                      MetricHandler, ProgressBarHandler, StoppingHandler,
-                                      ValidationHandler)
-
         def missing(cls: type) -> bool:
             return not any(isinstance(h, cls) for h in user)
 
@@ -395,7 +360,7 @@ class Estimator:
             defaults.append(ProgressBarHandler())
         return defaults
 
-    def _fit(self, run: _Run) -> History:
+    def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis)
         self._run, self._dispatch, self._fitting = run, run.dispatch, True
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
@@ -425,7 +390,7 @@ class Estimator:
             if not run.started:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis = before
 
-    def _end(self, run: _Run, failed: bool) -> None:
+    def _end(self, run: Run, failed: bool) -> None:
         """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
         snapshot_error = self._final_snapshot(run, failed)
         try:
@@ -436,14 +401,14 @@ class Estimator:
         if snapshot_error is not None and not failed:
             raise snapshot_error
 
-    def _final_snapshot(self, run: _Run, failed: bool) -> Optional[Exception]:
+    def _final_snapshot(self, run: Run, failed: bool) -> Optional[Exception]:
         """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
         held any state of its own); return the error if a handler's ``state_dict`` fails, so
         that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
         if not run.started:
             return None
         try:
-            self._last = self._snapshot(run, partial=not run.at_boundary)
+            self._last = take_snapshot(self, run, partial=not run.at_boundary)
             return None
         except Exception as err:  # reported after train_end, or logged if another error is on its way
             self._last = None
@@ -451,7 +416,7 @@ class Estimator:
                 self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
             return err
 
-    def _train_end(self, run: _Run, failed: bool) -> None:
+    def _train_end(self, run: Run, failed: bool) -> None:
         """Fire train_end to every handler, even when one of them raises."""
         first: Optional[BaseException] = None
         for fn in run.dispatch.train_end:
@@ -466,17 +431,17 @@ class Estimator:
         if first is not None and not failed:
             raise first
 
-    def _loop(self, run: _Run) -> None:
+    def _loop(self, run: Run) -> None:
         dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
         processor, device, axis, multi = self.batch_processor, self.device, run.batch_axis, agreement.multi
         pending, run.pending = run.pending, None
         if pending is not None and pending["position"]["phase"] != "batch_end":
-            self._restore(run, pending)
+            restore_snapshot(self, run, pending)
             pending = None
             if pos.stop:
                 self.logger.warning("Nothing to resume: the saved run already finished its plan "
                                     "(%s). Pass a larger epochs= or batches= to train further.",
-                                    _describe_plan(run.plan))
+                                    describe_plan(run.plan))
                 return
         if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
             pos.epoch = pending["position"]["epoch"]
@@ -487,7 +452,7 @@ class Estimator:
             run.at_boundary = False
             dispatch.fire("epoch_begin", self)
             if pending is not None:
-                self._restore(run, pending)
+                restore_snapshot(self, run, pending)
                 pending = None
             if not pos.stop:
                 batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
@@ -536,13 +501,13 @@ class Estimator:
                 return
 
     @staticmethod
-    def _stop_for(run: _Run, code: int) -> None:
+    def _stop_for(run: Run, code: int) -> None:
         """Leave the loop at this boundary because of a signal (agreed by every rank)."""
         run.signals.stoppable = False
         run.signals.stopped = SIGNAL_NAMES[code]
         raise stop_exception(run.signals.stopped)
 
-    def _run_boundary_actions(self, run: _Run) -> None:
+    def _run_boundary_actions(self, run: Run) -> None:
         actions, run.boundary_actions = run.boundary_actions, []
         for action in actions:
             action()
@@ -557,9 +522,7 @@ class Estimator:
             raise RuntimeError("at_boundary() is only available during fit")
         self._run.boundary_actions.append(action)
 
-    def _record_history(self, run: _Run, epoch: int) -> None:
-        from ..event_handlers.lr_scheduler import epoch_learning_rates
-
+    def _record_history(self, run: Run, epoch: int) -> None:
         values = {metric_name(m): m.compute() for m in self.train_metrics}
         if run.evaluated:
             values.update((metric_name(m), m.compute()) for m in self.val_metrics)
@@ -602,96 +565,86 @@ class Estimator:
         """A copy of where the current (or last) fit stands."""
         return dataclasses.replace(self._run.pos) if self._run is not None else Position()
 
-    def _snapshot(self, run: _Run, partial: bool = False) -> dict[str, Any]:
-        """This rank's state at the current boundary: everything but model and optimizer."""
-        handlers = {name: h.state_dict() for name, h in run.dispatch.by_name.items()
-                    if callable(getattr(h, "state_dict", None))}
-        metrics: dict[str, Any] = {}
-        for metric in self.train_metrics + self.val_metrics:
-            state = metric.state_dict() if callable(getattr(metric, "state_dict", None)) else None
-            if state is not None:
-                metrics[metric_name(metric)] = state
-            if not state and not isinstance(metric, Metric) and run.pos.phase == "batch_end" \
-                    and metric_name(metric) not in run.stateless_metrics:
-                run.stateless_metrics.add(metric_name(metric))  # warned once per fit
-                warnings.warn(f"metric {metric_name(metric)!r} keeps no state (no or an empty state_dict(), e.g. "
-                              "a torchmetrics metric whose states are not persistent): resuming from here "
-                              "restarts its running value for this epoch", stacklevel=3)
-        return {
-            "position": dataclasses.asdict(run.pos),
-            "plan": dict(run.plan),
-            "partial": partial,
-            "handlers": handlers,
-            "metrics": metrics,
-            "history": run.history.state_dict(),
-            "evaluated": run.evaluated,
-            "data": run.stream.state_dict(),
-            "fingerprint": run.stream.fingerprint(),
-            "rng": rng.get_state(cuda=self.device.type == "cuda"),
-            "pending_stop": run.agreement.pending_stop,  # this rank's part of a stop agreement in flight
-            "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
-        }
-
-    def _resume_plan(self, snapshot: dict[str, Any], run: _Run, source: str) -> dict[str, Any]:
-        """Check a snapshot against this fit (data fingerprint, plan) before any work starts,
-        and decide whether its recorded stop still holds under the new plan."""
-        check_fingerprint(snapshot["fingerprint"], run.stream.fingerprint(), source)
-        if not isinstance(snapshot.get("pending_stop", False), bool):  # read by the stop agreement
-            raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, "
-                             f"got {snapshot['pending_stop']!r}")
-        pos = snapshot["position"]
-        epochs, batches = run.plan["epochs"], run.plan["batches"]
-        same_plan = snapshot["plan"] == run.plan
-        if batches is not None and pos["step"] > batches or epochs is not None and pos["epoch"] > epochs:
-            raise ValueError(f"cannot resume from {source}: it already trained {pos['step']} batches "
-                             f"in {pos['epoch']} epochs, beyond the plan {_describe_plan(run.plan)}")
-        reached = (batches is not None and pos["step"] >= batches) or \
-                  (epochs is not None and pos["phase"] == "epoch_end" and pos["epoch"] >= epochs)
-        snapshot = dict(snapshot, position=dict(pos, stop=reached or (pos["stop"] and same_plan)), source=source)
-        if snapshot["partial"]:
-            warnings.warn(f"{source} was interrupted in the middle of a step or epoch end: resuming "
-                          "restarts it, so results may differ from an uninterrupted run. "
-                          "(Ctrl-C stops at a step boundary and resumes exactly.)", stacklevel=3)
-        return snapshot
-
-    def _restore(self, run: _Run, snapshot: dict[str, Any]) -> None:
-        """Put a snapshot's state into this fit's handlers, metrics, data and generators."""
-        pos = snapshot["position"]
-        self.logger.info("Resuming from %s: %d epochs and %d batches done", snapshot["source"], pos["epoch"], pos["step"])
-        saved = snapshot["handlers"]
-        for name, handler in run.dispatch.by_name.items():
-            if not callable(getattr(handler, "load_state_dict", None)):
-                continue
-            if name in saved:
-                handler.load_state_dict(saved[name])
-            elif handler.state_dict():
-                warnings.warn(f"handler {name!r} has no saved state to resume from; it starts fresh", stacklevel=2)
-        for metric in self.train_metrics + self.val_metrics:
-            name = metric_name(metric)
-            if name in snapshot["metrics"] and callable(getattr(metric, "load_state_dict", None)):
-                metric.load_state_dict(snapshot["metrics"][name])
-        run.history.load_state_dict(snapshot["history"])
-        run.evaluated = snapshot["evaluated"]
-        run.stream.load_state_dict(snapshot["data"])
-        for key, value in snapshot["position"].items():  # in place: the loop holds run.pos
-            setattr(run.pos, key, value)
-        if snapshot["partial"] and self.optimizer is not None:
-            self.optimizer.zero_grad(set_to_none=True)
-        run.agreement.restore(snapshot.get("pending_stop", False), pos["phase"] == "batch_end")
-        run.started = True
-        rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step
-
     def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
         """Resume the current fit from ``snapshot`` (a CheckpointHandler calls this in
         ``train_begin``). Validated at once; applied when the loop reaches the saved position."""
         if not self._fitting:
             raise RuntimeError("request_resume() is only available during fit")
-        self._run.pending = self._resume_plan(snapshot, self._run, source)
+        self._run.pending = resume_plan(self._run, snapshot, source)
 
     @property
     def resume_pending(self) -> bool:
         """True when the current fit will resume from a snapshot."""
         return self._fitting and self._run.pending is not None
+
+    @property
+    def resume_step(self) -> Optional[int]:
+        """The step (batches trained) the current fit resumes from, while a resume is pending."""
+        return self._run.pending["position"]["step"] if self.resume_pending else None
+
+    # -- the seam a checkpoint store calls ---------------------------------------------------
+    def state_payload(self) -> Optional[dict[str, Any]]:
+        """Everything needed to resume the current fit, for a checkpoint store to write: the
+        training state (``model`` under the plain module's keys whatever wraps it, ``optimizer``,
+        ``optimizer_class``, ``lr_scheduler``, ``grad_scaler``), ``world_size`` and ``ranks``,
+        every rank's snapshot (``estimator/_state.py`` declares what one holds). A collective
+        under torch.distributed: every rank must call it; global rank 0 gets the payload, the
+        other ranks None."""
+        if not self._fitting:
+            raise RuntimeError("state_payload() is only available during fit")
+        ranks = distributed.gather_to_main(take_snapshot(self, self._run))
+        if ranks is None:  # not rank 0: its snapshot went there
+            return None
+        return {
+            "world_size": len(ranks),
+            "model": checkpoint.model_state(self.net),
+            "optimizer": self.optimizer.state_dict(),
+            "optimizer_class": type(self.optimizer).__name__,
+            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
+            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
+            "ranks": ranks,
+        }
+
+    def check_payload(self, payload: dict[str, Any], source: str, *, rank: Optional[int] = None) -> dict[str, Any]:
+        """Check the run's state in a payload a store read (from ``source``) against the current
+        fit, as rank ``rank`` (defaults to this process's) would resume it, without changing
+        anything; returns the payload as the fit reads it (an elastic run's mapped onto this
+        world size). The training state's tensors are the store's to check.
+
+        Raises:
+            CheckpointError: naming ``source`` and what is wrong, in words.
+        """
+        if not self._fitting:
+            raise RuntimeError("check_payload() is only available during fit")
+        run, rank = self._run, distributed.get_rank() if rank is None else rank
+        payload = map_payload(self, run, payload, source)
+        try:
+            check_positions(payload["ranks"])
+            if rank >= len(payload["ranks"]):
+                raise CheckpointError(f"it holds {len(payload['ranks'])} rank snapshots, none for rank {rank}")
+            check_snapshot(self, run, checkpoint.rank_snapshot(payload, rank))
+        except CheckpointError as err:
+            raise CheckpointError(f"{source}: {err}") from None
+        return payload
+
+    def load_payload(self, payload: dict[str, Any], source: str) -> None:
+        """Resume the current fit from a payload :meth:`check_payload` passed: refuse one written
+        on another world size (unless mapped), check the data and the plan, and request the
+        resume, applied when the loop reaches the saved position. The store restores the
+        training state (``checkpoint.restore_training_state``) once every rank agreed.
+
+        Raises:
+            CheckpointError: written on another world size.
+            ValueError: for other data, or beyond this fit's plan.
+        """
+        if payload["world_size"] != distributed.get_world_size():
+            raise world_size_error(source, payload)
+        snapshot = checkpoint.rank_snapshot(payload, distributed.get_rank())
+        self.request_resume(snapshot, source)
+        if snapshot["position"]["step"] > 0 and self.optimizer is not None:
+            # The optimizer stepped before the checkpoint (in the process that wrote it): tell the LR
+            # scheduler's "step() before optimizer.step()" check, which reads this torch marker.
+            self.optimizer._opt_called = True  # type: ignore[attr-defined]
 
     # -- evaluate, predict -----------------------------------------------------------------
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
@@ -759,10 +712,8 @@ class Estimator:
 
     def _signal_guard(self, handlers: list[Any]) -> SignalGuard:
         """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are."""
-        from ..event_handlers import CheckpointHandler
-
         # only a handler writing resumable checkpoints saves the boundary (exporters do not)
-        savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h._layout.resumable]
+        savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
 
         def describe(name: str) -> str:
             rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
@@ -776,6 +727,3 @@ class Estimator:
         return (f"Estimator(net={type(self.net).__name__}, loss={type(self.loss).__name__}, "
                 f"optimizer={type(self.optimizer).__name__}, device={self.device})")
 
-
-def _describe_plan(plan: dict[str, Optional[int]]) -> str:
-    return f"epochs={plan['epochs']}" if plan["epochs"] is not None else f"batches={plan['batches']}"

@@ -61,6 +61,10 @@ class StatefulHandler:
     #: gradients DDP keeps in step): a checkpoint then stores it once, not once per rank.
     shared_state: bool = False
     _state_attrs: ClassVar[tuple[str, ...]] = ()
+    #: state keys that count this process's batches (or samples); an elastic resume on another
+    #: world size scales them like the position (``"a.b"``: entry ``b`` of the dict ``a``). Those
+    #: of the base classes count too.
+    elastic_batch_counters: ClassVar[tuple[str, ...]] = ()
 
     @property
     def name(self) -> str:

@@ -145,6 +145,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         (100, 3, 0)
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("current_batch",)
+
     _state_attrs = ("current_epoch", "current_batch", "best")
 
     def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointHandler":
@@ -214,6 +217,11 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
+
+    @property
+    def resumable(self) -> bool:
+        """True when this handler writes checkpoints a fit resumes from (not only exports)."""
+        return self._layout.resumable
 
     @property
     def name(self) -> str:
@@ -319,16 +327,14 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             return
         if not self.resume_from_checkpoint or estimator.resume_pending:  # pending: fit(..., resume=True)
             return
-        rank = distributed.get_rank()
-        found = checkpoint.agree_on_checkpoint(
-            estimator, self.model_dir, found,
-            lambda path, payload: estimator.request_resume(checkpoint.rank_snapshot(payload, rank), source=path))
+        found = checkpoint.agree_on_checkpoint(estimator, self.model_dir, found,
+                                               lambda path, payload: estimator.load_payload(payload, path))
         if found is None:
             estimator.logger.info("No checkpoint of prefix %r in %s: starting a new run", self.model_prefix, self.model_dir)
             return
         checkpoint.restore_training_state(estimator, found[1])
         # that boundary is saved already: a signal before the first step saves nothing again
-        self._resumed_step = checkpoint.rank_snapshot(found[1], rank)["position"]["step"]
+        self._resumed_step = estimator.resume_step
 
     def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,

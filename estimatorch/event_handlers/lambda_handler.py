@@ -9,7 +9,7 @@ from .._checks import check_state_keys
 from ._base import StatefulHandler
 from ._schedule import EventFilter
 from ._subscribe import subscribe
-from .mixins import EVENTS, TrainBegin
+from .mixins import BATCH_EVENTS, EVENTS, TrainBegin
 
 __all__ = ["LambdaHandler"]
 
@@ -52,6 +52,9 @@ class LambdaHandler(StatefulHandler, TrainBegin):
         >>> seen
         [1, 3]
     """
+
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = tuple(f"counts.{event}" for event in BATCH_EVENTS)
 
     _state_attrs = ("counts",)
 

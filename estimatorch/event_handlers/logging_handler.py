@@ -71,6 +71,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         50
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("batch_in_epoch", "samples_in_epoch")
+
     priority = float("inf")
     _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
 

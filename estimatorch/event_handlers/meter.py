@@ -71,6 +71,9 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
         ['gradient_norm', 'throughput']
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("step",)
+
     priority = -500
 
     def __init__(self, statistics: Any, *, writer: Any):

@@ -107,3 +107,6 @@ EVENTS: dict[str, type] = {
     "epoch_end": EpochEnd,
     "train_end": TrainEnd,
 }
+
+#: the events fired once per training batch (a handler counting them counts batches).
+BATCH_EVENTS = ("batch_begin", "forward_begin", "forward_end", "backward_begin", "backward_end", "batch_end")

@@ -89,6 +89,9 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         1.0
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("batch_in_epoch", "total_batches")
+
     priority = float("inf")
     _state_attrs = ("batch_in_epoch", "epochs_done", "total_batches")
 

@@ -33,6 +33,9 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         [False, True]
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("current_batch",)
+
     _state_attrs = ("current_epoch", "current_batch")
 
     def __init__(self, max_epoch: Optional[int] = None, max_batch: Optional[int] = None):

@@ -82,6 +82,9 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         (50, True)
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("total_batches",)
+
     priority = -500
     _state_attrs = ("current_epoch", "total_batches", "run_id")
 

@@ -81,6 +81,9 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         (2, 'loss')
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("total_batches", "batch_in_epoch", "checked")
+
     priority = 1000
     _state_attrs = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
 

@@ -42,6 +42,9 @@ class ValidationHandler(StatefulHandler, TrainBegin):
         [1, 1]
     """
 
+    #: state keys counting this process's batches (scaled by an elastic resume on another world size).
+    elastic_batch_counters = ("current_batch",)
+
     priority = -1000
 
     def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,

@@ -1,6 +1,6 @@
 """An elastic fit's view of a checkpoint: the per-rank snapshots of a run saved on one world size,
 mapped onto the ranks of a fit on another (``CheckpointHandler(..., elastic=True)``; the layout of
-the samples is in :mod:`estimatorch.estimator._elastic`).
+the samples is in :mod:`estimatorch.estimator._elastic`); ``Estimator.check_payload`` applies it.
 
 Both runs train ``S = world_size x accumulation_steps`` micro-batches of ``batch_size`` samples
 per optimizer step, the same samples in each step (anything else is refused). The mapping:
@@ -12,13 +12,14 @@ per optimizer step, the same samples in each step (anything else is refused). Th
   (exact: an elastic epoch is a whole number of steps), and so is a ``batches=`` plan.
 - **Handlers.** Every rank takes rank 0's handler states (the ranks of an elastic run train the
   same number of batches, and at an optimizer step ``GradientUpdateHandler`` holds nothing).
-  Counters of this process's batches (:data:`BATCH_COUNTERS`, and the state keys a handler lists
-  in its ``elastic_batch_counters`` attribute) are scaled like the position; any other state is
-  carried over as saved.
-- **Metrics.** The accumulators of every saved rank are combined by each state's ``reduce``:
-  rank 0 takes the sum (``"sum"``) and the concatenation (``"cat"``, rank order) and the other
-  ranks start from the state's default; every rank takes the mean (``"mean"``) and the minimum or
-  maximum (``"min"``/``"max"``). ``compute()`` over the new ranks then gives the value over every
+  Counters of this process's batches (the state keys each handler class lists in its
+  ``elastic_batch_counters`` attribute, those of its base classes included) are scaled like the
+  position; any other state is carried over as saved.
+- **Metrics.** The accumulators of every saved rank are combined by each state's ``reduce``
+  (:meth:`estimatorch.metrics.Metric.combine_rank_states`): rank 0 takes the sum (``"sum"``) and
+  the concatenation (``"cat"``, rank order) and the other ranks start from the state's default;
+  every rank takes the mean (``"mean"``) and the minimum or maximum (``"min"``/``"max"``).
+  ``compute()`` over the new ranks then gives the value over every
   sample trained so far, as before the change (up to float rounding: pending updates are folded
   at the mapping). A metric that is not an estimatorch ``Metric`` (its reductions are unknown)
   restarts its running value for this epoch, with a warning.
@@ -32,32 +33,20 @@ from __future__ import annotations
 
 import copy
 import warnings
-from typing import Any
+from typing import Any, Callable
 
 from .. import distributed, rng
-from ._format import CheckpointError, rank_snapshot
+from .._saved import CheckpointError
+from ..checkpoint import rank_snapshot
+from ..event_handlers import GradientUpdateHandler
+from ..metrics.base import Metric, metric_name
+from ._elastic import check_fingerprint, is_elastic
 
-__all__ = ["BATCH_COUNTERS", "for_this_fit"]
-
-_BATCH_EVENTS = ("batch_begin", "forward_begin", "forward_end", "backward_begin", "backward_end", "batch_end")
-
-#: handler class name -> the state keys that count this process's batches (or samples); a key
-#: ``"a.b"`` names entry ``b`` of the dict under ``a``.
-BATCH_COUNTERS: dict[str, tuple[str, ...]] = {
-    "StoppingHandler": ("current_batch",),
-    "CheckpointHandler": ("current_batch",),
-    "ValidationHandler": ("current_batch",),
-    "LoggingHandler": ("batch_in_epoch", "samples_in_epoch"),
-    "ProgressBarHandler": ("batch_in_epoch", "total_batches"),
-    "TerminateOnNaNHandler": ("total_batches", "batch_in_epoch", "checked"),
-    "TensorBoardHandler": ("total_batches",),
-    "MeterHandler": ("step",),
-    "LambdaHandler": tuple(f"counts.{event}" for event in _BATCH_EVENTS),
-}
+__all__ = ["batch_counters", "map_payload", "world_size_error"]
 
 
-def for_this_fit(estimator: Any, payload: dict[str, Any], source: str) -> dict[str, Any]:
-    """``payload`` as ``estimator``'s current fit resumes it: unchanged unless the fit is elastic;
+def map_payload(estimator: Any, run: Any, payload: dict[str, Any], source: str) -> dict[str, Any]:
+    """``payload`` as ``estimator``'s current fit (``run``) resumes it: unchanged unless the fit is elastic;
     for an elastic fit, refused unless written by an elastic fit of the same global batch, and
     mapped onto this world size when it was written on another.
 
@@ -65,9 +54,7 @@ def for_this_fit(estimator: Any, payload: dict[str, Any], source: str) -> dict[s
         CheckpointError: written without ``elastic=True``, with another global batch, or (on
             another world size) in the middle of an accumulation window.
     """
-    from ..estimator._elastic import check_fingerprint, is_elastic
-
-    layout = getattr(getattr(estimator._run, "stream", None), "layout", None)
+    layout = getattr(run.stream, "layout", None)
     if layout is None:
         return payload
     saved = payload["ranks"][0].get("fingerprint")
@@ -81,10 +68,10 @@ def for_this_fit(estimator: Any, payload: dict[str, Any], source: str) -> dict[s
         raise CheckpointError(str(err)) from None
     if payload["world_size"] == layout.world_size:
         return payload
-    return _remap(estimator, payload, layout, source)
+    return _remap(estimator, run, payload, layout, source)
 
 
-def _remap(estimator: Any, payload: dict[str, Any], layout: Any, source: str) -> dict[str, Any]:
+def _remap(estimator: Any, run: Any, payload: dict[str, Any], layout: Any, source: str) -> dict[str, Any]:
     old_world, new_world = payload["world_size"], layout.world_size
     old_k, rest = divmod(layout.slots, old_world)
     if rest or not old_k:
@@ -94,7 +81,7 @@ def _remap(estimator: Any, payload: dict[str, Any], layout: Any, source: str) ->
     snapshots = [rank_snapshot(payload, rank) for rank in range(old_world)]
     first = snapshots[0]
     position = first["position"]
-    accumulators = _accumulator_names(estimator)
+    accumulators = [name for name, h in run.dispatch.by_name.items() if isinstance(h, GradientUpdateHandler)]
     pending = [s["handlers"].get(name, {}).get("pending", 0) for s in snapshots for name in accumulators]
     if position["batch"] % old_k or any(pending):
         raise CheckpointError(
@@ -109,7 +96,7 @@ def _remap(estimator: Any, payload: dict[str, Any], layout: Any, source: str) ->
     if plan.get("batches") is not None and plan["batches"] % old_k == 0:
         plan["batches"] = scale(plan["batches"])
     metrics = _combined_metrics(estimator, [s["metrics"] for s in snapshots], new_world)
-    handlers = _scaled_handlers(estimator, first["handlers"], scale)
+    handlers = _scaled_handlers(run.dispatch.by_name, first["handlers"], scale)
     cuda = estimator.device.type == "cuda"
     ranks = []
     for rank in range(new_world):
@@ -129,26 +116,27 @@ def _remap(estimator: Any, payload: dict[str, Any], layout: Any, source: str) ->
     return {**payload, "world_size": new_world, "ranks": ranks}
 
 
-def _accumulator_names(estimator: Any) -> list[str]:
-    from ..event_handlers import GradientUpdateHandler
+def batch_counters(handler: Any) -> list[str]:
+    """The state keys of ``handler`` that count this process's batches: its own
+    ``elastic_batch_counters`` and those of every class it derives from (a key ``"a.b"`` names
+    entry ``b`` of the dict under ``a``)."""
+    keys = list(getattr(handler, "__dict__", {}).get("elastic_batch_counters", ()))
+    for cls in type(handler).__mro__:
+        keys += [key for key in cls.__dict__.get("elastic_batch_counters", ()) if key not in keys]
+    return keys
 
-    return [name for name, h in estimator._run.dispatch.by_name.items() if isinstance(h, GradientUpdateHandler)]
 
-
-def _scaled_handlers(estimator: Any, saved: dict[str, Any], scale: Any) -> dict[str, Any]:
+def _scaled_handlers(by_name: dict[str, Any], saved: dict[str, Any], scale: Callable[[Any], Any]) -> dict[str, Any]:
     """Rank 0's handler states with the counters of this process's batches scaled."""
     handlers = dict(saved)
-    for name, handler in estimator._run.dispatch.by_name.items():
+    for name, handler in by_name.items():
         state = handlers.get(name)
-        if not isinstance(state, dict):
-            continue
-        keys = list(getattr(handler, "elastic_batch_counters", ()))
-        keys += [key for cls in type(handler).__mro__ for key in BATCH_COUNTERS.get(cls.__name__, ())]
-        handlers[name] = _scaled(state, keys, scale)
+        if isinstance(state, dict):
+            handlers[name] = _scaled(state, batch_counters(handler), scale)
     return handlers
 
 
-def _scaled(state: dict[str, Any], keys: list[str], scale: Any) -> dict[str, Any]:
+def _scaled(state: dict[str, Any], keys: list[str], scale: Callable[[Any], Any]) -> dict[str, Any]:
     """``state`` with the entries ``keys`` names (``"a.b"``: entry ``b`` of the dict ``a``) scaled."""
     nested: dict[str, list[str]] = {}
     for key in keys:
@@ -166,8 +154,6 @@ def _scaled(state: dict[str, Any], keys: list[str], scale: Any) -> dict[str, Any
 
 def _combined_metrics(estimator: Any, saved: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
     """Per new rank: every metric's state, the saved ranks' accumulators combined (module notes)."""
-    from ..metrics.base import Metric, metric_name
-
     out: list[dict[str, Any]] = [{} for _ in range(new_world)]
     for metric in estimator.train_metrics + estimator.val_metrics:
         name = metric_name(metric)
@@ -177,38 +163,14 @@ def _combined_metrics(estimator: Any, saved: list[dict[str, Any]], new_world: in
             warnings.warn(f"metric {name!r} is not an estimatorch Metric: its per-rank state cannot be combined "
                           f"onto {new_world} processes, so its running value restarts for this epoch", stacklevel=4)
             continue
-        folded = []
-        for states in saved:
-            scratch = copy.deepcopy(metric)
-            scratch.load_state_dict(states[name])
-            folded.append(scratch._states())
-        for rank, state in enumerate(_combine_states(metric, folded, new_world)):
+        for rank, state in enumerate(metric.combine_rank_states([states[name] for states in saved], new_world)):
             out[rank][name] = state
     return out
-
-
-def _combine_states(metric: Any, folded: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
-    from ..metrics.base import _combine, _copy_state
-
-    ranks: list[dict[str, Any]] = [{"pending": []} for _ in range(new_world)]
-    for attr, reduce in metric._reductions.items():
-        values = [states[attr] for states in folded]
-        total = values[0]
-        for value in values[1:]:
-            total = _combine("sum" if reduce == "mean" else reduce, total, value)
-        if reduce == "mean":
-            total = total / len(values)
-        everywhere = reduce in ("mean", "min", "max")
-        for rank, state in enumerate(ranks):
-            state[attr] = _copy_state(total if everywhere or rank == 0 else metric._fresh(metric._defaults[attr]))
-    return ranks
 
 
 def world_size_error(path: str, payload: dict[str, Any]) -> CheckpointError:
     """The refusal of checkpoint ``payload`` (from ``path``), written on another world size, by a
     fit that cannot resume it there."""
-    from ..estimator._elastic import is_elastic
-
     written, now = payload["world_size"], distributed.get_world_size()
     processes = f"{written} process{'es' if written != 1 else ''}"
     fingerprint = payload["ranks"][0].get("fingerprint") if payload["ranks"] else None

@@ -5,8 +5,11 @@ from __future__ import annotations
 
 import torch
 
-from estimatorch.checkpoint._elastic import _BATCH_EVENTS, BATCH_COUNTERS, _combine_states, _scaled
+from estimatorch import event_handlers
+from estimatorch.estimator._elastic_resume import _scaled, batch_counters
+from estimatorch.event_handlers.mixins import BATCH_EVENTS
 from estimatorch.metrics import Metric
+from estimatorch.statistics import WeightNorm
 
 
 class EveryReduction(Metric):
@@ -32,12 +35,12 @@ class EveryReduction(Metric):
 def _state(values):
     metric = EveryReduction()
     metric.update(torch.tensor(values), None)
-    return metric._states()
+    return metric.state_dict()
 
 
 def test_saved_ranks_combine_into_new_ranks_by_each_states_reduction():
-    folded = [_state([1.0, 2.0]), _state([5.0]), _state([3.0, 3.0]), _state([0.5])]
-    first, second = _combine_states(EveryReduction(), folded, 2)
+    saved = [_state([1.0, 2.0]), _state([5.0]), _state([3.0, 3.0]), _state([0.5])]
+    first, second = EveryReduction().combine_rank_states(saved, 2)
     assert float(first["total"]) == 14.5 and first["count"] == 6  # sums: on rank 0
     assert float(second["total"]) == 0.0 and second["count"] == 0  # the others: the default
     assert float(first["average"]) == float(second["average"]) == (1.5 + 5 + 3 + 0.5) / 4  # means: everywhere
@@ -47,9 +50,6 @@ def test_saved_ranks_combine_into_new_ranks_by_each_states_reduction():
 
 
 def _built(name, tmp_path):
-    from estimatorch import event_handlers
-    from estimatorch.statistics import WeightNorm
-
     special = {
         "CheckpointHandler": lambda cls: cls(str(tmp_path)),
         "ValidationHandler": lambda cls: cls([(1, 2)], lambda *a, **k: None),
@@ -61,16 +61,29 @@ def _built(name, tmp_path):
     return special.get(name, lambda cls: cls())(cls)
 
 
+COUNTING = ["StoppingHandler", "CheckpointHandler", "ValidationHandler", "LoggingHandler", "ProgressBarHandler",
+            "TerminateOnNaNHandler", "TensorBoardHandler", "MeterHandler", "LambdaHandler"]
+
+
 def test_the_counters_scaled_on_a_topology_change_are_state_keys_of_their_handlers(tmp_path):
-    for name, keys in BATCH_COUNTERS.items():
-        state = _built(name, tmp_path).state_dict()
+    for name in COUNTING:
+        handler = _built(name, tmp_path)
+        state, keys = handler.state_dict(), batch_counters(handler)
+        assert keys, f"{name} counts batches: it declares elastic_batch_counters"
         for key in keys:
             outer, _, inner = key.partition(".")
             assert outer in state and (not inner or isinstance(state[outer], dict)), (name, key)
-    assert "batch_end" in _BATCH_EVENTS and "epoch_end" not in _BATCH_EVENTS
+    assert "batch_end" in BATCH_EVENTS and "epoch_end" not in BATCH_EVENTS
+
+
+def test_a_subclass_adds_counters_to_those_of_its_base():
+    class Mine(event_handlers.LoggingHandler):
+        elastic_batch_counters = ("mine",)
+
+    assert batch_counters(Mine()) == ["mine", *event_handlers.LoggingHandler.elastic_batch_counters]
 
 
 def test_counters_in_a_nested_state_are_scaled_and_nothing_else():
     state = {"counts": {"batch_end": 3, "epoch_end": 1}, "every": 3}
-    assert _scaled(state, list(BATCH_COUNTERS["LambdaHandler"]), lambda count: count * 2) == \
-        {"counts": {"batch_end": 6, "epoch_end": 1}, "every": 3}
+    keys = batch_counters(event_handlers.LambdaHandler(batch_end=print))
+    assert _scaled(state, keys, lambda count: count * 2) == {"counts": {"batch_end": 6, "epoch_end": 1}, "every": 3}
