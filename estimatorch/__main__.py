@@ -7,6 +7,7 @@ import sys
 from typing import Optional
 
 from ._demo import DESCRIPTION as _DEMO
+from ._demo import main as demo
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,8 +23,6 @@ def _parser() -> argparse.ArgumentParser:
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
     if argv and argv[0] == "demo":
-        from ._demo import main as demo
-
         return demo(argv[1:])
     parser = _parser()
     if not argv:

@@ -23,10 +23,12 @@ import time
 import traceback
 import warnings
 from collections.abc import Mapping, Sequence
+from multiprocessing.connection import wait
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
 import torch.distributed as dist
+import torch.multiprocessing as mp
 
 __all__ = [
     "REDUCTIONS",
@@ -528,9 +530,6 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: Optional[str
         backend = "nccl" if torch.cuda.is_available() and torch.cuda.device_count() >= nprocs else "gloo"
     if backend not in ("gloo", "nccl", "mpi"):
         raise ValueError(f"backend must be 'gloo', 'nccl', 'mpi' or None, got {backend!r}")
-    import torch.multiprocessing as mp
-    from multiprocessing.connection import wait
-
     ctx = mp.get_context("spawn")
     port = _free_port()
     procs, conns = [], []

@@ -51,7 +51,9 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .. import distributed, rng
+from ..event_handlers import GradientUpdateHandler
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
+from ._streams import _LoaderStream
 
 __all__ = ["ElasticLayout", "check_fingerprint", "configure_elastic", "is_elastic", "slot_positions"]
 
@@ -167,9 +169,6 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
     cannot be laid out so."""
     if not any(getattr(h, "elastic", False) is True for h in handlers):
         return
-    from ..event_handlers import GradientUpdateHandler
-    from ._streams import _LoaderStream
-
     why = ("elastic=True lays the samples of every optimizer step out over the processes, so train_data "
            "must be a map-style DataLoader with a batch_size and a sampler estimatorch orders by (seed, "
            "epoch): shuffle=True or False, a torch DistributedSampler or an estimatorch ResumableRandomSampler, "

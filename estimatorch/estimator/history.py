@@ -116,7 +116,7 @@ class History:
             The matplotlib figure.
         """
         try:
-            import matplotlib.pyplot as plt
+            import matplotlib.pyplot as plt  # optional: estimatorch[plot]
             from matplotlib.ticker import MaxNLocator
         except ImportError as err:
             raise ImportError(

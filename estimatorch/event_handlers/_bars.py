@@ -12,6 +12,9 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
+from tqdm import tqdm
+from tqdm.utils import _screen_shape_wrapper
+
 __all__ = ["ConsoleRedirect", "NotebookDisplay", "bar", "bar_class", "fit_postfix", "in_notebook", "short_name"]
 
 #: the line width postfixes are fitted to when the output's width is unknown (a file, a notebook).
@@ -72,9 +75,6 @@ def in_notebook() -> bool:
 def bar_class() -> type:
     """A ``tqdm`` text bar whose postfix is read only when tqdm redraws it (on its own time
     throttle, never on other steps) and cut to what fits the line."""
-    from tqdm import tqdm
-    from tqdm.utils import _screen_shape_wrapper
-
     screen_shape = _screen_shape_wrapper()
 
     class Bar(tqdm):  # type: ignore[misc, valid-type]
@@ -109,7 +109,7 @@ def bar(read_postfix: Optional[Callable[[], dict[str, str]]] = None, **kwargs: A
 
 
 def _open_display() -> Any:
-    from IPython.display import display
+    from IPython.display import display  # optional: IPython is there in a notebook only
 
     return display({"text/plain": ""}, raw=True, display_id=True)
 

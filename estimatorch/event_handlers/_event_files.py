@@ -51,6 +51,7 @@ def carry_over_events(files: list[str], keep: Callable[[str, int], bool], file_w
         >>> len(event_files(d))
         1
     """
+    # heavy (tensorboard imports protobuf and more): only when event files are copied
     from tensorboard.backend.event_processing.event_file_loader import LegacyEventFileLoader
 
     copied = 0

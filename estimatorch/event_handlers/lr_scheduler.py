@@ -4,18 +4,19 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+from torch.optim.lr_scheduler import ReduceLROnPlateau
+
 from ..metrics.base import is_metric, metric_name
 from .._checks import check_state_keys
 from ._base import StatefulHandler
 from ._subscribe import subscribe
+from .gradient_update import GradientUpdateHandler
 from .mixins import TrainBegin
 
 __all__ = ["LRSchedulerHandler", "epoch_learning_rates", "learning_rate_names"]
 
 
 def _is_plateau(scheduler: Any) -> bool:
-    from torch.optim.lr_scheduler import ReduceLROnPlateau
-
     return isinstance(scheduler, ReduceLROnPlateau)
 
 
@@ -135,8 +136,6 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._check_monitor(scheduler, self.monitor)
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
-        from .gradient_update import GradientUpdateHandler
-
         self._scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         self._updaters = [h for h in estimator.handlers if isinstance(h, GradientUpdateHandler)]
         self._before_step = None

@@ -125,7 +125,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         return os.path.join(self.log_dir, f"{self.run_name}_{run_id}")
 
     def _open(self) -> Any:
-        from torch.utils.tensorboard import SummaryWriter
+        from torch.utils.tensorboard import SummaryWriter  # heavy: only once a writer opens
 
         if self.run_id is None:
             self.run_id = new_run_id(lambda run_id: _claim(self._path(run_id)))

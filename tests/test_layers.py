@@ -1,0 +1,230 @@
+"""The package's layers, read from the sources: each module imports only from its own layer or the
+layers below it, modules import each other without cycles, and a function-local import is
+only one that defers an optional or heavy dependency, with a comment saying so.
+
+The layers, bottom to top (docs/architecture.md draws them):
+
+1. ``distributed``, ``rng``, the shared checks (``_checks``, ``_saved``), the batch conventions
+   (``_batches``), the version;
+2. ``metrics``;  3. ``samplers``;  4. ``checkpoint`` (storage only);
+5. the handler core: mixins, base, subscription, schedule, dispatch, the monitor rule, and the
+   helpers the handlers share (paths, progress bars, event files);
+6. ``statistics``;  7. the built-in handlers;  8. ``estimator``;
+9. ``testing``, the demo, the package ``__init__`` and ``__main__``.
+"""
+
+from __future__ import annotations
+
+import ast
+import os
+import pathlib
+import textwrap
+from typing import Optional
+
+import pytest
+
+PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "estimatorch"
+
+_CORE = ("mixins", "_base", "_subscribe", "_schedule", "_dispatch", "_monitor", "_paths", "_bars", "_event_files")
+#: module name prefix -> layer (the longest matching prefix decides).
+LAYERS: dict[str, int] = {
+    "estimatorch._version": 1, "estimatorch._checks": 1, "estimatorch._saved": 1, "estimatorch._batches": 1,
+    "estimatorch.distributed": 1, "estimatorch.rng": 1,
+    "estimatorch.metrics": 2,
+    "estimatorch.samplers": 3,
+    "estimatorch.checkpoint": 4,
+    **{f"estimatorch.event_handlers.{name}": 5 for name in _CORE},
+    "estimatorch.statistics": 6,
+    "estimatorch.event_handlers": 7,
+    "estimatorch.estimator": 8,
+    "estimatorch.testing": 9, "estimatorch._demo": 9, "estimatorch.__main__": 9, "estimatorch": 9,
+}
+#: words one of which the comment of a function-local import must hold.
+DEFERRED = ("optional", "heavy")
+
+
+def layer_of(module: str, layers: dict[str, int]) -> int:
+    """The layer of the longest prefix of ``module`` in ``layers`` (the top package's own name
+    stands for its ``__init__`` only: every other module must be placed)."""
+    best = max((prefix for prefix in layers
+                if module == prefix or ("." in prefix and module.startswith(prefix + "."))), key=len, default=None)
+    if best is None:
+        raise KeyError(f"{module} is in no layer: add it to LAYERS (and docs/architecture.md)")
+    return layers[best]
+
+
+def module_name(path: pathlib.Path, root: pathlib.Path) -> str:
+    parts = list(path.relative_to(root.parent).with_suffix("").parts)
+    return ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+
+
+def _targets(node: ast.AST, module: str, is_package: bool, root: pathlib.Path) -> list[str]:
+    """The package's own modules an import statement names (``from . import x`` names the module
+    ``x`` when it is one)."""
+    top = root.name
+    if isinstance(node, ast.Import):
+        return [alias.name for alias in node.names if alias.name.split(".")[0] == top]
+    assert isinstance(node, ast.ImportFrom)
+    if node.level:
+        base = module.split(".") if is_package else module.split(".")[:-1]
+        base = base[:len(base) - (node.level - 1)]
+        source = ".".join(base + ([node.module] if node.module else []))
+    else:
+        source = node.module or ""
+    if source.split(".")[0] != top:
+        return []
+    names = []
+    for alias in node.names:
+        candidate = f"{source}.{alias.name}"
+        path = root.parent.joinpath(*candidate.split("."))
+        names.append(candidate if path.with_suffix(".py").is_file() or (path / "__init__.py").is_file() else source)
+    return names
+
+
+def _local_imports(tree: ast.Module) -> list[ast.AST]:
+    found = []
+    for fn in ast.walk(tree):
+        if isinstance(fn, (ast.FunctionDef, ast.AsyncFunctionDef)):
+            found += [node for node in ast.walk(fn) if isinstance(node, (ast.Import, ast.ImportFrom))]
+    return found
+
+
+def _under_type_checking(tree: ast.Module) -> set[int]:
+    lines: set[int] = set()
+    for node in ast.walk(tree):
+        if isinstance(node, ast.If) and "TYPE_CHECKING" in ast.unparse(node.test):
+            lines.update(n.lineno for n in ast.walk(node) if hasattr(n, "lineno"))
+    return lines
+
+
+def check_package(root: pathlib.Path, layers: dict[str, int]) -> list[str]:
+    """Every breach of the rules in the sources under ``root``, in words."""
+    problems: list[str] = []
+    graph: dict[str, set[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        source = path.read_text()
+        tree = ast.parse(source)
+        lines = source.splitlines()
+        local = {id(node) for node in _local_imports(tree)}
+        skip = _under_type_checking(tree)
+        mine = layer_of(module, layers)
+        graph.setdefault(module, set())
+        for node in ast.walk(tree):
+            if not isinstance(node, (ast.Import, ast.ImportFrom)) or node.lineno in skip:
+                continue
+            targets = sorted(set(_targets(node, module, path.name == "__init__.py", root)))
+            where = f"{path.relative_to(root.parent)}:{node.lineno}"
+            if id(node) in local:
+                comment = " ".join(lines[node.lineno - 2:node.lineno]).lower()
+                if targets:
+                    problems.append(f"{where}: function-local import of {', '.join(targets)} (import it at the top)")
+                elif "#" not in comment or not any(word in comment for word in DEFERRED):
+                    problems.append(f"{where}: function-local import without a comment saying what optional or "
+                                    "heavy dependency it defers")
+                continue
+            for target in targets:
+                if layer_of(target, layers) > mine:
+                    problems.append(f"{where}: {module} (layer {mine}) imports {target} "
+                                    f"(layer {layer_of(target, layers)}), up the layers")
+                if target != module:
+                    graph[module].add(target)
+    cycle = _cycle(graph)
+    if cycle:
+        problems.append("an import cycle: " + " -> ".join(cycle))
+    return problems
+
+
+def _cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
+    """One cycle of ``graph`` (module -> the modules it imports at the top), if any."""
+    state: dict[str, int] = {}
+    stack: list[str] = []
+
+    def visit(node: str) -> Optional[list[str]]:
+        state[node] = 1
+        stack.append(node)
+        for nxt in sorted(graph.get(node, ())):
+            if state.get(nxt) == 1:
+                return stack[stack.index(nxt):] + [nxt]
+            if nxt not in state:
+                found = visit(nxt)
+                if found:
+                    return found
+        stack.pop()
+        state[node] = 2
+        return None
+
+    for node in sorted(graph):
+        if node not in state:
+            found = visit(node)
+            if found:
+                return found
+    return None
+
+
+def test_the_package_keeps_its_layers():
+    assert check_package(PACKAGE, LAYERS) == []
+
+
+def test_every_module_is_on_the_architecture_map():
+    """A new module belongs to a layer the docs describe."""
+    for path in PACKAGE.rglob("*.py"):
+        layer_of(module_name(path, PACKAGE), LAYERS)
+
+
+# -- the checker catches what it is for ------------------------------------------------------------
+def _write(root: pathlib.Path, files: dict[str, str]) -> pathlib.Path:
+    for name, text in files.items():
+        path = root / "estimatorch" / name
+        path.parent.mkdir(parents=True, exist_ok=True)
+        path.write_text(textwrap.dedent(text))
+    return root / "estimatorch"
+
+
+_TOY_LAYERS = {"estimatorch.rng": 1, "estimatorch.checkpoint": 4, "estimatorch.estimator": 8, "estimatorch": 9}
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"__init__.py": "", "rng.py": "", "checkpoint/__init__.py": "from .. import rng\n",
+      "estimator/__init__.py": "from ..checkpoint import x\n"}, []),
+    ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "",
+      "checkpoint/__init__.py": "from ..estimator import thing\n"}, ["up the layers"]),
+    ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "",
+      "checkpoint/__init__.py": "import estimatorch.estimator\n"}, ["up the layers"]),
+    ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "",
+      "checkpoint/__init__.py": "def f():\n    from ..estimator import thing\n"}, ["function-local import of"]),
+    ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "", "checkpoint/__init__.py":
+      "def f():\n    import matplotlib\n"}, ["without a comment"]),
+    ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "", "checkpoint/__init__.py":
+      "def f():\n    import matplotlib  # optional: the plot extra\n"}, []),
+    ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "",
+      "checkpoint/__init__.py": "from . import a\n", "checkpoint/a.py": "from . import b\n",
+      "checkpoint/b.py": "from . import a\n"}, ["an import cycle"]),
+], ids=["clean", "upward-from", "upward-import", "local-own", "local-uncommented", "local-commented", "cycle"])
+def test_the_checker_reports_each_breach(tmp_path, files, expected):
+    problems = check_package(_write(tmp_path, files), _TOY_LAYERS)
+    assert len(problems) == len(expected), problems
+    for problem, words in zip(problems, expected):
+        assert words in problem, problem
+
+
+def test_the_checker_names_a_module_in_no_layer(tmp_path):
+    root = _write(tmp_path, {"__init__.py": "", "stray.py": ""})
+    with pytest.raises(KeyError, match="estimatorch.stray is in no layer"):
+        check_package(root, {"estimatorch.rng": 1, "estimatorch": 9})
+
+
+def test_upward_import_in_the_real_package_is_caught(tmp_path):
+    """The real package with one upward import added (the checkpoint store importing the
+    estimator) fails the check."""
+    copy = tmp_path / "estimatorch"
+    for path in PACKAGE.rglob("*.py"):
+        target = copy / path.relative_to(PACKAGE)
+        target.parent.mkdir(parents=True, exist_ok=True)
+        target.write_text(path.read_text())
+    store = copy / "checkpoint" / "_format.py"
+    store.write_text(store.read_text() + "\nfrom ..estimator import Estimator\n")
+    problems = check_package(copy, LAYERS)
+    assert any("estimatorch.checkpoint._format (layer 4) imports estimatorch.estimator (layer 8)" in p
+               for p in problems), problems
+    assert os.path.isfile(PACKAGE / "checkpoint" / "_format.py")
