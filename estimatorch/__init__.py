@@ -3,25 +3,32 @@
 >>> from estimatorch import Estimator
 """
 
+from . import (  # noqa: E402
+    distributed,
+    metrics,
+    rng,
+    samplers,
+    statistics,  # noqa: E402
+)
 from ._version import __version__
-from . import distributed, metrics, rng, samplers  # noqa: E402
 from .estimator import BatchProcessor, Estimator, History  # noqa: E402
-from .event_handlers import (  # noqa: E402
+from .event_handlers import (  # noqa: E402  # noqa: E402  # noqa: E402
     CheckpointHandler,
+    CSVLoggerHandler,
     EarlyStoppingHandler,
     GradientUpdateHandler,
     LambdaHandler,
     LoggingHandler,
     LRSchedulerHandler,
+    MeterHandler,
     MetricHandler,
+    NonFiniteError,
     ProgressBarHandler,
     StoppingHandler,
+    TensorBoardHandler,
+    TerminateOnNaNHandler,
     ValidationHandler,
 )
-
-from . import statistics  # noqa: E402
-from .event_handlers import MeterHandler, TensorBoardHandler, TerminateOnNaNHandler  # noqa: E402
-from .event_handlers import CSVLoggerHandler, NonFiniteError  # noqa: E402
 
 __all__ = [
     "BatchProcessor",

@@ -135,7 +135,8 @@ def all_reduce_sum(values: Mapping[str, Union[torch.Tensor, int, float]],
     out: dict[str, torch.Tensor] = {}
     for key, part in zip(keys, packed.split(sizes)):
         ref = torch.as_tensor(values[key])
-        out[key] = part.reshape(ref.shape).to(device=out_device, dtype=ref.dtype if ref.is_floating_point() else torch.float64)
+        dtype = ref.dtype if ref.is_floating_point() else torch.float64
+        out[key] = part.reshape(ref.shape).to(device=out_device, dtype=dtype)
     return out
 
 

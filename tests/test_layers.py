@@ -25,10 +25,10 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "estimatorch"
 
-_CORE = ("mixins", "_base", "_subscribe", "_schedule", "_dispatch", "_monitor", "_paths", "_bars", "_event_files")
+_CORE = ("mixins", "_base", "_subscribe", "_dispatch", "_monitor", "_paths", "_bars", "_event_files")
 #: module name prefix -> layer (the longest matching prefix decides).
 LAYERS: dict[str, int] = {
-    "estimatorch._version": 1, "estimatorch._checks": 1, "estimatorch._saved": 1, "estimatorch._batches": 1,
+    "estimatorch._version": 1, "estimatorch._checks": 1, "estimatorch._schedule": 1, "estimatorch._saved": 1, "estimatorch._batches": 1,
     "estimatorch.distributed": 1, "estimatorch.rng": 1,
     "estimatorch.metrics": 2,
     "estimatorch.samplers": 3,
@@ -127,12 +127,20 @@ def check_package(root: pathlib.Path, layers: dict[str, int]) -> list[str]:
                 if layer_of(target, layers) > mine:
                     problems.append(f"{where}: {module} (layer {mine}) imports {target} "
                                     f"(layer {layer_of(target, layers)}), up the layers")
-                if target != module:
-                    graph[module].add(target)
+                graph[module].update(_imported(target, module, root.name))
     cycle = _cycle(graph)
     if cycle:
         problems.append("an import cycle: " + " -> ".join(cycle))
     return problems
+
+
+def _imported(target: str, module: str, top: str) -> set[str]:
+    """What importing ``target`` from ``module`` runs: ``target`` and, before it, the ``__init__``
+    of each package above it, but the top package and those ``module`` is already inside."""
+    parts = target.split(".")
+    run = {".".join(parts[:i]) for i in range(2, len(parts) + 1)}
+    inside = {module} | {".".join(module.split(".")[:i]) for i in range(1, module.count(".") + 1)}
+    return run - inside - {top}
 
 
 def _cycle(graph: dict[str, set[str]]) -> Optional[list[str]]:
@@ -200,12 +208,29 @@ _TOY_LAYERS = {"estimatorch.rng": 1, "estimatorch.checkpoint": 4, "estimatorch.e
     ({"__init__.py": "", "rng.py": "", "estimator/__init__.py": "",
       "checkpoint/__init__.py": "from . import a\n", "checkpoint/a.py": "from . import b\n",
       "checkpoint/b.py": "from . import a\n"}, ["an import cycle"]),
-], ids=["clean", "upward-from", "upward-import", "local-own", "local-uncommented", "local-commented", "cycle"])
+    ({"__init__.py": "", "rng.py": "", "checkpoint/__init__.py": "from ..estimator import low\n",
+      "estimator/__init__.py": "from . import high\n", "estimator/low.py": "",
+      "estimator/high.py": "from ..checkpoint import x\n"}, ["up the layers", "an import cycle"]),
+], ids=["clean", "upward-from", "upward-import", "local-own", "local-uncommented", "local-commented", "cycle",
+        "cycle-through-a-package-init"])
 def test_the_checker_reports_each_breach(tmp_path, files, expected):
     problems = check_package(_write(tmp_path, files), _TOY_LAYERS)
     assert len(problems) == len(expected), problems
     for problem, words in zip(problems, expected):
         assert words in problem, problem
+
+
+def test_the_checker_finds_a_cycle_that_only_a_package_init_closes(tmp_path):
+    """Each import keeps to the layers, but importing the core module of a package first runs the
+    package's ``__init__``, which imports a module above the importer: the circle that made the
+    statistics depend on the order of the package's imports."""
+    root = _write(tmp_path, {"__init__.py": "", "h/__init__.py": "from . import core, meter\n", "h/core.py": "",
+                             "h/meter.py": "from ..s import base\n", "s/__init__.py": "",
+                             "s/base.py": "from ..h import core\n"})
+    problems = check_package(root, {"estimatorch.h.core": 5, "estimatorch.s": 6, "estimatorch.h": 7,
+                                    "estimatorch": 9})
+    assert len(problems) == 1 and "an import cycle" in problems[0], problems
+    assert "estimatorch.h -> estimatorch.h.meter -> estimatorch.s.base -> estimatorch.h" in problems[0]
 
 
 def test_the_checker_names_a_module_in_no_layer(tmp_path):

@@ -32,6 +32,7 @@ Command line (exit status 0 when done, 2 on an error, the message on stderr)::
     python -m estimatorch.checkpoint migrate DIR       # upgrade every older file in DIR in place
 """
 
+from .._saved import CheckpointError
 from ._cli import main
 from ._files import (
     atomic_save,
@@ -46,7 +47,6 @@ from ._files import (
     weights_name,
     write_latest,
 )
-from .._saved import CheckpointError
 from ._format import (
     FORMAT_VERSION,
     MIGRATIONS,

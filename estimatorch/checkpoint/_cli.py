@@ -15,8 +15,8 @@ import torch
 
 from ._files import atomic_save
 from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
-from ._lock import DirectoryLock, DirectoryLockedError
 from ._locate import Located, locate
+from ._lock import DirectoryLock, DirectoryLockedError
 from ._weights import is_weights
 
 __all__ = ["main"]
@@ -81,8 +81,9 @@ def _inspect(path: str) -> int:
         return 0
     payload = found.content
     first = payload["ranks"][0]
-    print(f"{found.path}: checkpoint, format {payload['format_version']}, estimatorch {payload['estimatorch_version']}, "
-          f"torch {payload['torch_version']}, world size {payload['world_size']}")
+    print(f"{found.path}: checkpoint, format {payload['format_version']}, "
+          f"estimatorch {payload['estimatorch_version']}, torch {payload['torch_version']}, "
+          f"world size {payload['world_size']}")
     print(f"position {first['position']}, plan {first['plan']}")
     print(f"fingerprint {first['fingerprint']}")
     print(f"handlers {sorted(first['handlers'])}")
@@ -96,7 +97,8 @@ def _parser() -> argparse.ArgumentParser:
     p_inspect = sub.add_parser("inspect", help=INSPECT_HELP, description=INSPECT_HELP)
     p_inspect.add_argument("path", help="A checkpoint or export file, a {prefix}-latest pointer, or a directory.")
     p_migrate = sub.add_parser("migrate", help=MIGRATE_HELP, description=MIGRATE_HELP)
-    p_migrate.add_argument("directory", help="The directory whose checkpoints to upgrade (no fit may be writing there).")
+    p_migrate.add_argument("directory",
+                           help="The directory whose checkpoints to upgrade (no fit may be writing there).")
     return parser
 
 

@@ -5,8 +5,15 @@ from __future__ import annotations
 import dataclasses
 import os
 
-from ._files import best_name, best_weights_name, checkpoint_name, latest_name, list_checkpoints, list_weights, \
-    weights_name
+from ._files import (
+    best_name,
+    best_weights_name,
+    checkpoint_name,
+    latest_name,
+    list_checkpoints,
+    list_weights,
+    weights_name,
+)
 
 __all__ = ["Layout"]
 

@@ -69,7 +69,8 @@ def _follow(pointer: str) -> str:
         raise CheckpointError(f"pointer {pointer!r} should name a file in its directory, but holds {name[:80]!r}")
     target = os.path.join(os.path.dirname(pointer), name)
     if not os.path.isfile(target):
-        raise CheckpointError(f"pointer {pointer!r} names {name!r}, which is not in {os.path.dirname(pointer) or '.'!r} "
+        where = os.path.dirname(pointer) or "."
+        raise CheckpointError(f"pointer {pointer!r} names {name!r}, which is not in {where!r} "
                               "(removed or moved since the pointer was written?)")
     return target
 

@@ -14,8 +14,15 @@ from typing import Any, Callable, Optional
 
 from .. import distributed
 from ._files import PathLike, best_name, list_checkpoints
-from ._format import (FORMAT_VERSION, CheckpointError, NewerFormatError, file_digest, load, newer_format_error,
-                      read_format_version)
+from ._format import (
+    FORMAT_VERSION,
+    CheckpointError,
+    NewerFormatError,
+    file_digest,
+    load,
+    newer_format_error,
+    read_format_version,
+)
 from ._validate import check_against_fit
 
 __all__ = ["agree_on_checkpoint", "choose_checkpoint", "find_latest", "format_versions", "refuse_newer"]

@@ -11,9 +11,9 @@ from typing import Any, Callable
 import torch
 
 from .. import distributed, rng
-from ..metrics.base import split_loss_metrics, update_metrics
 from .._batches import to_device
 from ..event_handlers._dispatch import Dispatch, check_handlers, order_handlers
+from ..metrics.base import split_loss_metrics, update_metrics
 from ._sharding import InferenceData, for_inference
 
 __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]

@@ -203,7 +203,8 @@ def _check_rng(state: Any) -> None:
     check_keys(numpy_state, want_numpy, "rng['numpy']")
     inner = check_dict(numpy_state["state"], "rng['numpy']['state']")
     check_keys(inner, want_numpy["state"], "rng['numpy']['state']")
-    for key, value in [*inner.items(), ("has_uint32", numpy_state["has_uint32"]), ("uinteger", numpy_state["uinteger"])]:
+    extra = [("has_uint32", numpy_state["has_uint32"]), ("uinteger", numpy_state["uinteger"])]
+    for key, value in [*inner.items(), *extra]:
         if isinstance(value, bool) or not isinstance(value, int):
             raise CheckpointError(f"rng['numpy'] entry {key!r} must be an int, got {show(value)}")
     cuda = state.get("cuda")
@@ -245,7 +246,8 @@ def _check_metrics(saved: Any, metrics: list[Any]) -> None:
                 raise CheckpointError(f"the state of metric {name!r} lacks {attr!r}")
             check_like(state[attr], default, f"the state of metric {name!r}[{attr!r}]")
         if not isinstance(state.get("pending", []), (list, tuple)):
-            raise CheckpointError(f"the state of metric {name!r}['pending'] must be a list, got {show(state['pending'])}")
+            raise CheckpointError(f"the state of metric {name!r}['pending'] must be a list, "
+                                  f"got {show(state['pending'])}")
 
 
 def check_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None:

@@ -34,13 +34,13 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 
 from .. import distributed, rng
-from ._interrupts import IgnoreStopSignals
 from ..samplers.resumable import (
     ResumableDistributedSampler,
     ResumableRandomSampler,
     ResumableSampler,
     ResumableSequentialSampler,
 )
+from ._interrupts import IgnoreStopSignals
 
 __all__ = ["TrainStream", "make_train_stream"]
 

@@ -14,29 +14,51 @@ from typing import Any, Callable, Optional, Union
 import torch
 from torch import nn
 
-from .. import distributed, rng
-from ..event_handlers import _bars
-from .. import checkpoint
+from .. import checkpoint, distributed, rng
+from .._batches import to_device
 from .._checks import check_positive_int
 from .._saved import CheckpointError
-from ..event_handlers import (CheckpointHandler, GradientUpdateHandler, LoggingHandler, LRSchedulerHandler,
-                              MetricHandler, ProgressBarHandler, StoppingHandler, ValidationHandler)
+from ..event_handlers import (
+    CheckpointHandler,
+    GradientUpdateHandler,
+    LoggingHandler,
+    LRSchedulerHandler,
+    MetricHandler,
+    ProgressBarHandler,
+    StoppingHandler,
+    ValidationHandler,
+    _bars,
+)
+from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..metrics import Accuracy, Loss
-from ..metrics.base import Metric, as_metric_list, metric_name
-from ._checks import PRECISIONS, check_optimizer, check_unique_handlers, precision_name, resolve_device
-from ._checks import check_bool, check_iterable
-from .._batches import to_device
-from ._streams import TrainStream, make_train_stream
-from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
+from ..metrics.base import as_metric_list, metric_name
+from ._checks import (
+    PRECISIONS,
+    check_bool,
+    check_iterable,
+    check_optimizer,
+    check_unique_handlers,
+    precision_name,
+    resolve_device,
+)
 from ._elastic import configure_elastic
 from ._elastic_resume import map_payload, world_size_error
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._predict import run_prediction
-from ._state import (POSITION_KEYS, Position, Run, check_positions, check_snapshot, describe_plan,
-                     restore_snapshot, resume_plan, take_snapshot)
+from ._state import (
+    Position,
+    Run,
+    check_positions,
+    check_snapshot,
+    describe_plan,
+    restore_snapshot,
+    resume_plan,
+    take_snapshot,
+)
+from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
 from .history import History
 
@@ -164,7 +186,7 @@ class Estimator:
                 optimizer = torch.optim.SGD(params, lr=0.01)
         self.optimizer = optimizer
         if lr_scheduler is not None:
-            if not (callable(getattr(lr_scheduler, "step", None)) and callable(getattr(lr_scheduler, "state_dict", None))):
+            if not all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
                 raise TypeError(f"lr_scheduler must be a torch LR scheduler, got {lr_scheduler!r}")
             if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
                 raise ValueError("lr_scheduler must schedule this estimator's optimizer")
@@ -327,7 +349,8 @@ class Estimator:
             if check is not None:
                 check(self, resume=resume)
         configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
-        if not stream.exact and (resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)):
+        resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
+        if not stream.exact and resumes:
             warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
                           "(load and discard) the batches before the saved position, and random draws made while "
                           "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "

@@ -49,7 +49,7 @@ class History:
         for name, value in values.items():
             added = added or name not in self._values
             self._values.setdefault(name, [math.nan] * n).append(float(value))
-        for name, column in self._values.items():
+        for column in self._values.values():
             if len(column) == n:
                 column.append(math.nan)
         if added:  # learning rates stay after the metrics

@@ -4,8 +4,8 @@ A handler subscribes to events by inheriting their mixins (see :mod:`.mixins`); 
 handlers by ``priority`` (lower first).
 """
 
+from .._schedule import EventFilter
 from ._base import StatefulHandler
-from ._schedule import EventFilter
 from .checkpoint_handler import CheckpointHandler
 from .csv_logger import CSVLoggerHandler
 from .early_stopping import EarlyStoppingHandler
@@ -13,6 +13,7 @@ from .gradient_update import GradientUpdateHandler
 from .lambda_handler import LambdaHandler
 from .logging_handler import LoggingHandler
 from .lr_scheduler import LRSchedulerHandler
+from .meter import MeterHandler
 from .metric import MetricHandler
 from .mixins import (
     EVENTS,
@@ -29,10 +30,9 @@ from .mixins import (
 )
 from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler
-from .validation import ValidationHandler
 from .tensorboard import TensorBoardHandler
 from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
-from .meter import MeterHandler
+from .validation import ValidationHandler
 
 __all__ = [
     "EVENTS",

@@ -185,7 +185,7 @@ class _BarSafe(logging.Handler):
             self.bar_type.write(self.wrapped.format(record), file=self.wrapped.stream)  # type: ignore[attr-defined]
         except RecursionError:
             raise
-        except Exception:  # logging's own policy: report, never break training
+        except Exception:  # noqa: BLE001 - logging's own policy: report, never break training
             self.handleError(record)
 
 

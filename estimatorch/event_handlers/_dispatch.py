@@ -7,8 +7,8 @@ import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
-from .mixins import EVENTS
 from ..metrics.base import is_metric, metric_name
+from .mixins import EVENTS
 
 __all__ = ["Dispatch", "check_handlers", "handler_name", "order_handlers"]
 

@@ -11,13 +11,13 @@ import weakref
 from typing import Any, Optional, Union
 
 from .. import checkpoint, distributed
-from ..metrics.base import is_metric, metric_name
 from .._checks import check_file_prefix, check_positive_int, check_state_keys
+from .._schedule import EventFilter
+from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler
-from ._paths import check_output_dir
-from ._schedule import EventFilter
-from ._subscribe import periodic_events, with_events
 from ._monitor import improved, resolve_mode
+from ._paths import check_output_dir
+from ._subscribe import periodic_events, with_events
 from .mixins import TrainBegin, TrainEnd
 
 __all__ = ["CheckpointHandler"]
@@ -83,9 +83,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     **Exports for inference** (Keras' ``ModelCheckpoint`` options). ``save_weights_only=True``
     writes the model's weights alone instead of checkpoints:
     ``{model_prefix}-epoch{E}batch{B}.weights.pt`` and ``{model_prefix}-best.weights.pt``, each a
-    plain state dict of the unwrapped module (no ``module.`` or ``_orig_mod.`` in its keys, tensors on the CPU) that plain PyTorch
-    loads: ``net.load_state_dict(torch.load(path, weights_only=True))``. ``save_best_only=True``
-    writes no periodic file, only the best one, whenever ``monitor`` improves at a check (every
+    plain state dict of the unwrapped module (no ``module.`` or ``_orig_mod.`` in its keys, tensors
+    on the CPU) that plain PyTorch loads: ``net.load_state_dict(torch.load(path, weights_only=True))``.
+    ``save_best_only=True`` writes no periodic file, only the best one, whenever ``monitor`` improves at a check (every
     ``epoch_period`` epochs and/or ``batch_period`` batches); ``initial_value_threshold`` makes
     the best file wait until ``monitor`` beats that value. Exports are written atomically, like
     checkpoints, and never pruned (``max_checkpoints`` counts checkpoints only). A handler with
@@ -330,7 +330,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         found = checkpoint.agree_on_checkpoint(estimator, self.model_dir, found,
                                                lambda path, payload: estimator.load_payload(payload, path))
         if found is None:
-            estimator.logger.info("No checkpoint of prefix %r in %s: starting a new run", self.model_prefix, self.model_dir)
+            estimator.logger.info("No checkpoint of prefix %r in %s: starting a new run", self.model_prefix,
+                                  self.model_dir)
             return
         checkpoint.restore_training_state(estimator, found[1])
         # that boundary is saved already: a signal before the first step saves nothing again

@@ -8,8 +8,8 @@ import warnings
 from typing import Any, Optional, Union
 
 from .. import distributed
-from ..metrics.base import metric_name
 from .._checks import check_positive_int, check_state_keys
+from ..metrics.base import metric_name
 from ._base import StatefulHandler
 from ._paths import check_output_file, path_argument
 from .lr_scheduler import epoch_learning_rates, learning_rate_names

@@ -9,9 +9,9 @@ from typing import Any, Optional
 
 import torch
 
+from .._checks import check_positive_int
 from ..checkpoint import load_model_state, model_state
 from ..metrics.base import is_metric, metric_name
-from .._checks import check_positive_int
 from ._base import StatefulHandler
 from ._monitor import improved, resolve_mode
 from .mixins import EpochEnd, TrainBegin, TrainEnd
@@ -59,7 +59,8 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
                  baseline: Optional[float] = None, restore_best_weights: bool = False, *,
                  start_from_epoch: int = 0):
         if not is_metric(monitor):
-            raise TypeError(f"monitor must be a metric object the estimator owns (e.g. est.val_metrics[0]), got {monitor!r}")
+            raise TypeError("monitor must be a metric object the estimator owns (e.g. est.val_metrics[0]), "
+                            f"got {monitor!r}")
         if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not min_delta >= 0:
             raise ValueError(f"min_delta must be a non-negative number, got {min_delta!r}")
         check_positive_int(patience, "patience", minimum=0)

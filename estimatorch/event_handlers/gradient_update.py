@@ -2,14 +2,13 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
-from .._checks import check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys, is_real
 from ._base import StatefulHandler
 from ._subscribe import subscribe
 from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
@@ -46,8 +45,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
 
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
         self.accumulation_steps = check_positive_int(accumulation_steps, "accumulation_steps")
-        if clip_grad_norm is not None and (isinstance(clip_grad_norm, bool) or not isinstance(clip_grad_norm, numbers.Real)
-                                           or not clip_grad_norm > 0):
+        if clip_grad_norm is not None and (not is_real(clip_grad_norm) or not clip_grad_norm > 0):
             raise ValueError(f"clip_grad_norm must be a positive number or None, got {clip_grad_norm!r}")
         self.clip_grad_norm = None if clip_grad_norm is None else float(clip_grad_norm)
         self.pending = 0

@@ -6,8 +6,8 @@ import numbers
 from typing import Any, Callable, Optional
 
 from .._checks import check_state_keys
+from .._schedule import EventFilter
 from ._base import StatefulHandler
-from ._schedule import EventFilter
 from ._subscribe import subscribe
 from .mixins import BATCH_EVENTS, EVENTS, TrainBegin
 

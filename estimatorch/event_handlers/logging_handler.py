@@ -10,11 +10,11 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from .._batches import batch_size_of
-from ..metrics.base import as_metric_list, metric_name
 from .._checks import check_file_prefix, check_state_keys
+from .._schedule import EventFilter
+from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
-from ._schedule import EventFilter
 from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates
 from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd

@@ -6,8 +6,8 @@ from typing import Any, Optional
 
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
-from ..metrics.base import is_metric, metric_name
 from .._checks import check_state_keys
+from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler
 from ._subscribe import subscribe
 from .gradient_update import GradientUpdateHandler

@@ -8,9 +8,9 @@ from typing import Any, Callable
 import torch
 
 from .. import distributed
+from .._checks import check_state_keys
 from ..statistics.base import STEP_EVENTS, Statistic
 from ..statistics.callback import CallbackStatistic
-from .._checks import check_state_keys
 from ._base import StatefulHandler
 from ._subscribe import subscribe
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd

@@ -8,9 +8,9 @@ import time
 from typing import Any, Callable, Optional
 
 from .. import distributed
+from .._checks import check_state_keys
 from ..metrics.base import Metric, as_metric_list, metric_name
 from . import _bars
-from .._checks import check_state_keys
 from ._base import StatefulHandler
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 

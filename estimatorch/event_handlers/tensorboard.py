@@ -8,12 +8,12 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from .._batches import batch_size_of
-from ..metrics.base import metric_name
 from .._checks import check_file_prefix, check_positive_int, check_state_keys
+from .._schedule import EventFilter
+from ..metrics.base import metric_name
 from ._base import StatefulHandler
 from ._event_files import carry_over_events, event_files
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
-from ._schedule import EventFilter
 from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd

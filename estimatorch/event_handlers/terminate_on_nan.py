@@ -8,10 +8,10 @@ from typing import Any, Optional
 import torch
 
 from .. import distributed
-from ..metrics.base import as_metric_list, metric_name
 from .._checks import check_positive_int, check_state_keys
+from .._schedule import EventFilter
+from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler
-from ._schedule import EventFilter
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
 
 __all__ = ["NonFiniteError", "TerminateOnNaNHandler"]

@@ -6,11 +6,11 @@ from collections.abc import Iterable, Iterator
 from typing import Any, Callable, Optional
 
 from .._checks import check_positive_int, check_state_keys
+from .._schedule import EventFilter
 from ._base import StatefulHandler
-from ._schedule import EventFilter
+from ._dispatch import check_handlers
 from ._subscribe import subscribe
 from .mixins import TrainBegin
-from ._dispatch import check_handlers
 
 __all__ = ["ValidationHandler"]
 

@@ -380,7 +380,7 @@ def split_loss_metrics(metrics: list[Any]) -> tuple[list[Any], list[Any]]:
     with the predictions (a metric counts as a loss metric if it sets ``is_loss_metric = True``,
     as :class:`~estimatorch.metrics.Loss` does)."""
     losses = [m for m in metrics if getattr(m, "is_loss_metric", False)]
-    return losses, [m for m in metrics if not any(m is l for l in losses)]
+    return losses, [m for m in metrics if not any(m is loss for loss in losses)]
 
 
 def update_metrics(loss_metrics: list[Any], other_metrics: list[Any], pred: Any, label: Any,

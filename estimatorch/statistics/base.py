@@ -19,7 +19,7 @@ from typing import Any, ClassVar, Optional, Union
 import torch
 
 from .._checks import check_positive_int, check_state_keys
-from ..event_handlers._schedule import EventFilter
+from .._schedule import EventFilter
 
 __all__ = ["InstantaneousStatistic", "RunningStatistic", "Statistic", "select_parameters"]
 
@@ -189,7 +189,8 @@ class RunningStatistic(Statistic):
         self.reset()
 
 
-def select_parameters(net: torch.nn.Module, names: Optional[list[str]], owner: str) -> list[tuple[str, torch.nn.Parameter]]:
+def select_parameters(net: torch.nn.Module, names: Optional[list[str]],
+                      owner: str) -> list[tuple[str, torch.nn.Parameter]]:
     """``(name, parameter)`` pairs of ``net``: those named, or every trainable one.
 
     Raises:

@@ -70,11 +70,17 @@ class EpochGradientNorm(RunningStatistic):
         return {"mean": self.total / self.count, "max": self.max}
 
     def state_dict(self) -> dict[str, Any]:
-        clone = (lambda t: None if t is None else t.detach().clone())
-        return {"total": clone(self.total), "max": clone(self.max), "count": self.count}
+        return {"total": _clone(self.total), "max": _clone(self.max), "count": self.count}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, ("total", "max", "count"), f"statistic {self.name!r}")
         device = self._params[0][1].device if getattr(self, "_params", None) else None
-        move = (lambda t: None if t is None else torch.as_tensor(t).to(device).clone())
-        self.total, self.max, self.count = move(state["total"]), move(state["max"]), int(state["count"])
+        self.total, self.max = _clone(state["total"], device), _clone(state["max"], device)
+        self.count = int(state["count"])
+
+
+def _clone(value: Any, device: Any = None) -> Any:
+    """A detached copy of a saved tensor (on ``device`` when given); None stays None."""
+    if value is None:
+        return None
+    return torch.as_tensor(value).detach().to(device).clone()

@@ -9,7 +9,7 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Callable, Optional, Union
 
-from .._checks import check_positive_int
+from ._checks import check_positive_int
 
 __all__ = ["EventFilter"]
 
