@@ -30,6 +30,8 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
+from ._checks import is_int
+
 __all__ = [
     "REDUCTIONS",
     "all_reduce_max_async",
@@ -53,6 +55,7 @@ __all__ = [
     "RankFailedError",
     "raise_on_every_rank",
     "rank_zero_writer",
+    "run_on_main",
     "share_outcome",
     "spawn",
     "torchrun_env",
@@ -390,6 +393,29 @@ def raise_on_every_rank(error: Optional[BaseException], what: str = "a step ever
     raise exception
 
 
+_T = TypeVar("_T")
+
+
+def run_on_main(fn: Callable[[], _T], what: str) -> Optional[_T]:
+    """Run ``fn()`` on global rank 0 only (a file write, a directory check) and agree on the
+    outcome: rank 0 gets its result and the other ranks None, or every rank raises its error
+    (:func:`raise_on_every_rank`, one small collective). Every rank must call it.
+
+    Example:
+        >>> run_on_main(lambda: 42, "a test")
+        42
+    """
+    result: Optional[_T] = None
+    error: Optional[BaseException] = None
+    if is_main_process():
+        try:
+            result = fn()
+        except Exception as err:  # noqa: BLE001 - every rank must hear of it
+            error = err
+    raise_on_every_rank(error, what)
+    return result
+
+
 def barrier() -> None:
     """Wait for every rank (no-op in a single process)."""
     if is_distributed():
@@ -523,7 +549,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: Optional[str
 
         scores = spawn(train, 2, 0.1)   # [scores on rank 0, scores on rank 1]
     """
-    if isinstance(nprocs, bool) or not isinstance(nprocs, int) or nprocs < 1:
+    if not is_int(nprocs) or nprocs < 1:
         raise ValueError(f"nprocs must be a positive int, got {nprocs!r}")
     if not callable(fn):
         raise TypeError(f"fn must be callable, got {fn!r}")

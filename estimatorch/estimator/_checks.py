@@ -12,18 +12,12 @@ from torch import nn
 from .. import distributed
 from ..event_handlers._dispatch import handler_name
 
-__all__ = ["PRECISIONS", "check_bool", "check_iterable", "check_optimizer", "check_unique_handlers",
+__all__ = ["PRECISIONS", "check_iterable", "check_optimizer", "check_unique_handlers",
            "precision_name", "resolve_device"]
 
 #: canonical precision name -> autocast dtype (None: no autocast).
 PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
 _ALIASES = {"bf16": "bf16-mixed", "fp16": "16-mixed", "16": "16-mixed"}
-
-
-def check_bool(value: Any, arg: str) -> bool:
-    if not isinstance(value, bool):
-        raise TypeError(f"{arg} must be a bool, got {value!r}")
-    return value
 
 
 def check_iterable(value: Any, arg: str, *, reread: bool = False) -> None:

@@ -36,6 +36,7 @@ import warnings
 from typing import Any, Callable
 
 from .. import distributed, rng
+from .._checks import is_int
 from .._saved import CheckpointError
 from ..checkpoint import rank_snapshot
 from ..event_handlers import GradientUpdateHandler
@@ -90,7 +91,7 @@ def _remap(estimator: Any, run: Any, payload: dict[str, Any], layout: Any, sourc
             f"{new_world} needs a checkpoint at an optimizer step (batch_period a multiple of accumulation_steps)")
 
     def scale(count: Any) -> Any:
-        return count // old_k * new_k if isinstance(count, int) and not isinstance(count, bool) else count
+        return count // old_k * new_k if is_int(count) else count
 
     plan = dict(first["plan"])
     if plan.get("batches") is not None and plan["batches"] % old_k == 0:

@@ -12,6 +12,7 @@ import torch
 
 from .. import distributed, rng
 from .._batches import to_device
+from .._checks import is_int
 from ..event_handlers._dispatch import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
 from ._sharding import InferenceData, for_inference
@@ -42,7 +43,7 @@ def check_inference_args(data: Any, arg: str, batch_axis: Any, event_handlers: A
             empty = False
         if empty:
             raise ValueError(f"{arg} is empty: a {type(data).__name__} of length 0")
-    if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
+    if not is_int(batch_axis) or batch_axis < 0:
         raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
     return check_handlers(event_handlers)
 

@@ -20,6 +20,7 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import distributed, rng
+from .._checks import is_int
 from .._saved import MISSING, CheckpointError, check_count, check_dict, check_keys, check_like, kind, show
 from ..event_handlers._dispatch import Dispatch
 from ..metrics.base import Metric, metric_name
@@ -168,14 +169,14 @@ def _check_plan(plan: Any) -> None:
     if missing:
         raise CheckpointError(f"plan lacks {missing}")
     for key, value in plan.items():
-        if value is not None and (not isinstance(value, int) or isinstance(value, bool) or value < 1):
+        if value is not None and (not is_int(value) or value < 1):
             raise CheckpointError(f"plan[{key!r}] must be a positive int or None, got {show(value)}")
 
 
 def _check_history(history: Any) -> None:
     history = check_dict(history, "history")
     epochs, values = history.get("epochs", MISSING), history.get("values", MISSING)
-    if not isinstance(epochs, (list, tuple)) or not all(isinstance(e, int) and not isinstance(e, bool) for e in epochs):
+    if not isinstance(epochs, (list, tuple)) or not all(is_int(e) for e in epochs):
         raise CheckpointError(f"history['epochs'] must be a list of ints, got "
                               f"{'nothing' if epochs is MISSING else show(epochs)}")
     for name, series in check_dict(values, "history['values']").items():
@@ -205,7 +206,7 @@ def _check_rng(state: Any) -> None:
     check_keys(inner, want_numpy["state"], "rng['numpy']['state']")
     extra = [("has_uint32", numpy_state["has_uint32"]), ("uinteger", numpy_state["uinteger"])]
     for key, value in [*inner.items(), *extra]:
-        if isinstance(value, bool) or not isinstance(value, int):
+        if not is_int(value):
             raise CheckpointError(f"rng['numpy'] entry {key!r} must be an int, got {show(value)}")
     cuda = state.get("cuda")
     if cuda is not None:

@@ -16,7 +16,7 @@ from torch import nn
 
 from .. import checkpoint, distributed, rng
 from .._batches import to_device
-from .._checks import check_positive_int
+from .._checks import check_bool, check_positive_int, is_int
 from .._saved import CheckpointError
 from ..event_handlers import (
     CheckpointHandler,
@@ -35,7 +35,6 @@ from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
 from ._checks import (
     PRECISIONS,
-    check_bool,
     check_iterable,
     check_optimizer,
     check_unique_handlers,
@@ -325,7 +324,7 @@ class Estimator:
             raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
         check_positive_int(epochs, "epochs", allow_none=True)
         check_positive_int(batches, "batches", allow_none=True)
-        if isinstance(batch_axis, bool) or not isinstance(batch_axis, int) or batch_axis < 0:
+        if not is_int(batch_axis) or batch_axis < 0:
             raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
         check_bool(resume, "resume")
         if val_data is not None:

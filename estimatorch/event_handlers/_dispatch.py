@@ -3,10 +3,10 @@ per-event lists a step walks."""
 
 from __future__ import annotations
 
-import numbers
 from collections.abc import Iterable, Sequence
 from typing import Any
 
+from .._checks import is_real
 from ..metrics.base import is_metric, metric_name
 from .mixins import EVENTS
 
@@ -35,7 +35,7 @@ def check_handlers(event_handlers: Any, arg: str = "event_handlers") -> list[Any
                 f"{', '.join(m.__name__ for m in mixins)} from estimatorch.event_handlers"
             )
         priority = getattr(handler, "priority", 0)
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or priority != priority:
+        if not is_real(priority) or priority != priority:
             raise ValueError(f"priority of {handler_name(handler)} must be a real number, got {priority!r}")
     return handlers
 

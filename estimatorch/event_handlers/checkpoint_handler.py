@@ -4,14 +4,13 @@ from __future__ import annotations
 
 import logging
 import math
-import numbers
 import os
 import warnings
 import weakref
 from typing import Any, Optional, Union
 
 from .. import checkpoint, distributed
-from .._checks import check_file_prefix, check_positive_int, check_state_keys
+from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real
 from .._schedule import EventFilter
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler
@@ -169,8 +168,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
                            ("save_best_only", save_best_only), ("save_weights_only", save_weights_only),
                            ("elastic", elastic)):
-            if not isinstance(value, bool):
-                raise TypeError(f"{arg} must be a bool, got {value!r}")
+            check_bool(value, arg)
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
         for arg, value in (("save_best", save_best), ("save_best_only", save_best_only)):
@@ -264,7 +262,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         epochs = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch", minimum=0)
         batches = check_positive_int(state["current_batch"], f"state of {self.name}: current_batch", minimum=0)
         best = state["best"]
-        if isinstance(best, bool) or not isinstance(best, numbers.Real):
+        if not is_real(best):
             raise TypeError(f"state of {self.name}: best must be a number, got {best!r}")
         self._epochs, self._batches, self.best = epochs, batches, float(best)
         if self._fitting() is not None:
@@ -313,15 +311,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self._reset()
         self._estimator = weakref.ref(estimator)
         self._check_siblings(estimator)
-        found, error = None, None
-        if distributed.is_main_process():
-            try:
-                found = self._open_directory(estimator)
-            except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
-                error = err
-        failure = distributed.share_outcome(error)
-        if failure is not None:
-            raise failure[1]
+        found = distributed.run_on_main(lambda: self._open_directory(estimator), "CheckpointHandler opening model_dir")
         if not self._layout.resumable:
             self._foreign = frozenset(distributed.broadcast_object(sorted(self._foreign)))
             return
@@ -457,15 +447,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             state = checkpoint.weights_state(estimator.net) if distributed.is_main_process() else None
         else:
             state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        error: Optional[Exception] = None
-        if distributed.is_main_process():
-            try:
-                self._write(estimator, state, names, value if is_best else None)
-            except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)
-                error = err
-        failure = distributed.share_outcome(error)  # a full disk on rank 0 stops every rank, never a hang
-        if failure is not None:
-            raise failure[1]
+        # a full disk on rank 0 stops every rank, never a hang
+        distributed.run_on_main(lambda: self._write(estimator, state, names, value if is_best else None),
+                                "CheckpointHandler writing a checkpoint")
 
     def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float]) -> None:
         """On rank 0: the files of one save, the periodic one first, then the best one; then the
@@ -502,7 +486,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
 def _check_threshold(value: Any, keeps_best: bool) -> None:
     if value is None:
         return
-    if isinstance(value, bool) or not isinstance(value, numbers.Real):
+    if not is_real(value):
         raise TypeError(f"initial_value_threshold must be a number or None, got {value!r}")
     if math.isnan(float(value)):
         raise ValueError(f"initial_value_threshold must be a number, got {value!r}")

@@ -8,7 +8,7 @@ import warnings
 from typing import Any, Optional, Union
 
 from .. import distributed
-from .._checks import check_positive_int, check_state_keys
+from .._checks import check_bool, check_positive_int, check_state_keys
 from ..metrics.base import metric_name
 from ._base import StatefulHandler
 from ._paths import check_output_file, path_argument
@@ -68,8 +68,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self.path = path_argument(path, "path")
         if not isinstance(separator, str) or len(separator) != 1 or separator in "\r\n\"":
             raise ValueError(f"separator must be one character (not a quote or a line break), got {separator!r}")
-        if not isinstance(append, bool):
-            raise TypeError(f"append must be a bool, got {append!r}")
+        check_bool(append, "append")
         self.separator = separator
         self.append = append
         #: the rows (epochs) this run has written

@@ -3,13 +3,12 @@
 from __future__ import annotations
 
 import math
-import numbers
 import warnings
 from typing import Any, Optional
 
 import torch
 
-from .._checks import check_positive_int
+from .._checks import check_bool, check_positive_int, is_real
 from ..checkpoint import load_model_state, model_state
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler
@@ -61,14 +60,13 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         if not is_metric(monitor):
             raise TypeError("monitor must be a metric object the estimator owns (e.g. est.val_metrics[0]), "
                             f"got {monitor!r}")
-        if isinstance(min_delta, bool) or not isinstance(min_delta, numbers.Real) or not min_delta >= 0:
+        if not is_real(min_delta) or not min_delta >= 0:
             raise ValueError(f"min_delta must be a non-negative number, got {min_delta!r}")
         check_positive_int(patience, "patience", minimum=0)
-        if baseline is not None and (isinstance(baseline, bool) or not isinstance(baseline, numbers.Real)
+        if baseline is not None and (not is_real(baseline)
                                      or not math.isfinite(baseline)):
             raise ValueError(f"baseline must be a finite number or None, got {baseline!r}")
-        if not isinstance(restore_best_weights, bool):
-            raise TypeError(f"restore_best_weights must be a bool, got {restore_best_weights!r}")
+        check_bool(restore_best_weights, "restore_best_weights")
         self.start_from_epoch = check_positive_int(start_from_epoch, "start_from_epoch", minimum=0)
         self.monitor = monitor
         self.min_delta = float(min_delta)

@@ -2,10 +2,9 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Callable, Optional
 
-from .._checks import check_state_keys
+from .._checks import check_state_keys, is_real
 from .._schedule import EventFilter
 from ._base import StatefulHandler
 from ._subscribe import subscribe
@@ -71,7 +70,7 @@ class LambdaHandler(StatefulHandler, TrainBegin):
             if not callable(fn):
                 raise TypeError(f"{event} must be callable, got {fn!r}")
         self._filter = EventFilter(every=every, once=once, before=before, after=after, predicate=predicate)
-        if isinstance(priority, bool) or not isinstance(priority, numbers.Real) or priority != priority:
+        if not is_real(priority) or priority != priority:
             raise ValueError(f"priority must be a real number, got {priority!r}")
         self.priority = priority
         self.counts = dict.fromkeys(self._fns, 0)

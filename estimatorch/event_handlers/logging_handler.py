@@ -10,7 +10,7 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from .._batches import batch_size_of
-from .._checks import check_file_prefix, check_state_keys
+from .._checks import check_file_prefix, check_state_keys, is_int
 from .._schedule import EventFilter
 from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler
@@ -79,7 +79,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
 
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
-        if log_interval != "epoch" and (isinstance(log_interval, bool) or not isinstance(log_interval, int)
+        if log_interval != "epoch" and (not is_int(log_interval)
                                         or log_interval < 1):
             raise ValueError(f"log_interval must be 'epoch' or a positive int, got {log_interval!r}")
         check_file_prefix(run_name, "run_name")

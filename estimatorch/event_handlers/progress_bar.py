@@ -2,13 +2,12 @@
 
 from __future__ import annotations
 
-import numbers
 import sys
 import time
 from typing import Any, Callable, Optional
 
 from .. import distributed
-from .._checks import check_state_keys
+from .._checks import check_state_keys, is_real
 from ..metrics.base import Metric, as_metric_list, metric_name
 from . import _bars
 from ._base import StatefulHandler
@@ -96,7 +95,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     _state_attrs = ("batch_in_epoch", "epochs_done", "total_batches")
 
     def __init__(self, refresh_interval: float = 0.5, metrics: Any = None, file: Any = None):
-        if isinstance(refresh_interval, bool) or not isinstance(refresh_interval, numbers.Real) \
+        if not is_real(refresh_interval) \
                 or not refresh_interval >= 0:
             raise ValueError(f"refresh_interval must be a non-negative number of seconds, got {refresh_interval!r}")
         items = None if metrics is None else as_metric_list(metrics, "metrics")

@@ -8,7 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .. import distributed
-from .._checks import check_positive_int, check_state_keys
+from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
 from ..metrics.base import as_metric_list, metric_name
 from ._base import StatefulHandler
@@ -90,8 +90,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
     def __init__(self, check_every: int = 100, monitor: Any = None, *, raise_error: bool = False):
         self.check_every = check_positive_int(check_every, "check_every")
         self.monitor = as_metric_list(monitor, "monitor")
-        if not isinstance(raise_error, bool):
-            raise TypeError(f"raise_error must be a bool, got {raise_error!r}")
+        check_bool(raise_error, "raise_error")
         self.raise_error = raise_error
         self._filter = EventFilter(every=check_every)
         self._val_ids: set[int] = set()

@@ -2,11 +2,11 @@
 
 from __future__ import annotations
 
-import numbers
 from typing import Any, Optional
 
 import torch
 
+from .._checks import is_int, is_real
 from .base import Metric, _ratio
 
 __all__ = ["Accuracy", "TopKAccuracy"]
@@ -40,7 +40,7 @@ class Accuracy(Metric):
 
     def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, device: Any = None):
         super().__init__(name, device=device)
-        if isinstance(threshold, bool) or not isinstance(threshold, numbers.Real) or not 0.0 < threshold < 1.0:
+        if not is_real(threshold) or not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
         self.threshold = float(threshold)
         self.add_state("correct", torch.zeros((), dtype=torch.int64))
@@ -93,7 +93,7 @@ class TopKAccuracy(Metric):
     _fold_order_free = True
 
     def __init__(self, top_k: int = 5, name: Optional[str] = None, *, device: Any = None):
-        if isinstance(top_k, bool) or not isinstance(top_k, int) or top_k < 1:
+        if not is_int(top_k) or top_k < 1:
             raise ValueError(f"top_k must be a positive int, got {top_k!r}")
         self.top_k = top_k
         super().__init__(name or f"top{top_k}_accuracy", device=device)

@@ -49,7 +49,7 @@ from torch.utils.data import BatchSampler, RandomSampler, Sampler, SequentialSam
 from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from .. import distributed, rng
-from .._checks import check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys, is_int
 from .resumable import ResumableSampler, _permutation
 
 __all__ = [
@@ -329,7 +329,7 @@ class DistributedSampler(_Wrapper):
         self.num_workers = check_positive_int(
             distributed.get_world_size() if num_workers is None else num_workers, "num_workers")
         self.rank = distributed.get_rank() if rank is None else rank
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.num_workers:
+        if not is_int(self.rank) or not 0 <= self.rank < self.num_workers:
             raise ValueError(f"rank must be an int in [0, {self.num_workers}), got {rank!r}")
 
     def set_epoch(self, epoch: int) -> None:

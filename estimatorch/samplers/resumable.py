@@ -31,7 +31,7 @@ import torch
 from torch.utils.data import Sampler
 
 from .. import distributed, rng
-from .._checks import check_positive_int, check_state_keys
+from .._checks import check_positive_int, check_state_keys, is_int
 
 __all__ = [
     "ResumableDistributedSampler",
@@ -209,7 +209,7 @@ class ResumableDistributedSampler(ResumableSampler):
         self.num_replicas = check_positive_int(
             distributed.get_world_size() if num_replicas is None else num_replicas, "num_replicas")
         self.rank = distributed.get_rank() if rank is None else rank
-        if isinstance(self.rank, bool) or not isinstance(self.rank, int) or not 0 <= self.rank < self.num_replicas:
+        if not is_int(self.rank) or not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank must be an int in [0, {self.num_replicas}), got {rank!r}")
         self.shuffle = bool(shuffle)
         self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)

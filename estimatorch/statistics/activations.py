@@ -9,6 +9,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from .._checks import check_bool
 from .base import Value
 from .callback import CallbackStatistic
 
@@ -47,8 +48,7 @@ class ActivationStatistics(CallbackStatistic):
     def __init__(self, modules: Optional[list[str]] = None, *, histograms: bool = False, period: int = 100,
                  start: int = 1, name: Optional[str] = None):
         super().__init__(modules, period=period, start=start, name=name)
-        if not isinstance(histograms, bool):
-            raise TypeError(f"histograms must be a bool, got {histograms!r}")
+        check_bool(histograms, "histograms")
         self.with_histograms = histograms
 
     def reset(self) -> None:
