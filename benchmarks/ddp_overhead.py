@@ -124,10 +124,10 @@ def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> 
 def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from estimatorch.estimator import estimator as estimator_module
+    from estimatorch.estimator import _setup as fit_setup
 
     torch.set_num_threads(settings["threads"])
-    estimator_module._interactive = lambda: False  # the default set without a progress bar
+    fit_setup.interactive = lambda: False  # the default set without a progress bar
     dataset = common.make_dataset(settings["samples"])
     steps, hidden = settings["steps"], settings["hidden"]
     configs = {"raw": lambda: _raw(steps, dataset, hidden), "fit": lambda: _fit(steps, dataset, hidden)}

@@ -10,9 +10,10 @@ import torch
 from torch import nn
 
 from .. import distributed
+from .._checks import check_bool, check_positive_int, is_int
 from ..event_handlers._dispatch import handler_name
 
-__all__ = ["PRECISIONS", "check_iterable", "check_optimizer", "check_unique_handlers",
+__all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_optimizer", "check_unique_handlers",
            "precision_name", "resolve_device"]
 
 #: canonical precision name -> autocast dtype (None: no autocast).
@@ -123,3 +124,20 @@ def check_unique_handlers(handlers: Sequence[Any], arg: str = "event_handlers") 
         if first != i:
             raise ValueError(f"{arg} holds the same {handler_name(handler)} instance twice (positions {first} "
                              f"and {i}): it would receive every event twice. Pass it once, or two instances")
+
+
+def check_fit_arguments(train_data: Any, val_data: Any, epochs: Any, batches: Any, batch_axis: Any,
+                        resume: Any) -> None:
+    """``fit``'s own arguments (the handlers and the estimator are checked after)."""
+    if (epochs is None) == (batches is None):
+        raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
+    check_positive_int(epochs, "epochs", allow_none=True)
+    check_positive_int(batches, "batches", allow_none=True)
+    if not is_int(batch_axis) or batch_axis < 0:
+        raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
+    check_bool(resume, "resume")
+    if val_data is not None:
+        check_iterable(val_data, "val_data", reread=True)
+    if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
+        raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
+                        f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")

@@ -3,55 +3,38 @@
 from __future__ import annotations
 
 import contextlib
-import copy
 import dataclasses
-import os
-import sys
 import warnings
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
 import torch
 from torch import nn
 
-from .. import checkpoint, distributed, rng
+from .. import distributed, rng
 from .._batches import to_device
-from .._checks import check_bool, check_positive_int, is_int
-from .._saved import CheckpointError
-from ..event_handlers import (
-    CheckpointHandler,
-    GradientUpdateHandler,
-    LoggingHandler,
-    LRSchedulerHandler,
-    MetricHandler,
-    ProgressBarHandler,
-    StoppingHandler,
-    ValidationHandler,
-    _bars,
-)
+from .._checks import check_bool
 from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ..event_handlers.lr_scheduler import epoch_learning_rates
-from ..metrics import Accuracy, Loss
-from ..metrics.base import as_metric_list, metric_name
+from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
-    check_iterable,
+    check_fit_arguments,
     check_optimizer,
     check_unique_handlers,
     precision_name,
     resolve_device,
 )
 from ._elastic import configure_elastic
-from ._elastic_resume import map_payload, world_size_error
 from ._evaluation import check_inference_args, evaluate_batches
-from ._interrupts import SIGNAL_NAMES, SignalGuard, stop_exception, stop_message
+from ._interrupts import SIGNAL_NAMES, stop_exception
 from ._logging import default_logger as _default_logger  # the demo imports it from here
+from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._predict import run_prediction
+from ._setup import default_handlers, signal_guard, torch_flags, train_metric_list, val_metric_list
 from ._state import (
     Position,
     Run,
-    check_positions,
-    check_snapshot,
     describe_plan,
     restore_snapshot,
     resume_plan,
@@ -64,22 +47,6 @@ from .history import History
 __all__ = ["Estimator"]
 
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
-
-
-def _rename(metric: Any, prefix: str) -> Any:
-    name = metric_name(metric)
-    if not name.startswith(prefix):
-        base = name.split("_", 1)[1] if name.startswith(("train_", "val_")) else name
-        metric.name = prefix + base
-    return metric
-
-
-def _interactive() -> bool:
-    """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
-    if _bars.in_notebook():
-        return True
-    stream = sys.stderr
-    return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
 
 
 class Estimator:
@@ -168,8 +135,8 @@ class Estimator:
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
         self.logger = _default_logger()
 
-        self.train_metrics = self._train_metric_list(train_metrics)
-        self.val_metrics = self._val_metric_list(val_metrics)
+        self.train_metrics = train_metric_list(train_metrics, self.loss)
+        self.val_metrics = val_metric_list(val_metrics, self.train_metrics)
         names = [metric_name(m) for m in self.train_metrics + self.val_metrics]
         duplicated = sorted({n for n in names if names.count(n) > 1})
         if duplicated:
@@ -204,23 +171,6 @@ class Estimator:
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
         self._eval_count = 0
-
-    # -- metrics ---------------------------------------------------------------------------
-    def _train_metric_list(self, train_metrics: Any) -> list[Any]:
-        metrics = as_metric_list(train_metrics, "train_metrics")
-        if train_metrics is None and isinstance(self.loss, (nn.CrossEntropyLoss, nn.NLLLoss)):
-            metrics.append(Accuracy())
-        if not any(isinstance(m, Loss) for m in metrics):
-            metrics.insert(0, Loss())
-        return [_rename(m, "train_") for m in metrics]
-
-    def _val_metric_list(self, val_metrics: Any) -> list[Any]:
-        if val_metrics is None:
-            return [_rename(copy.deepcopy(m), "val_") for m in self.train_metrics]
-        metrics = as_metric_list(val_metrics, "val_metrics")
-        if not any(isinstance(m, Loss) for m in metrics):
-            metrics.insert(0, Loss())
-        return [_rename(m, "val_") for m in metrics]
 
     # -- what a step uses ------------------------------------------------------------------
     @property
@@ -320,18 +270,7 @@ class Estimator:
                    event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool) -> Run:
         """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
         rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
-        if (epochs is None) == (batches is None):
-            raise ValueError(f"pass exactly one of epochs and batches, got epochs={epochs!r} and batches={batches!r}")
-        check_positive_int(epochs, "epochs", allow_none=True)
-        check_positive_int(batches, "batches", allow_none=True)
-        if not is_int(batch_axis) or batch_axis < 0:
-            raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
-        check_bool(resume, "resume")
-        if val_data is not None:
-            check_iterable(val_data, "val_data", reread=True)
-        if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
-            raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
-                            f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
+        check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
         check_optimizer(self.optimizer, self.net)
@@ -341,7 +280,7 @@ class Estimator:
         if resume and self._last is None:
             raise ValueError("resume=True but this estimator has no earlier fit to continue")
         stream = make_train_stream(train_data, self.seed)
-        handlers = order_handlers(user, self._default_handlers(user, val_data))
+        handlers = order_handlers(user, default_handlers(self, user, val_data))
         check_metric_references(handlers, self.train_metrics + self.val_metrics)
         for handler in handlers:
             check = getattr(handler, "_check_fit", None)
@@ -355,32 +294,10 @@ class Estimator:
                           "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
                           "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
-                   self._signal_guard(handlers))
+                  signal_guard(handlers, self.logger))
         if resume:
             run.pending = resume_plan(run, self._last, source="the previous fit")
         return run
-
-    def _default_handlers(self, user: list[Any], val_data: Any) -> list[Any]:
-        def missing(cls: type) -> bool:
-            return not any(isinstance(h, cls) for h in user)
-
-        defaults: list[Any] = []
-        if missing(StoppingHandler):
-            defaults.append(StoppingHandler())
-        if missing(GradientUpdateHandler):
-            defaults.append(GradientUpdateHandler())
-        if missing(MetricHandler):
-            defaults.append(MetricHandler(self.train_metrics))
-        if val_data is not None and missing(ValidationHandler):
-            defaults.append(ValidationHandler(val_data, self.evaluate))
-        if self.lr_scheduler is not None and not any(
-                isinstance(h, LRSchedulerHandler) and h.scheduler in (None, self.lr_scheduler) for h in user):
-            defaults.append(LRSchedulerHandler())  # unless one of yours already steps it
-        if missing(LoggingHandler):
-            defaults.append(LoggingHandler())
-        if missing(ProgressBarHandler) and _interactive():
-            defaults.append(ProgressBarHandler())
-        return defaults
 
     def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis)
@@ -388,7 +305,7 @@ class Estimator:
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed = False
         try:
-            with self._torch_flags(), run.signals:
+            with torch_flags(self.deterministic, self.cudnn_benchmark), run.signals:
                 try:
                     if distributed.is_distributed() and self._ddp is None:
                         ids = [self.device.index] if self.device.type == "cuda" else None
@@ -417,7 +334,7 @@ class Estimator:
         snapshot_error = self._final_snapshot(run, failed)
         try:
             if run.began:
-                self._train_end(run, failed or snapshot_error is not None)
+                run.dispatch.fire_train_end(self, failed or snapshot_error is not None)
         finally:
             run.stream.close()
         if snapshot_error is not None and not failed:
@@ -437,21 +354,6 @@ class Estimator:
             if failed:
                 self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
             return err
-
-    def _train_end(self, run: Run, failed: bool) -> None:
-        """Fire train_end to every handler, even when one of them raises."""
-        first: Optional[BaseException] = None
-        for fn in run.dispatch.train_end:
-            try:
-                fn(self)
-            except Exception as err:  # every handler still gets its train_end
-                if first is None:
-                    first = err
-                if failed:
-                    self.logger.exception("train_end of %s failed while another error propagated",
-                                          getattr(fn, "__self__", fn))
-        if first is not None and not failed:
-            raise first
 
     def _loop(self, run: Run) -> None:
         dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
@@ -612,20 +514,7 @@ class Estimator:
         every rank's snapshot (``estimator/_state.py`` declares what one holds). A collective
         under torch.distributed: every rank must call it; global rank 0 gets the payload, the
         other ranks None."""
-        if not self._fitting:
-            raise RuntimeError("state_payload() is only available during fit")
-        ranks = distributed.gather_to_main(take_snapshot(self, self._run))
-        if ranks is None:  # not rank 0: its snapshot went there
-            return None
-        return {
-            "world_size": len(ranks),
-            "model": checkpoint.model_state(self.net),
-            "optimizer": self.optimizer.state_dict(),
-            "optimizer_class": type(self.optimizer).__name__,
-            "lr_scheduler": self.lr_scheduler.state_dict() if self.lr_scheduler is not None else None,
-            "grad_scaler": self.grad_scaler.state_dict() if self.grad_scaler is not None else None,
-            "ranks": ranks,
-        }
+        return payload_of(self, self._current_run("state_payload"))
 
     def check_payload(self, payload: dict[str, Any], source: str, *, rank: Optional[int] = None) -> dict[str, Any]:
         """Check the run's state in a payload a store read (from ``source``) against the current
@@ -636,18 +525,8 @@ class Estimator:
         Raises:
             CheckpointError: naming ``source`` and what is wrong, in words.
         """
-        if not self._fitting:
-            raise RuntimeError("check_payload() is only available during fit")
-        run, rank = self._run, distributed.get_rank() if rank is None else rank
-        payload = map_payload(self, run, payload, source)
-        try:
-            check_positions(payload["ranks"])
-            if rank >= len(payload["ranks"]):
-                raise CheckpointError(f"it holds {len(payload['ranks'])} rank snapshots, none for rank {rank}")
-            check_snapshot(self, run, checkpoint.rank_snapshot(payload, rank))
-        except CheckpointError as err:
-            raise CheckpointError(f"{source}: {err}") from None
-        return payload
+        run = self._current_run("check_payload")
+        return check_payload(self, run, payload, source, distributed.get_rank() if rank is None else rank)
 
     def load_payload(self, payload: dict[str, Any], source: str) -> None:
         """Resume the current fit from a payload :meth:`check_payload` passed: refuse one written
@@ -659,14 +538,13 @@ class Estimator:
             CheckpointError: written on another world size.
             ValueError: for other data, or beyond this fit's plan.
         """
-        if payload["world_size"] != distributed.get_world_size():
-            raise world_size_error(source, payload)
-        snapshot = checkpoint.rank_snapshot(payload, distributed.get_rank())
-        self.request_resume(snapshot, source)
-        if snapshot["position"]["step"] > 0 and self.optimizer is not None:
-            # The optimizer stepped before the checkpoint (in the process that wrote it): tell the LR
-            # scheduler's "step() before optimizer.step()" check, which reads this torch marker.
-            self.optimizer._opt_called = True  # type: ignore[attr-defined]
+        self._current_run("load_payload")
+        self.request_resume(snapshot_to_resume(self, payload, source), source)
+
+    def _current_run(self, method: str) -> Run:
+        if not self._fitting or self._run is None:
+            raise RuntimeError(f"{method}() is only available during fit")
+        return self._run
 
     # -- evaluate, predict -----------------------------------------------------------------
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
@@ -714,36 +592,6 @@ class Estimator:
             torch.Size([6, 2])
         """
         return run_prediction(self, data, batch_axis, event_handlers)
-
-    # -- process-wide settings during fit ---------------------------------------------------
-    @contextlib.contextmanager
-    def _torch_flags(self) -> Iterator[None]:
-        saved = (torch.are_deterministic_algorithms_enabled(),
-                 torch.is_deterministic_algorithms_warn_only_enabled(),
-                 torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
-        if self.deterministic:
-            os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
-            torch.use_deterministic_algorithms(True)
-            torch.backends.cudnn.deterministic = True
-        torch.backends.cudnn.benchmark = self.cudnn_benchmark
-        try:
-            yield
-        finally:
-            torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
-            torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
-
-    def _signal_guard(self, handlers: list[Any]) -> SignalGuard:
-        """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are."""
-        # only a handler writing resumable checkpoints saves the boundary (exporters do not)
-        savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
-
-        def describe(name: str) -> str:
-            rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
-            return rank + stop_message(name, notebook=_bars.in_notebook(), checkpointing=bool(savers),
-                                       resumes=any(h.resume_from_checkpoint for h in savers),
-                                       multi=distributed.is_distributed())
-
-        return SignalGuard(describe, lambda message: self.logger.warning(message, extra={"all_ranks": True}))
 
     def __repr__(self) -> str:
         return (f"Estimator(net={type(self.net).__name__}, loss={type(self.loss).__name__}, "

@@ -4,7 +4,7 @@ per-event lists a step walks."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any
+from typing import Any, Optional
 
 from .._checks import is_real
 from ..metrics.base import is_metric, metric_name
@@ -93,3 +93,19 @@ class Dispatch:
             if fn(estimator, **kwargs):
                 stop = True
         return stop
+
+    def fire_train_end(self, estimator: Any, failed: bool) -> None:
+        """Fire ``train_end`` to every subscriber, even when one of them raises: the first error
+        is raised afterwards, unless ``failed`` (another error propagates; each is logged)."""
+        first: Optional[BaseException] = None
+        for fn in self.train_end:
+            try:
+                fn(estimator)
+            except Exception as err:  # noqa: BLE001 - every handler still gets its train_end
+                if first is None:
+                    first = err
+                if failed:
+                    estimator.logger.exception("train_end of %s failed while another error propagated",
+                                               getattr(fn, "__self__", fn))
+        if first is not None and not failed:
+            raise first

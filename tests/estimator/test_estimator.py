@@ -21,7 +21,7 @@ from estimatorch import (
     StoppingHandler,
     ValidationHandler,
 )
-from estimatorch.estimator import estimator as estimator_module
+from estimatorch.estimator import _setup as fit_setup
 from estimatorch.event_handlers import EVENTS, BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from estimatorch.metrics import Accuracy, Loss, MeanSquaredError
 from tests.conftest import losses_recorder, make_batches, make_estimator
@@ -565,7 +565,7 @@ def default_types(est, **fit_kwargs):
 
 
 def test_default_set_and_its_order(monkeypatch):
-    monkeypatch.setattr(estimator_module, "_interactive", lambda: True)
+    monkeypatch.setattr(fit_setup, "interactive", lambda: True)
     net = nn.Sequential(nn.Linear(4, 3))
     opt = torch.optim.SGD(net.parameters(), lr=0.1)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, lr_scheduler=torch.optim.lr_scheduler.StepLR(opt, 1))
@@ -576,7 +576,7 @@ def test_default_set_and_its_order(monkeypatch):
 
 @pytest.mark.filterwarnings("ignore:Detected call of `lr_scheduler.step\\(\\)` before")  # `other` never steps
 def test_the_estimators_scheduler_is_stepped_even_beside_another_scheduler_handler(monkeypatch):
-    monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
+    monkeypatch.setattr(fit_setup, "interactive", lambda: False)
     net = nn.Linear(4, 3)
     opt = torch.optim.SGD(net.parameters(), lr=1.0)
     own = torch.optim.lr_scheduler.StepLR(opt, 1, gamma=0.5)
@@ -589,13 +589,13 @@ def test_the_estimators_scheduler_is_stepped_even_beside_another_scheduler_handl
 
 
 def test_no_progress_bar_outside_a_terminal_or_notebook(monkeypatch):
-    monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
+    monkeypatch.setattr(fit_setup, "interactive", lambda: False)
     types = default_types(make_estimator(), epochs=1)
     assert types == [c.__name__ for c in (GradientUpdateHandler, MetricHandler, StoppingHandler, LoggingHandler)]
 
 
 def test_a_default_is_not_added_when_the_user_gave_one_of_its_type(monkeypatch):
-    monkeypatch.setattr(estimator_module, "_interactive", lambda: False)
+    monkeypatch.setattr(fit_setup, "interactive", lambda: False)
 
     class MyStopping(StoppingHandler):
         pass

@@ -1,0 +1,129 @@
+"""What ``Estimator`` and ``fit`` set up around the loop: the metric lists, the default handler
+set, the process-wide torch flags of a fit, and the signal guard with its messages."""
+
+from __future__ import annotations
+
+import contextlib
+import copy
+import logging
+import os
+import sys
+from collections.abc import Iterator
+from typing import Any
+
+import torch
+from torch import nn
+
+from .. import distributed
+from ..event_handlers import (
+    CheckpointHandler,
+    GradientUpdateHandler,
+    LoggingHandler,
+    LRSchedulerHandler,
+    MetricHandler,
+    ProgressBarHandler,
+    StoppingHandler,
+    ValidationHandler,
+    _bars,
+)
+from ..metrics import Accuracy, Loss
+from ..metrics.base import as_metric_list, metric_name
+from ._interrupts import SignalGuard, stop_message
+
+__all__ = ["default_handlers", "interactive", "signal_guard", "torch_flags", "train_metric_list",
+           "val_metric_list"]
+
+
+def _rename(metric: Any, prefix: str) -> Any:
+    name = metric_name(metric)
+    if not name.startswith(prefix):
+        base = name.split("_", 1)[1] if name.startswith(("train_", "val_")) else name
+        metric.name = prefix + base
+    return metric
+
+
+def train_metric_list(train_metrics: Any, loss: Any) -> list[Any]:
+    """The train metrics: those given (a ``Loss`` added first when none is), or ``Loss`` plus
+    ``Accuracy`` for a classification loss; each named ``train_<name>``."""
+    metrics = as_metric_list(train_metrics, "train_metrics")
+    if train_metrics is None and isinstance(loss, (nn.CrossEntropyLoss, nn.NLLLoss)):
+        metrics.append(Accuracy())
+    if not any(isinstance(m, Loss) for m in metrics):
+        metrics.insert(0, Loss())
+    return [_rename(m, "train_") for m in metrics]
+
+
+def val_metric_list(val_metrics: Any, train_metrics: list[Any]) -> list[Any]:
+    """The val metrics: those given (a ``Loss`` added first when none is), else deep copies of
+    the train metrics; each named ``val_<name>``."""
+    if val_metrics is None:
+        return [_rename(copy.deepcopy(m), "val_") for m in train_metrics]
+    metrics = as_metric_list(val_metrics, "val_metrics")
+    if not any(isinstance(m, Loss) for m in metrics):
+        metrics.insert(0, Loss())
+    return [_rename(m, "val_") for m in metrics]
+
+
+def interactive() -> bool:
+    """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
+    if _bars.in_notebook():
+        return True
+    stream = sys.stderr
+    return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
+
+
+def default_handlers(estimator: Any, user: list[Any], val_data: Any) -> list[Any]:
+    """The handlers ``fit`` adds: each default whose type none of ``user`` has."""
+    def missing(cls: type) -> bool:
+        return not any(isinstance(h, cls) for h in user)
+
+    defaults: list[Any] = []
+    if missing(StoppingHandler):
+        defaults.append(StoppingHandler())
+    if missing(GradientUpdateHandler):
+        defaults.append(GradientUpdateHandler())
+    if missing(MetricHandler):
+        defaults.append(MetricHandler(estimator.train_metrics))
+    if val_data is not None and missing(ValidationHandler):
+        defaults.append(ValidationHandler(val_data, estimator.evaluate))
+    if estimator.lr_scheduler is not None and not any(
+            isinstance(h, LRSchedulerHandler) and h.scheduler in (None, estimator.lr_scheduler) for h in user):
+        defaults.append(LRSchedulerHandler())  # unless one of yours already steps it
+    if missing(LoggingHandler):
+        defaults.append(LoggingHandler())
+    if missing(ProgressBarHandler) and interactive():
+        defaults.append(ProgressBarHandler())
+    return defaults
+
+
+@contextlib.contextmanager
+def torch_flags(deterministic: bool, cudnn_benchmark: bool) -> Iterator[None]:
+    """torch's process-wide algorithm flags for the duration of a fit, restored afterwards."""
+    saved = (torch.are_deterministic_algorithms_enabled(),
+             torch.is_deterministic_algorithms_warn_only_enabled(),
+             torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic)
+    if deterministic:
+        os.environ.setdefault("CUBLAS_WORKSPACE_CONFIG", ":4096:8")
+        torch.use_deterministic_algorithms(True)
+        torch.backends.cudnn.deterministic = True
+    torch.backends.cudnn.benchmark = cudnn_benchmark
+    try:
+        yield
+    finally:
+        torch.use_deterministic_algorithms(saved[0], warn_only=saved[1])
+        torch.backends.cudnn.benchmark, torch.backends.cudnn.deterministic = saved[2], saved[3]
+
+
+def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
+    """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are,
+    logged on every rank."""
+    # only a handler writing resumable checkpoints saves the boundary (exporters do not)
+    savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
+
+    def describe(name: str) -> str:
+        rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
+        return rank + stop_message(name, notebook=_bars.in_notebook(), checkpointing=bool(savers),
+                                   resumes=any(h.resume_from_checkpoint for h in savers),
+                                   multi=distributed.is_distributed())
+
+    return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}))
