@@ -44,6 +44,32 @@ def _dangling(path: str) -> bool:
     return os.path.islink(path) and not os.path.exists(path)
 
 
+def _limit(directory: str, name: str, default: int) -> int:
+    try:
+        return os.pathconf(directory, name)
+    except (OSError, ValueError, AttributeError):  # no such limit here (or no pathconf): the usual one
+        return default
+
+
+def _check_lengths(path: str, arg: str) -> None:
+    """Every name in ``path`` within the filesystem's limit for a name, and the whole path within
+    its limit for a path (the OS would refuse it later, with an error that names no argument)."""
+    full = os.path.abspath(path)
+    ancestor = full
+    while not os.path.isdir(ancestor) and os.path.dirname(ancestor) != ancestor:
+        ancestor = os.path.dirname(ancestor)
+    name_max, path_max = _limit(ancestor, "PC_NAME_MAX", 255), _limit(ancestor, "PC_PATH_MAX", 4096)
+    for name in full.split(os.sep):
+        size = len(os.fsencode(name))
+        if size > name_max:
+            raise ValueError(f"{arg} {path!r} cannot be used: the name {name[:32]!r}... in it is {size} bytes long, "
+                             f"and this filesystem allows at most {name_max}; choose a shorter {arg}")
+    size = len(os.fsencode(full))
+    if size >= path_max:
+        raise ValueError(f"{arg} {path!r} cannot be used: it is {size} bytes long as an absolute path, and this "
+                         f"system allows less than {path_max}; choose a shorter {arg}")
+
+
 def check_output_dir(path: str, arg: str) -> None:
     """Raise ``ValueError`` naming ``arg`` and ``path`` unless ``path`` is a directory this
     process can write in, or one it can create (its nearest existing ancestor is a writable
@@ -57,6 +83,7 @@ def check_output_dir(path: str, arg: str) -> None:
         ...
         ValueError: log_dir '/dev/null' is a device, not a directory
     """
+    _check_lengths(path, arg)
     if _dangling(path):
         raise ValueError(f"{arg} {path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist")
     if os.path.exists(path):
@@ -85,6 +112,7 @@ def _check_creatable(path: str, arg: str) -> None:
 def check_output_file(path: str, arg: str) -> None:
     """Raise ``ValueError`` naming ``arg`` and ``path`` unless ``path`` is a regular file this
     process can write, or one it can create (with the directories missing on its way)."""
+    _check_lengths(path, arg)
     if _dangling(path):
         raise ValueError(f"{arg} {path!r} is a symbolic link to {os.readlink(path)!r}, which does not exist")
     if os.path.exists(path):

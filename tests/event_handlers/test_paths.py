@@ -6,6 +6,7 @@ import os
 
 import pytest
 
+from estimatorch import CheckpointHandler, LambdaHandler, LoggingHandler, TensorBoardHandler
 from estimatorch.event_handlers._paths import (
     check_output_dir,
     check_output_file,
@@ -14,6 +15,7 @@ from estimatorch.event_handlers._paths import (
     new_run_id,
     path_argument,
 )
+from tests.conftest import make_batches, make_estimator
 
 
 @pytest.fixture
@@ -101,3 +103,38 @@ def test_an_older_states_path_gives_only_its_name():
     assert legacy_run_id("/elsewhere/train_Jan05_12-30-45/", "train") == "Jan05_12-30-45"
     assert legacy_run_id("/elsewhere/other_Jan05.log", "train", ".log") is None
     assert legacy_run_id(None, "train") is None
+
+
+# -- names the filesystem cannot hold --------------------------------------------------------------
+@pytest.mark.parametrize("check", [check_output_dir, check_output_file])
+def test_a_name_longer_than_the_filesystem_allows_names_the_argument(tmp_path, check):
+    too_long = tmp_path / ("x" * 300) / "inside"
+    with pytest.raises(ValueError, match=r"log_dir .* the name 'x+'\.\.\. in it is 300 bytes long, and this "
+                                         r"filesystem allows at most 255; choose a shorter log_dir"):
+        check(str(too_long), "log_dir")
+
+
+def test_a_path_longer_than_the_system_allows_names_the_argument(tmp_path):
+    too_long = tmp_path.joinpath(*["d" * 200] * 25)
+    with pytest.raises(ValueError, match=r"model_dir .* bytes long as an absolute path, and this system allows "
+                                         r"less than \d+; choose a shorter model_dir"):
+        check_output_dir(str(too_long), "model_dir")
+
+
+def test_names_at_the_limit_pass(tmp_path):
+    check_output_dir(str(tmp_path / ("x" * 255)), "model_dir")
+
+
+@pytest.mark.parametrize("make", [
+    lambda d: CheckpointHandler(d / ("m" * 256)),
+    lambda d: TensorBoardHandler(d / ("t" * 256)),
+    lambda d: LoggingHandler(log_dir=d / ("l" * 256)),
+], ids=["model_dir", "tensorboard-log_dir", "logging-log_dir"])
+def test_fit_refuses_a_directory_name_too_long_before_any_step(tmp_path, make):
+    handler = make(tmp_path)
+    arg = "model_dir" if isinstance(handler, CheckpointHandler) else "log_dir"
+    est, steps = make_estimator(), []
+    with pytest.raises(ValueError, match=f"choose a shorter {arg}"):
+        est.fit(make_batches(2), epochs=1,
+                event_handlers=[handler, LambdaHandler(batch_end=lambda e, **k: steps.append(1))])
+    assert steps == [] and os.listdir(tmp_path) == []

@@ -585,3 +585,11 @@ def test_each_state_reduces_over_two_ranks_by_its_reduction():
         assert got["extremes_calls"] == {"all_reduce": 2, "gather": 1}
         assert got["loss_calls"] == {"all_reduce": 1, "gather": 0}  # built-ins: sums only
         assert got["loss"] == (1.0 * 1 + 2.0 * 2) / (1 + 2)
+
+
+@pytest.mark.parametrize("device", ["tpu", "cuda:x", 3.5])
+def test_an_unknown_device_is_a_value_error_naming_device(device):
+    with pytest.raises(ValueError, match=r"device must be a torch device such as 'cpu' or 'cuda:0', got "):
+        Loss(device=device)
+    with pytest.raises(ValueError, match="device must be a torch device"):
+        Loss().to(device)
