@@ -80,13 +80,11 @@ class EpochOrder:
 
     def __init__(self, source: Union[torch.Tensor, Callable[[torch.Tensor], torch.Tensor]],
                  length: Optional[int] = None):
+        self._tensor: Optional[torch.Tensor] = None
         if isinstance(source, torch.Tensor):
-            self._tensor: Optional[torch.Tensor] = source
-            self._at = source.__getitem__
-            self._length = len(source)
+            self._tensor, self._length = source, len(source)
         else:
-            self._tensor, self._at = None, source
-            self._length = check_positive_int(length, "length", minimum=0)
+            self._at, self._length = source, check_positive_int(length, "length", minimum=0)
 
     def __len__(self) -> int:
         return self._length
@@ -128,6 +126,7 @@ class ResumableSampler(Sampler[int]):
         self.batch_size = check_positive_int(batch_size, "batch_size")
         self.epoch = 0
         self._start_index = 0
+
     # -- positioning -----------------------------------------------------------------------
     def set_epoch(self, epoch: int) -> None:
         """Select the epoch whose order the next iteration yields."""
