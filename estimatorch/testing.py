@@ -28,6 +28,7 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
+from .estimator._logging import default_logger
 from .event_handlers import BatchEnd, CheckpointHandler, ProgressBarHandler
 
 __all__ = ["assert_resumable"]
@@ -147,7 +148,7 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
         return handlers
 
     plan = {"epochs": epochs, "batches": batches}
-    logger = logging.getLogger("estimatorch")
+    logger = default_logger()  # set up first: the level put back afterwards is the one fit logs at
     level = logger.level
     if quiet:
         logger.setLevel(logging.WARNING)

@@ -57,6 +57,15 @@ def test_resume_cost_measures_both_positions():
         assert _positive(figure["median_ratio"])
 
 
+def test_sampler_scale_measures_both_orders_and_the_quality_figures():
+    out = json.loads(_run("sampler_scale.py", "--sizes", "100000", "--repeats", "1", "--json"))
+    assert [r["permutation"] for r in out["results"]] == ["randperm", "feistel"]
+    for figure in out["results"]:
+        assert _positive(figure["first_batch_s"]["median"]) and _positive(figure["batch_1024_s"]["median"])
+        assert figure["memory_bytes"] >= 0
+    assert "correlation of consecutive indices" in _run("sampler_scale.py", "--quality")
+
+
 def test_checkpoint_cost_compares_with_torch_save():
     out = json.loads(_run("checkpoint_cost.py", "--repeats", "1", "--json"))
     for size in out["results"].values():

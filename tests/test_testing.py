@@ -3,6 +3,8 @@ diverges."""
 
 from __future__ import annotations
 
+import logging
+
 import numpy as np
 import pytest
 import torch
@@ -85,3 +87,18 @@ def test_quiet_also_keeps_the_default_progress_bar_off_the_screen(monkeypatch, c
     assert_resumable(make_estimator, make_batches(3), epochs=2, stop_at=[2], quiet=True)
     captured = capsys.readouterr()
     assert "epochs" not in captured.err and "batch" not in captured.err
+
+
+def test_the_log_keeps_its_info_level_when_assert_resumable_runs_before_any_estimator():
+    """assert_resumable puts the logger's level back afterwards: run before any Estimator had set
+    the logger up, it used to put back NOTSET, silencing fit's INFO lines from then on."""
+    logger = logging.getLogger("estimatorch")
+    handlers, level, propagate = logger.handlers[:], logger.level, logger.propagate
+    logger.handlers = [h for h in handlers if not getattr(h, "_estimatorch_default", False)]
+    logger.setLevel(logging.NOTSET)  # as in a fresh process
+    try:
+        assert_resumable(make_estimator, make_batches(2), epochs=1, stop_at=[1], quiet=True)
+        assert logger.isEnabledFor(logging.INFO)
+    finally:
+        logger.handlers, logger.propagate = handlers, propagate
+        logger.setLevel(level)

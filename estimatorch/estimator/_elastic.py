@@ -26,7 +26,7 @@ device's), python's ``random`` and :func:`estimatorch.rng.default_numpy_rng` are
 not depend on the process that trains it. Draws between micro-batches (in ``epoch_end`` or
 ``epoch_begin`` handlers) continue from the last reseed.
 
-**What a resume on another world size reproduces** (``estimatorch.checkpoint._elastic`` maps
+**What a resume on another world size reproduces** (``estimatorch.estimator._elastic_resume`` maps
 the checkpoint): the samples and the random draws of every micro-batch, hence the same losses;
 the parameters bit for bit where the gradient sums are added in the same order (2 ranks <-> 1
 rank x 2 accumulation steps: DDP's ``g0 / 2 + g1 / 2`` and the accumulated ``(g0 + g1) / 2`` are
@@ -52,6 +52,7 @@ import torch
 
 from .. import distributed, rng
 from ..event_handlers import GradientUpdateHandler
+from ..samplers._index_shuffle import check_permutation, order_fingerprint
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
 from ._streams import _LoaderStream
 
@@ -98,13 +99,16 @@ class ElasticLayout:
         drop_last: drop an epoch's incomplete last step.
         seed: the seed random draws derive from.
         device: the device whose CUDA generator is reseeded too. Defaults to None (the CPU only).
+        permutation: how ``order`` shuffles (``"feistel"`` is recorded in the fingerprint).
+            Defaults to None (``"randperm"``, or not shuffled).
     """
 
-    def __init__(self, order: Callable[[int], torch.Tensor], order_key: Sequence[Any], n: int, batch_size: int,
+    def __init__(self, order: Callable[[int], Any], order_key: Sequence[Any], n: int, batch_size: int,
                  world_size: int, rank: int, accumulation_steps: int, drop_last: bool, seed: int,
-                 device: Optional[torch.device] = None):
+                 device: Optional[torch.device] = None, permutation: Optional[str] = None):
         self._order = order
         self.order_key = list(order_key)
+        self.permutation = permutation
         self.n, self.batch_size, self.drop_last, self.seed, self.device = n, batch_size, drop_last, seed, device
         self.world_size, self.rank, self.accumulation_steps = world_size, rank, accumulation_steps
         self.slots = world_size * accumulation_steps
@@ -141,20 +145,20 @@ class ElasticLayout:
         """What shapes the global stream: the same on every world size of the same global batch."""
         return {LAYOUT_KEY: _ELASTIC, "dataset_len": self.n, "batch_size": self.batch_size,
                 "micro_batches_per_step": self.slots, "drop_last": self.drop_last, "order": self.order_key,
-                "seed": self.seed}
+                "seed": self.seed, **order_fingerprint(self)}
 
 
-def _order_of(sampler: Any) -> Optional[tuple[Callable[[int], torch.Tensor], list[Any], bool]]:
+def _order_of(sampler: Any) -> Optional[tuple[Callable[[int], Any], list[Any], bool]]:
     """``(order, order_key, drop_last)`` of a sampler whose epoch order does not depend on the
-    world size; None for any other."""
+    world size (``order(epoch)`` an ``EpochOrder``, computed where it is read); None for any other."""
     kind = type(sampler)
     if kind is ResumableDistributedSampler:
         key = ["shuffled", sampler.seed] if sampler.shuffle else ["sequential", None]
-        return sampler.epoch_order, key, sampler.drop_last
+        return sampler.order_view, key, sampler.drop_last
     if kind is ResumableRandomSampler:
-        return sampler.epoch_indices, ["shuffled", sampler.seed], False
+        return sampler.epoch_view, ["shuffled", sampler.seed], False
     if kind is ResumableSequentialSampler:
-        return sampler.epoch_indices, ["sequential", None], False
+        return sampler.epoch_view, ["sequential", None], False
     return None
 
 
@@ -183,7 +187,7 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
     accumulation = next((h.accumulation_steps for h in handlers if isinstance(h, GradientUpdateHandler)), 1)
     layout = ElasticLayout(order, key, stream.dataset_len, stream.batch_size, distributed.get_world_size(),
                            distributed.get_rank(), accumulation, stream.drop_last or sampler_drops, stream.seed,
-                           device)
+                           device, stream.sampler.permutation)
     if layout.batches_per_epoch == 0:
         raise ValueError(f"train_data yields no optimizer step with elastic=True and drop_last=True: "
                          f"{layout.n} samples, fewer than one global batch of {layout.batch_size} x "
@@ -206,6 +210,7 @@ def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], source: str) -
                              "(its samples are laid out per process); resume it without elastic=True")
         raise ValueError(f"cannot resume from {source}: it was written by a fit with CheckpointHandler(..., "
                          "elastic=True) (its samples are laid out in global steps): resume with elastic=True")
+    check_permutation(saved.get("permutation"), now.get("permutation"), source)
     if is_elastic(now) and saved.get("batch_size") != now.get("batch_size"):
         raise ValueError(f"cannot resume from {source}: batch_size would change (saved {saved.get('batch_size')!r}, "
                          f"now {now.get('batch_size')!r}). Elastic resume keeps every micro-batch's samples: keep "

@@ -34,6 +34,7 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 
 from .. import distributed, rng
+from ..samplers._index_shuffle import order_fingerprint
 from ..samplers.resumable import (
     ResumableDistributedSampler,
     ResumableRandomSampler,
@@ -282,7 +283,7 @@ class _LoaderStream(TrainStream):
             return self.layout.fingerprint()
         return {**super().fingerprint(), "dataset_len": self.dataset_len,
                 "batch_size": self.batch_size, "drop_last": self.drop_last,
-                "sampler": self.sampler_name}
+                "sampler": self.sampler_name, **order_fingerprint(self.sampler)}
 
     def close(self) -> None:
         self.loader = None  # its persistent workers, if any, shut down with it

@@ -71,7 +71,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     ``batch_size`` and ``world_size x accumulation_steps``: every optimizer step trains the same
     samples.
     The checkpoint must be at an optimizer step (not inside an accumulation window); the saved
-    ranks' states are mapped onto the new ones (:mod:`estimatorch.checkpoint._elastic`). Without
+    ranks' states are mapped onto the new ones (:mod:`estimatorch.estimator._elastic_resume`). Without
     it a different world size is refused, and an elastic file resumes only an elastic fit (and
     the reverse).
 

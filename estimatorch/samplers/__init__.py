@@ -5,8 +5,14 @@
 - The Determined family (:mod:`.composable`), for composing a stream by hand in the order
   shuffle -> repeat -> shard -> skip. Its :class:`DistributedSampler` is not torch's (it shards
   any stream round-robin, without padding): import it qualified to avoid the clash.
+
+The shuffled ones take ``permutation=``: ``"randperm"`` (today's ``torch.randperm`` order),
+``"feistel"`` (a keyed bijection, :class:`IndexShuffle`: O(1) memory and O(1) work per index,
+for a billion samples) or ``"auto"`` (the default: ``"feistel"`` above :data:`AUTO_THRESHOLD`
+samples). An order is read through an :class:`EpochOrder`, computed where it is read.
 """
 
+from ._index_shuffle import AUTO_THRESHOLD, PERMUTATIONS, IndexShuffle
 from .composable import (
     DistributedBatchSampler,
     DistributedSampler,
@@ -17,6 +23,7 @@ from .composable import (
     SkipSampler,
 )
 from .resumable import (
+    EpochOrder,
     ResumableDistributedSampler,
     ResumableRandomSampler,
     ResumableSampler,
@@ -24,8 +31,12 @@ from .resumable import (
 )
 
 __all__ = [
+    "AUTO_THRESHOLD",
+    "PERMUTATIONS",
     "DistributedBatchSampler",
     "DistributedSampler",
+    "EpochOrder",
+    "IndexShuffle",
     "RepeatBatchSampler",
     "RepeatSampler",
     "ReproducibleShuffleSampler",

@@ -50,7 +50,8 @@ from torch.utils.data import DistributedSampler as _TorchDistributedSampler
 
 from .. import distributed, rng
 from .._checks import check_positive_int, check_state_keys, is_int
-from .resumable import ResumableSampler, _permutation
+from ._index_shuffle import check_permutation, order_fingerprint, resolve_permutation
+from .resumable import ResumableSampler, _iterate, _shuffled
 
 __all__ = [
     "DistributedBatchSampler",
@@ -205,6 +206,10 @@ class ReproducibleShuffleSampler(_Wrapper):
     Args:
         sampler: a finite sampler (or range, list) whose indices are permuted.
         seed: Defaults to :data:`estimatorch.rng.DEFAULT_SEED`.
+        permutation: how the order is computed, as for
+            :class:`~estimatorch.samplers.ResumableRandomSampler` (``"randperm"``, ``"feistel"``
+            or ``"auto"``: ``"feistel"`` above 2**24 items). With ``"feistel"``, a ``range``,
+            list or tuple is read where the order points, never copied. Defaults to ``"auto"``.
 
     Example:
         >>> s = ReproducibleShuffleSampler(range(6), seed=1)
@@ -216,13 +221,21 @@ class ReproducibleShuffleSampler(_Wrapper):
         False
     """
 
-    def __init__(self, sampler: Iterable[Any], seed: Optional[int] = None):
+    def __init__(self, sampler: Iterable[Any], seed: Optional[int] = None, *, permutation: str = "auto"):
         super().__init__(sampler)
         if any(isinstance(o, RepeatSampler) for o in _chain(sampler)):
             raise ValueError(f"ReproducibleShuffleSampler cannot shuffle an infinite stream: its "
                              f"{type(sampler).__name__} is or holds a RepeatSampler ({_ORDER})")
         self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
         self.epoch = 0
+        self._permutation = permutation
+        resolve_permutation(permutation, 0)  # checked now, resolved by the length when iterated
+
+    @property
+    def permutation(self) -> str:
+        """How the order is computed for the wrapped sampler's length: ``"randperm"`` or ``"feistel"``
+        (``"auto"`` decides by ``len(sampler)``, as ``"randperm"`` for a sampler without one)."""
+        return resolve_permutation(self._permutation, _length(self._inner) or 0)
 
     def set_epoch(self, epoch: int) -> None:
         """Select the permutation the next iteration yields."""
@@ -232,11 +245,20 @@ class ReproducibleShuffleSampler(_Wrapper):
         return len(self._inner)
 
     def _iter_from(self, start: int) -> Iterator[Any]:
-        items = list(self._inner)
-        return map(items.__getitem__, _permutation(len(items), self.seed, self.epoch)[start:].tolist())
+        inner = self._inner
+        items = inner if isinstance(inner, (range, list, tuple)) else list(inner)
+        order = _shuffled(len(items), self.seed, self.epoch, self.permutation)
+        return map(items.__getitem__, _iterate(order, start))
 
     def _own_state(self) -> dict[str, Any]:
-        return {"seed": self.seed, "epoch": self.epoch}
+        return {"seed": self.seed, "epoch": self.epoch, **order_fingerprint(self)}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`; ``ValueError`` on a missing key, another permutation or a
+        different stream."""
+        if isinstance(state, dict):
+            check_permutation(state.get("permutation"), self.permutation, f"a state of {type(self).__name__}")
+        super().load_state_dict(state)
 
     def _load_own(self, state: dict[str, Any]) -> None:
         _check_same(state, "seed", self.seed, type(self).__name__)

@@ -16,8 +16,7 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sampler, SequentialSampler
 
 from estimatorch import rng
-from estimatorch.samplers import composable
-from estimatorch.samplers import ResumableRandomSampler
+from estimatorch.samplers import ResumableRandomSampler, composable, resumable
 from estimatorch.samplers.composable import (
     DistributedBatchSampler,
     DistributedSampler,
@@ -233,13 +232,13 @@ def test_documented_chain_resumes_at_every_skip(n, bs, w):
 
 def test_a_large_skip_generates_only_the_passes_it_needs(monkeypatch):
     passes = []
-    original = composable._permutation
+    original = resumable._permutation  # the shuffle's randperm order (see resumable._shuffled)
 
     def spy(n, seed, epoch):
         passes.append(epoch)
         return original(n, seed, epoch)
 
-    monkeypatch.setattr(composable, "_permutation", spy)
+    monkeypatch.setattr(resumable, "_permutation", spy)
     n, w, r, bs = 10, 2, 1, 3
     for skip in (10, 10**9):
         passes.clear()

@@ -278,22 +278,22 @@ def test_positioning_work_does_not_depend_on_the_start(make, monkeypatch):
     iterated: list = []
     original = resumable._iterate
 
-    def spy_iterate(indices):
-        iterated.append(len(indices))
-        return original(indices)
+    def spy_iterate(order, start):
+        iterated.append(len(order) - start)
+        return original(order, start)
 
     monkeypatch.setattr(resumable, "_iterate", spy_iterate)
     for k in (10, 1_000_000):
         sampler = make()
         iterated.clear()
         calls: list = []
-        real_epoch_indices = sampler.epoch_indices
+        real_epoch_view = sampler.epoch_view
 
-        def spy_epoch_indices(epoch, calls=calls, real=real_epoch_indices):
+        def spy_epoch_view(epoch, calls=calls, real=real_epoch_view):
             calls.append(real(epoch))
             return calls[-1]
 
-        sampler.epoch_indices = spy_epoch_indices
+        sampler.epoch_view = spy_epoch_view
         sampler.set_epoch(1)
         sampler.set_start_iter(k)
         head = list(itertools.islice(iter(sampler), 5))
