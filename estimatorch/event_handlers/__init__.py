@@ -14,6 +14,7 @@ from .lambda_handler import LambdaHandler
 from .logging_handler import LoggingHandler
 from .lr_scheduler import LRSchedulerHandler
 from .metric import MetricHandler
+from .mlflow_handler import MLflowHandler
 from .mixins import (
     EVENTS,
     BackwardBegin,
@@ -33,6 +34,7 @@ from .validation import ValidationHandler
 from .tensorboard import TensorBoardHandler
 from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
 from .meter import MeterHandler
+from .wandb_handler import WandbHandler
 
 __all__ = [
     "EVENTS",
@@ -52,6 +54,7 @@ __all__ = [
     "LRSchedulerHandler",
     "LambdaHandler",
     "LoggingHandler",
+    "MLflowHandler",
     "MetricHandler",
     "NonFiniteError",
     "ProgressBarHandler",
@@ -63,4 +66,5 @@ __all__ = [
     "MeterHandler",
     "TensorBoardHandler",
     "TerminateOnNaNHandler",
+    "WandbHandler",
 ]
