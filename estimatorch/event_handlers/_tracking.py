@@ -14,6 +14,7 @@ import importlib
 import inspect
 import math
 import os
+import re
 import signal
 import socket
 import sys
@@ -41,6 +42,8 @@ EPOCH_PREFIX, BATCH_PREFIX = "epoch/", "batch/"
 SEND_SECS = 30.0
 #: Longest parameter value logged (longer ones are cut): below every tracker's limit.
 MAX_PARAM_CHARS = 500
+#: What a parameter key may not hold (MLflow's rule): a handler's name may (``Name[variant]``).
+_KEY_OUTSIDE = re.compile(r"[^\w\-. /:]")
 #: Default ports of the network schemes a tracking URI may use.
 _PORTS = {"http": 80, "https": 443, "postgresql": 5432, "mysql": 3306, "mssql": 1433}
 
@@ -164,7 +167,7 @@ def run_params(estimator: Any, batch_size: Optional[int]) -> dict[str, str]:
             if arg != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
                     and hasattr(handler, arg):
                 params[f"handler.{name}.{arg}"] = getattr(handler, arg)
-    texts = {key: _param_value(value) for key, value in params.items()}
+    texts = {_KEY_OUTSIDE.sub("_", key): _param_value(value) for key, value in params.items()}
     return {key: text for key, text in texts.items() if text is not None}
 
 
