@@ -142,15 +142,16 @@ def _param_value(value: Any) -> Optional[str]:
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 3] + "..."
 
 
-def run_params(estimator: Any, batch_size: Optional[int]) -> dict[str, str]:
-    """The run's parameters: model, loss, optimizer and its hyper-parameters, schedule, plan,
-    batch size (per process), world size, seed, precision, and every handler's options."""
+def run_params(estimator: Any) -> dict[str, Any]:
+    """The run's parameters as ``fit`` begins (the learning rate before any step): model, loss,
+    optimizer and its hyper-parameters, schedule, plan, world size, seed, precision, and every
+    handler's options."""
     optimizer = estimator.optimizer
     params: dict[str, Any] = {
         "model": type(estimator.net).__name__, "loss": type(estimator.loss).__name__,
         "optimizer": type(optimizer).__name__,
         "lr_scheduler": type(estimator.lr_scheduler).__name__ if estimator.lr_scheduler is not None else None,
-        "epochs": estimator.max_epoch, "batches": estimator.max_batch, "batch_size": batch_size,
+        "epochs": estimator.max_epoch, "batches": estimator.max_batch,
         "world_size": distributed.get_world_size(), "seed": estimator.seed, "precision": estimator.precision,
     }
     groups = optimizer.param_groups
@@ -167,6 +168,12 @@ def run_params(estimator: Any, batch_size: Optional[int]) -> dict[str, str]:
             if arg != "self" and parameter.kind not in (parameter.VAR_POSITIONAL, parameter.VAR_KEYWORD) \
                     and hasattr(handler, arg):
                 params[f"handler.{name}.{arg}"] = getattr(handler, arg)
+    return params
+
+
+def param_texts(params: dict[str, Any]) -> dict[str, str]:
+    """``params`` as a tracker takes them: keys without characters MLflow refuses, plain values
+    as text (cut to :data:`MAX_PARAM_CHARS`), anything else left out."""
     texts = {_KEY_OUTSIDE.sub("_", key): _param_value(value) for key, value in params.items()}
     return {key: text for key, text in texts.items() if text is not None}
 
@@ -210,6 +217,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
         self._session: Any = None
         self._pending: list[Row] = []
         self._batch_size: Optional[int] = None
+        self._params: dict[str, Any] = {}
         self._started = self._sent = 0.0
 
     # -- what subclasses provide -------------------------------------------------------------
@@ -227,8 +235,8 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
 
     def _open(self, estimator: Any) -> None:
         """At the first step's end, once a resume (if any) brought the run id back."""
-        self._session = distributed.rank_zero_writer(
-            lambda: self._open_session(estimator, run_params(estimator, self._batch_size)))
+        params = param_texts({**self._params, "batch_size": self._batch_size})
+        self._session = distributed.rank_zero_writer(lambda: self._open_session(estimator, params))
         self._send()
 
     def _send(self) -> None:
@@ -242,6 +250,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
     # -- events -------------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self._session, self._pending, self._batch_size = None, [], None
+        self._params = run_params(estimator) if distributed.is_main_process() else {}
         self.run_id, self.current_epoch, self.total_batches, self.history = None, 0, 0, {}
         self._started, self._sent = time.time(), time.perf_counter()
         estimator.at_boundary(lambda: self._open(estimator))

@@ -90,8 +90,8 @@ class MLflowHandler(TrackingHandler):
     ones the interrupted fit logged after its checkpoint stay, and the resumed fit does not log
     them again (it logs only steps past the last one the run holds for each key; a resume is
     bit-identical, so they are the same values). Parameters the run holds are not logged again
-    (MLflow cannot change them; one that changed, a larger ``epochs`` say, is logged as a
-    warning). A run id the tracking store does not know starts a new run, with a warning.
+    (MLflow cannot change them; one that changed, a larger ``epochs`` say, is named in a
+    log line). A run id the tracking store does not know starts a new run, with a warning.
 
     Args:
         tracking_uri: where runs are stored: ``"sqlite:///runs.db"`` (a local database, no
@@ -186,7 +186,7 @@ class MLflowHandler(TrackingHandler):
             held = run.data.params
             changed = sorted(key for key in params if key in held and held[key] != params[key])
             if changed:
-                estimator.logger.warning("MLflow: the resumed run keeps its parameters %s (MLflow cannot change "
+                estimator.logger.info("MLflow: the resumed run keeps its parameters %s (MLflow cannot change "
                                          "them); this fit has %s", {k: held[k] for k in changed},
                                          {k: params[k] for k in changed})
             new_params = {key: value for key, value in params.items() if key not in held}
