@@ -26,6 +26,11 @@ Configurations:
 - ``default+50noop``: default + 50 handlers whose ``batch_end`` does nothing.
 - ``default-nobar`` (only with ``--configs``): the default set as ``fit`` adds it without a
   terminal, i.e. no progress bar.
+- ``default+mlflow`` and ``default+wandb`` (only with ``--configs``; they need the ``mlflow``
+  and ``wandb`` extras): default + ``MLflowHandler`` (a sqlite store in a temporary directory,
+  created before the clock starts, as a store is once) or ``WandbHandler`` (offline, silent),
+  both with ``log_interval=50``. Their time includes opening the run at the first step's end
+  (a new MLflow run and its parameters; ``wandb.init``), spread over ``--steps`` steps.
 
 Log lines go to a null stream during the timed call (they are still formatted). The ratio column
 is the median time per step divided by the raw loop's median; ``paired`` is the median over
@@ -69,7 +74,7 @@ from estimatorch import Estimator  # noqa: E402  (after _common puts the checkou
 from estimatorch import event_handlers as eh  # noqa: E402
 
 REQUIRED = ["raw", "bare", "default", "default+tb+ckpt", "default+50noop"]
-EXTRA = ["default-nobar"]
+EXTRA = ["default-nobar", "default+mlflow", "default+wandb"]
 
 
 class NullStream(io.TextIOBase):
@@ -127,6 +132,16 @@ class Setup:
                                eh.CheckpointHandler(self._tmpdir(), epoch_period=1)]
         if config == "default+50noop":
             return handlers + [NoOpHandler() for _ in range(50)]
+        if config == "default+mlflow":
+            uri = f"sqlite:///{os.path.join(self._tmpdir(), 'runs.db')}"
+            handler = eh.MLflowHandler(uri, experiment_name="bench", log_interval=50, artifact_location=self._tmpdir())
+            handler._mlflow.MlflowClient(uri).search_experiments(max_results=1)  # the store, created once
+            return handlers + [handler]
+        if config == "default+wandb":
+            for key, value in {"WANDB_SILENT": "true", "WANDB_CONSOLE": "off", "WANDB_DISABLE_CODE": "true",
+                               "WANDB_DISABLE_GIT": "true", "WANDB_X_DISABLE_STATS": "true"}.items():
+                os.environ.setdefault(key, value)
+            return handlers + [eh.WandbHandler(project="bench", log_interval=50, mode="offline", dir=self._tmpdir())]
         raise ValueError(f"unknown configuration {config!r}")
 
     def run(self, synchronize: bool = True) -> tuple[float, float]:

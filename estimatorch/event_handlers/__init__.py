@@ -28,11 +28,13 @@ from .mixins import (
     TrainBegin,
     TrainEnd,
 )
+from .mlflow_handler import MLflowHandler
 from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler
 from .tensorboard import TensorBoardHandler
 from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
 from .validation import ValidationHandler
+from .wandb_handler import WandbHandler
 
 __all__ = [
     "EVENTS",
@@ -52,6 +54,7 @@ __all__ = [
     "LRSchedulerHandler",
     "LambdaHandler",
     "LoggingHandler",
+    "MLflowHandler",
     "MetricHandler",
     "NonFiniteError",
     "ProgressBarHandler",
@@ -63,4 +66,5 @@ __all__ = [
     "MeterHandler",
     "TensorBoardHandler",
     "TerminateOnNaNHandler",
+    "WandbHandler",
 ]

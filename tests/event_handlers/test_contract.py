@@ -60,6 +60,14 @@ def _plateau(est):
     return eh.LRSchedulerHandler(scheduler, monitor=est.val_metrics[0])
 
 
+def _wandb(est, d):
+    """Offline, silent, no console capture: W&B writes only files under ``d``."""
+    import wandb  # a dev dependency, needed only by this entry
+
+    settings = wandb.Settings(mode="offline", silent=True, console="off", x_disable_stats=True)
+    return eh.WandbHandler(project="contract", log_interval=2, dir=str(d), settings=settings)
+
+
 # name -> factory(estimator, directory) -> handler. Each handler is built on the estimator whose
 # metrics it refers to.
 FACTORIES = {
@@ -89,6 +97,11 @@ FACTORIES = {
     "TerminateOnNaNHandler": lambda est, d: eh.TerminateOnNaNHandler(check_every=2, monitor=[est.train_metrics[0]]),
     "TerminateOnNaNHandler[raise]": lambda est, d: eh.TerminateOnNaNHandler(check_every=3, raise_error=True),
     "CSVLoggerHandler": lambda est, d: eh.CSVLoggerHandler(d / "log.csv"),
+    # MLflow keeps a store open per URI for the whole process (a database deleted under it turns
+    # read-only): the database lies beside d, out of _clear's reach
+    "MLflowHandler": lambda est, d: eh.MLflowHandler(f"sqlite:///{d}.mlflow.db", experiment_name="contract",
+                                                     log_interval=2, artifact_location=str(d / "artifacts")),
+    "WandbHandler": _wandb,
     "MeterHandler": lambda est, d: eh.MeterHandler([GradientNorm(period=2), Throughput(), EpochGradientNorm(),
                                                     ActivationStatistics(["0"], period=3)], writer=Recorder()),
 }
