@@ -109,7 +109,7 @@ def call_net(net: Callable[..., Any], data: Any) -> Any:
         raise TypeError(mismatch) from err
 
 
-def _inputs_mismatch(net: Callable[..., Any], args: tuple, kwargs: Mapping) -> Optional[str]:
+def _inputs_mismatch(net: Any, args: tuple, kwargs: Mapping) -> Optional[str]:
     """Why ``net`` cannot take these inputs, or None when its signature accepts them."""
     while isinstance(getattr(net, "module", None), torch.nn.Module) or \
             isinstance(getattr(net, "_orig_mod", None), torch.nn.Module):  # DDP, torch.compile

@@ -20,18 +20,21 @@ from __future__ import annotations
 import numbers
 import os
 from collections.abc import Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
+
+if TYPE_CHECKING:  # typing_extensions comes with torch; only the type checker reads it here
+    from typing_extensions import TypeGuard
 
 __all__ = ["check_bool", "check_file_prefix", "check_positive_int", "check_real", "check_state_keys",
            "is_int", "is_real"]
 
 
-def is_int(value: Any) -> bool:
+def is_int(value: Any) -> TypeGuard[int]:
     """An ``int`` that is not a ``bool`` (``True`` is an ``int`` to Python, never a count here)."""
     return isinstance(value, int) and not isinstance(value, bool)
 
 
-def is_real(value: Any) -> bool:
+def is_real(value: Any) -> TypeGuard[float]:
     """A real number that is not a ``bool``."""
     return isinstance(value, numbers.Real) and not isinstance(value, bool)
 

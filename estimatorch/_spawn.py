@@ -17,8 +17,8 @@ import sys
 import time
 import traceback
 import warnings
-from multiprocessing.connection import wait
-from typing import Any, Callable, Optional
+from multiprocessing.connection import Connection, wait
+from typing import Any, Callable, Optional, cast
 
 import torch
 import torch.distributed as dist
@@ -214,7 +214,7 @@ def _collect_reports(procs: list[Any], conns: list[Any]) -> tuple[dict[int, tupl
         for conn in ready:
             rank = waiting.pop(conn)
             try:
-                reports[rank] = pickle.loads(conn.recv_bytes())
+                reports[rank] = pickle.loads(cast(Connection, conn).recv_bytes())
             except (EOFError, OSError):  # it died without a word
                 procs[rank].join(5.0)
                 reports[rank] = ("died", _describe_exit(procs[rank].exitcode))

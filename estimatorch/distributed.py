@@ -358,7 +358,7 @@ def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseExc
     outcomes = gather_objects(sent)
     for failed, exception in enumerate(outcomes):
         if exception is not None:
-            return failed, error if failed == rank else exception
+            return failed, error if failed == rank and error is not None else exception
     return None
 
 

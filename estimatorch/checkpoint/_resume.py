@@ -142,7 +142,7 @@ def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Fou
     error: Optional[BaseException] = None
     try:
         if multi and rank != 0:
-            found = None if chosen is None else _load_as_rank(estimator, model_dir, *chosen, rank)
+            found = None if chosen is None else _load_as_rank(estimator, model_dir, chosen[0], chosen[1], rank)
         if found is not None:
             accept(*found)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it (share_outcome)

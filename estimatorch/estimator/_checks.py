@@ -3,8 +3,8 @@ runs before any step and before any file is written."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence
-from typing import Any, Optional, Union
+from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+from typing import Any, Optional, Union, cast
 
 import torch
 from torch import nn
@@ -32,7 +32,7 @@ def check_iterable(value: Any, arg: str, *, reread: bool = False) -> None:
         raise TypeError(f"{arg} is an iterator ({type(value).__name__}), which can be read only once; "
                         "pass a list or a DataLoader")
     try:
-        empty = len(value) == 0
+        empty = len(cast(Sized, value)) == 0
     except TypeError:  # no length (e.g. a DataLoader over an IterableDataset)
         empty = False
     if empty:

@@ -180,14 +180,15 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
     if not isinstance(stream, _LoaderStream):
         given = _GIVEN.get(type(stream).__name__, type(stream).__name__)
         raise ValueError(f"{why}; got train_data that is {given}")
-    found = _order_of(stream.sampler) if stream.batch_size is not None else None
-    if found is None:
+    batch_size = stream.batch_size
+    found = _order_of(stream.sampler) if batch_size is not None else None
+    if found is None or batch_size is None:
         raise ValueError(f"{why}; got a DataLoader with batch_size={stream.batch_size!r} and a {stream.sampler_name}")
     order, key, sampler_drops = found
     accumulation = next((h.accumulation_steps for h in handlers if isinstance(h, GradientUpdateHandler)), 1)
-    layout = ElasticLayout(order, key, stream.dataset_len, stream.batch_size, distributed.get_world_size(),
+    layout = ElasticLayout(order, key, stream.dataset_len, batch_size, distributed.get_world_size(),
                            distributed.get_rank(), accumulation, stream.drop_last or sampler_drops, stream.seed,
-                           device, stream.sampler.permutation)
+                           device, getattr(stream.sampler, "permutation", None))
     if layout.batches_per_epoch == 0:
         raise ValueError(f"train_data yields no optimizer step with elastic=True and drop_last=True: "
                          f"{layout.n} samples, fewer than one global batch of {layout.batch_size} x "

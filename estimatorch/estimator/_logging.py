@@ -14,7 +14,7 @@ __all__ = ["MainProcessFilter", "default_logger"]
 class _StdoutHandler(logging.StreamHandler):
     """Writes to whatever ``sys.stdout`` is at the time (a notebook cell, pytest's capture)."""
 
-    @property  # type: ignore[override]
+    @property
     def stream(self) -> Any:
         return sys.stdout
 

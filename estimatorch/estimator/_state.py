@@ -23,6 +23,7 @@ from .. import distributed, rng
 from .._checks import is_int
 from .._saved import MISSING, CheckpointError, check_count, check_dict, check_keys, check_like, kind, show
 from ..event_handlers._dispatch import Dispatch
+from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..metrics.base import Metric, metric_name
 from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
@@ -31,7 +32,7 @@ from ._streams import TrainStream
 from .history import History
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "check_snapshot",
-           "check_positions", "describe_plan", "restore_snapshot", "resume_plan", "take_snapshot"]
+           "check_positions", "describe_plan", "record_history", "restore_snapshot", "resume_plan", "take_snapshot"]
 
 
 @dataclasses.dataclass
@@ -99,6 +100,17 @@ class Run:
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
     return f"epochs={plan['epochs']}" if plan["epochs"] is not None else f"batches={plan['batches']}"
+
+
+def record_history(estimator: Any, run: Run, epoch: int) -> None:
+    """Record the epoch's values in the run's History: every train metric, the val metrics when
+    the epoch validated, and the learning rates the epoch trained with."""
+    values = {metric_name(m): m.compute() for m in estimator.train_metrics}
+    if run.evaluated:
+        values.update((metric_name(m), m.compute()) for m in estimator.val_metrics)
+        run.evaluated = False
+    values.update(epoch_learning_rates(estimator))
+    run.history.record(epoch + 1, values)
 
 
 # -- taking ---------------------------------------------------------------------------------------

@@ -15,7 +15,6 @@ from .. import distributed, rng
 from .._batches import to_device
 from .._checks import check_bool
 from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
-from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
@@ -36,6 +35,7 @@ from ._state import (
     Position,
     Run,
     describe_plan,
+    record_history,
     restore_snapshot,
     resume_plan,
     take_snapshot,
@@ -295,7 +295,7 @@ class Estimator:
                           "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger))
-        if resume:
+        if resume and self._last is not None:  # checked above: a resume has a fit to continue
             run.pending = resume_plan(run, self._last, source="the previous fit")
         return run
 
@@ -412,7 +412,7 @@ class Estimator:
                                      "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
             run.at_boundary = False
             stop = dispatch.fire("epoch_end", self)
-            self._record_history(run, epoch)
+            record_history(self, run, epoch)
             stop, code = agreement.after_epoch(stop, signals.code)
             pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
             pos.stop = pos.stop or stop
@@ -442,17 +442,7 @@ class Estimator:
         A handler that must see the state *between* events (a checkpoint, say) registers its
         work here from ``batch_end`` or ``epoch_end``.
         """
-        if not self._fitting:
-            raise RuntimeError("at_boundary() is only available during fit")
-        self._run.boundary_actions.append(action)
-
-    def _record_history(self, run: Run, epoch: int) -> None:
-        values = {metric_name(m): m.compute() for m in self.train_metrics}
-        if run.evaluated:
-            values.update((metric_name(m), m.compute()) for m in self.val_metrics)
-            run.evaluated = False
-        values.update(epoch_learning_rates(self))  # the rates the epoch trained with
-        run.history.record(epoch + 1, values)
+        self._current_run("at_boundary").boundary_actions.append(action)
 
     # -- state: snapshots, resume -----------------------------------------------------------
     @property
@@ -469,13 +459,15 @@ class Estimator:
     def boundary_actions_pending(self) -> bool:
         """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
         for the current event to reach every handler; False outside ``fit``."""
-        return self._fitting and bool(self._run.boundary_actions)
+        run = self._active
+        return run is not None and bool(run.boundary_actions)
 
     @property
     def validated(self) -> bool:
         """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
         ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""
-        return self._fitting and self._run.evaluated
+        run = self._active
+        return run is not None and run.evaluated
 
     @property
     def interruption(self) -> Optional[str]:
@@ -492,19 +484,20 @@ class Estimator:
     def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
         """Resume the current fit from ``snapshot`` (a CheckpointHandler calls this in
         ``train_begin``). Validated at once; applied when the loop reaches the saved position."""
-        if not self._fitting:
-            raise RuntimeError("request_resume() is only available during fit")
-        self._run.pending = resume_plan(self._run, snapshot, source)
+        run = self._current_run("request_resume")
+        run.pending = resume_plan(run, snapshot, source)
 
     @property
     def resume_pending(self) -> bool:
         """True when the current fit will resume from a snapshot."""
-        return self._fitting and self._run.pending is not None
+        run = self._active
+        return run is not None and run.pending is not None
 
     @property
     def resume_step(self) -> Optional[int]:
         """The step (batches trained) the current fit resumes from, while a resume is pending."""
-        return self._run.pending["position"]["step"] if self.resume_pending else None
+        run = self._active
+        return run.pending["position"]["step"] if run is not None and run.pending is not None else None
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self) -> Optional[dict[str, Any]]:
@@ -541,6 +534,11 @@ class Estimator:
         self._current_run("load_payload")
         self.request_resume(snapshot_to_resume(self, payload, source), source)
 
+    @property
+    def _active(self) -> Optional[Run]:
+        """The run of the fit in progress, None outside fit."""
+        return self._run if self._fitting else None
+
     def _current_run(self, method: str) -> Run:
         if not self._fitting or self._run is None:
             raise RuntimeError(f"{method}() is only available during fit")
@@ -564,8 +562,9 @@ class Estimator:
                                         check_empty=not distributed.is_distributed())
         evaluate_batches(self, val_data, batch_axis, handlers)
         self._eval_count += 1
-        if self._fitting:
-            self._run.evaluated = True
+        run = self._active
+        if run is not None:
+            run.evaluated = True
         return {metric_name(m): float(m.compute()) for m in self.val_metrics}
 
     def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> Any:

@@ -126,8 +126,8 @@ class History:
         if not bases:
             raise ValueError("the history is empty: there is nothing to plot")
         if ax is None:
-            fig, axes = plt.subplots(1, len(bases), figsize=(4.5 * len(bases), 3.5), squeeze=False)
-            axes = list(axes[0])
+            fig, grid = plt.subplots(1, len(bases), figsize=(4.5 * len(bases), 3.5), squeeze=False)
+            axes = list(grid[0])
         else:
             axes = list(ax) if isinstance(ax, (list, tuple)) else [ax]
             fig = axes[0].figure

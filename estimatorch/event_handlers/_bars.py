@@ -77,7 +77,7 @@ def bar_class() -> type:
     throttle, never on other steps) and cut to what fits the line."""
     screen_shape = _screen_shape_wrapper()
 
-    class Bar(tqdm):  # type: ignore[misc, valid-type]
+    class Bar(tqdm):
         read_postfix: Optional[Callable[[], dict[str, str]]] = None
         owner_thread: Optional[int] = None
 
@@ -177,7 +177,7 @@ class _BarSafe(logging.Handler):
         # stands in for the estimatorch console handler: a new Estimator must not add another
         self._estimatorch_default = getattr(wrapped, "_estimatorch_default", False)
 
-    def filter(self, record: logging.LogRecord) -> bool:  # type: ignore[override]
+    def filter(self, record: logging.LogRecord) -> bool:
         return bool(self.wrapped.filter(record))
 
     def emit(self, record: logging.LogRecord) -> None:

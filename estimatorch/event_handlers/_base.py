@@ -24,7 +24,7 @@ class _InitSignature:
     """
 
     def __get__(self, instance: Any, owner: type) -> Optional[inspect.Signature]:
-        init = owner.__init__
+        init = owner.__init__  # type: ignore[misc]  # the class's own, as defined
         if instance is not None or init is object.__init__:
             return None  # inspect then falls back to its usual rules
         try:

@@ -4,7 +4,7 @@ per-event lists a step walks."""
 from __future__ import annotations
 
 from collections.abc import Iterable, Sequence
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 from .._checks import is_real
 from ..metrics.base import is_metric, metric_name
@@ -79,6 +79,17 @@ class Dispatch:
     """One tuple of bound methods per event, holding only the handlers that subscribe."""
 
     __slots__ = (*EVENTS, "handlers", "by_name")
+    # one tuple of bound methods per event, set from EVENTS in __init__
+    train_begin: tuple[Callable[..., Any], ...]
+    epoch_begin: tuple[Callable[..., Any], ...]
+    batch_begin: tuple[Callable[..., Any], ...]
+    forward_begin: tuple[Callable[..., Any], ...]
+    forward_end: tuple[Callable[..., Any], ...]
+    backward_begin: tuple[Callable[..., Any], ...]
+    backward_end: tuple[Callable[..., Any], ...]
+    batch_end: tuple[Callable[..., Any], ...]
+    epoch_end: tuple[Callable[..., Any], ...]
+    train_end: tuple[Callable[..., Any], ...]
 
     def __init__(self, handlers: Sequence[Any]):
         self.handlers = list(handlers)

@@ -108,7 +108,7 @@ def periodic_events(cls: type, args: tuple, kwargs: dict[str, Any]) -> list[str]
         >>> periodic_events(Mine, ([],), {})
         ['batch_end', 'epoch_end']
     """
-    signature = inspect.signature(cls.__init__)
+    signature = inspect.signature(cls.__init__)  # type: ignore[misc]  # the class's own, as defined
     if not {"batch_period", "epoch_period"} <= set(signature.parameters):
         return ["batch_end", "epoch_end"]
     try:

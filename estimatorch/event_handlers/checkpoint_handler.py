@@ -439,7 +439,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                 f"state (its best value) did not come back with the resume, so it belongs to another run and is "
                 "left untouched: resume from a checkpoint written with this handler in the fit, move the file "
                 "away, or choose another model_prefix")
-        if is_best:
+        if is_best and value is not None:
             self.best = value  # before the payload: the checkpoint holds it
         if self._layout.resumable:
             self._saved_step = pos.step

@@ -102,7 +102,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
     def _step(self, estimator: Any) -> None:
         optimizer, scaler = estimator.optimizer, estimator.grad_scaler
         if self._ddp is not None and self.pending < self.accumulation_steps:
-            self._synchronise()  # a window cut short: its batches ran under no_sync
+            self._synchronise(self._ddp)  # a window cut short: its batches ran under no_sync
         if self.pending > 1:
             for p in self._params:
                 if p.grad is not None:
@@ -119,14 +119,14 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
         optimizer.zero_grad(set_to_none=True)
         self.pending = 0
 
-    def _synchronise(self) -> None:
+    def _synchronise(self, ddp: DistributedDataParallel) -> None:
         """Average the accumulated gradients over the ranks, as DDP's synchronised backward would
         have (a parameter without a gradient counts as zeros, so every rank sends the same shapes)."""
-        params = [p for p in self._ddp.module.parameters() if p.requires_grad]  # what DDP synchronises
+        params = [p for p in ddp.module.parameters() if p.requires_grad]  # what DDP synchronises
         for p in params:
             if p.grad is None:
                 p.grad = torch.zeros_like(p)
-        distributed.all_reduce_mean_([p.grad for p in params], self._ddp.process_group)
+        distributed.all_reduce_mean_([p.grad for p in params], ddp.process_group)
 
     def state_dict(self) -> dict[str, Any]:
         grads = [p.grad.detach().clone() if p.grad is not None else None for p in self._params] \

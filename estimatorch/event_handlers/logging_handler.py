@@ -85,7 +85,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         check_file_prefix(run_name, "run_name")
         self.log_interval = log_interval
         self.metrics = None if metrics is None else as_metric_list(metrics, "metrics")
-        self._filter = None if log_interval == "epoch" else EventFilter(every=log_interval)
+        self._filter = None if log_interval == "epoch" else EventFilter(every=int(log_interval))
         self.log_dir = None if log_dir is None else path_argument(log_dir, "log_dir")
         self.run_name = run_name
         self.current_epoch = 0

@@ -117,11 +117,12 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         self.total_batches += 1
         self.batch_in_epoch += 1
         if isinstance(loss, torch.Tensor):
-            if self.finite is None or self.finite.device != loss.device:
-                self._new_tally(loss.device)
+            so_far, good = self.finite, self.good
+            if so_far is None or good is None or so_far.device != loss.device:
+                so_far, good = self._new_tally(loss.device)
             finite = torch.isfinite(loss.detach())
-            self.finite.logical_and_(finite.all() if finite.dim() else finite)
-            self.good.add_(self.finite)
+            so_far.logical_and_(finite.all() if finite.dim() else finite)
+            good.add_(so_far)
         if self.reason is not None:
             return False
         # a save waiting for this boundary must not write a non-finite state: check first
@@ -135,14 +136,15 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         return self._check(estimator, at_epoch_end=True)
 
     # -- checks ----------------------------------------------------------------------------
-    def _new_tally(self, device: torch.device) -> None:
+    def _new_tally(self, device: torch.device) -> tuple[torch.Tensor, torch.Tensor]:
         finite = self.finite.to(device) if self.finite is not None else torch.ones((), dtype=torch.bool, device=device)
         good = self.good.to(device) if self.good is not None else torch.zeros((), dtype=torch.int64, device=device)
         self.finite, self.good = finite, good
+        return finite, good
 
     def _check(self, estimator: Any, at_epoch_end: bool) -> bool:
         since = self.total_batches - self.checked
-        if since and self.good is not None:
+        if since and self.good is not None and self.finite is not None:
             good = int(self.good)
             if distributed.is_distributed():
                 good = min(distributed.gather_objects(good))

@@ -33,6 +33,10 @@ class Accuracy(Metric):
         0.5
     """
 
+    # accumulators (declared with add_state)
+    correct: torch.Tensor
+    count: int
+
     default_name = "accuracy"
     higher_is_better = True
     max_pending = 32
@@ -87,6 +91,10 @@ class TopKAccuracy(Metric):
         >>> m.compute()
         0.5
     """
+
+    # accumulators (declared with add_state)
+    correct: torch.Tensor
+    count: int
 
     higher_is_better = True
     max_pending = 32

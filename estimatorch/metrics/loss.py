@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, cast
 
 import torch
 
@@ -34,6 +34,10 @@ class Loss(Metric):
         2.0
     """
 
+    # accumulators (declared with add_state)
+    total: torch.Tensor
+    count: int
+
     default_name = "loss"
     higher_is_better = False
     #: updated with the loss the step computed, not the predictions (see ``split_loss_metrics``).
@@ -60,7 +64,7 @@ class Loss(Metric):
         for loss, weight in items:  # usually one batch size, plus a last partial batch
             by_weight.setdefault(weight, []).append(loss)
         total = sum(torch.stack(losses).double().sum() * weight for weight, losses in by_weight.items())
-        return {"total": total}
+        return {"total": cast(torch.Tensor, total)}  # items is never empty: a tensor
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
         return _ratio(states["total"], states["count"])

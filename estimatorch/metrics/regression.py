@@ -26,6 +26,9 @@ def _aligned(name: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 class _ElementwiseError(Metric):
     higher_is_better = False
+    # accumulators (declared with add_state)
+    total: torch.Tensor
+    count: int
 
     def __init__(self, name: Optional[str] = None, *, device: Any = None):
         super().__init__(name, device=device)

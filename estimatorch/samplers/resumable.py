@@ -266,7 +266,7 @@ class ResumableRandomSampler(ResumableSampler):
         super().__init__(batch_size)
         self.n = _length(data_source)
         self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
-        self.permutation = resolve_permutation(permutation, self.n)
+        self.permutation: str = resolve_permutation(permutation, self.n)
 
     @property
     def num_samples(self) -> int:

@@ -57,7 +57,7 @@ class EpochGradientNorm(RunningStatistic):
         if not grads:
             return
         norm = torch.linalg.vector_norm(torch.stack([torch.linalg.vector_norm(g, dtype=torch.float64) for g in grads]))
-        if self.total is None:
+        if self.total is None or self.max is None:  # set together
             self.total, self.max = norm.clone(), norm.clone()
         else:
             self.total.add_(norm)
@@ -65,7 +65,7 @@ class EpochGradientNorm(RunningStatistic):
         self.count += 1
 
     def scalars(self) -> dict[str, Value]:
-        if self.total is None:
+        if self.total is None or self.max is None:
             return {"mean": float("nan"), "max": float("nan")}
         return {"mean": self.total / self.count, "max": self.max}
 

@@ -32,6 +32,11 @@ def _offline(monkeypatch):
                        "WANDB_ERROR_REPORTING": "false", "WANDB_X_DISABLE_STATS": "true",
                        "WANDB_X_DISABLE_META": "true"}.items():
         monkeypatch.setenv(key, value)
+    # W&B reads the environment once per process, when its first run starts (its global setup):
+    # a run another test started earlier (the contract test's) would keep online mode for this one
+    wandb.teardown()
+    yield
+    wandb.teardown()
 
 
 def read_records(path):
