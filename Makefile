@@ -5,13 +5,18 @@ PY := $(VENV)/bin/python
 # e.g. make demo DEMO_ARGS=--fresh (python -m estimatorch demo --help lists them)
 DEMO_ARGS ?=
 
-.PHONY: demo test test-fast benchmark notebooks clean
+.PHONY: demo test test-fast lint benchmark notebooks clean
 
 demo: $(VENV)/.demo-installed
 	$(PY) -m estimatorch demo $(DEMO_ARGS)
 
-test: $(VENV)/.dev-installed
+test: lint $(VENV)/.dev-installed
 	$(PY) -m pytest
+
+# The habits CI keeps: ruff (ruff.toml) and mypy (setup.cfg) over estimatorch/, both clean.
+lint: $(VENV)/.dev-installed
+	$(PY) -m ruff check estimatorch
+	$(PY) -m mypy
 
 # Everything but the slow, multi-process and notebook tests: for the edit-run cycle.
 test-fast: $(VENV)/.dev-installed
@@ -40,4 +45,4 @@ $(VENV)/.dev-installed: $(PY) setup.cfg setup.py requirements-dev.txt
 	touch $@ $(VENV)/.demo-installed
 
 clean:
-	rm -rf $(VENV) build dist *.egg-info .pytest_cache
+	rm -rf $(VENV) build dist *.egg-info .pytest_cache .mypy_cache .ruff_cache

@@ -29,8 +29,8 @@ from __future__ import annotations
 import dataclasses
 import warnings
 import weakref
-from collections.abc import Iterable, Iterator, Sequence
-from typing import Any, Callable, Optional
+from collections.abc import Iterable, Iterator, Sequence, Sized
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, SequentialSampler
@@ -109,7 +109,7 @@ def _known_order(sampler: Any) -> Optional[torch.Tensor]:
     if type(sampler) is SequentialSampler:
         return torch.arange(len(sampler))
     if type(sampler) is DistributedSampler:  # torch's own recipe, before padding and sharding
-        n = len(sampler.dataset)
+        n = len(cast(Sized, sampler.dataset))
         if not sampler.shuffle:
             return torch.arange(n)
         generator = torch.Generator()
@@ -132,9 +132,8 @@ def _global_units(loader: DataLoader) -> Sequence[Any]:
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:  # a custom one
         return _rank0s(lambda: [b.tolist() if isinstance(b, torch.Tensor) else list(b) for b in batch_sampler])
     sampler = batch_sampler.sampler if batch_sampler is not None else loader.sampler
-    order = _known_order(sampler)
-    if order is None:
-        order = _rank0s(lambda: list(sampler))
+    known = _known_order(sampler)
+    order: Any = known if known is not None else _rank0s(lambda: list(sampler))  # a tensor or a list
     if batch_sampler is None:
         return order
     size = batch_sampler.batch_size
@@ -173,7 +172,7 @@ def for_inference(data: Iterable[Any], arg: str) -> InferenceData:
         return InferenceData(data)
     units = _global_units(data)
     if len(units) == 0:
-        raise ValueError(f"{arg} yields no batches: {len(data.dataset)} samples with batch_size="
+        raise ValueError(f"{arg} yields no batches: {len(cast(Sized, data.dataset))} samples with batch_size="
                          f"{data.batch_size} and drop_last={data.drop_last}")
     rank, world = distributed.get_rank(), distributed.get_world_size()
     return InferenceData(_rebuilt(data, units, rank, world), split=True, total=len(units), rank=rank,

@@ -16,7 +16,7 @@ import inspect
 import itertools
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, Callable, Optional
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch.utils.data import (
@@ -196,11 +196,13 @@ class _LoaderStream(TrainStream):
     def __init__(self, loader: DataLoader, seed: int):
         super().__init__(seed)
         dataset = loader.dataset
-        self.dataset_len = len(dataset)
+        self.dataset_len = len(cast(Sized, dataset))  # map-style: make_train_stream checked
         self.batch_size = loader.batch_size
         self.drop_last = loader.drop_last
         auto_collate = loader.batch_size is not None
         unit = loader.batch_size or 1
+        length: Optional[int]
+        self._user_batches: Any = None
         self.sampler = self._resumable_sampler(loader, unit)
         if self.sampler is not None and (not auto_collate or type(loader.batch_sampler) is BatchSampler):
             per_epoch = self.sampler.num_samples
@@ -225,7 +227,7 @@ class _LoaderStream(TrainStream):
         seeding = not (_draws_no_randomness(dataset) and collate is default_collate)
         self._keys = _KeyBatches(index_batches, length)
         self._generator = torch.Generator()
-        self.loader = DataLoader(
+        self.loader: Optional[DataLoader] = DataLoader(
             _SeededFetch(dataset, collate, seed, seeding, auto_collate),
             batch_size=None,
             sampler=self._keys,
@@ -254,6 +256,7 @@ class _LoaderStream(TrainStream):
     def _sampler_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
         unit = self.batch_size or 1
         sampler = self.sampler
+        assert sampler is not None, "_sampler_batches is the index source only with a sampler"
         sampler.set_epoch(epoch)
         sampler.set_start_index(start * unit)
         it = iter(sampler)
@@ -293,9 +296,12 @@ class _LoaderStream(TrainStream):
             return iter(())
         self._keys.epoch, self._keys.start = epoch, start
         self._generator.manual_seed(rng.derive_seed(self.seed, epoch, _LOADER_SALT))
+        loader = self.loader
+        if loader is None:
+            raise RuntimeError("this training stream was closed: fit builds a new one")
         if self.layout is not None:  # elastic: each batch's random draws follow its place in the step
-            return self.layout.reseeding(iter(self.loader), epoch, start)
-        return iter(self.loader)
+            return self.layout.reseeding(iter(loader), epoch, start)
+        return iter(loader)
 
 
 class _SequenceStream(TrainStream):
@@ -376,12 +382,12 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
             if stateful and train_data.num_workers == 0:
                 return _StatefulIterableStream(train_data, dataset, seed)
             return _ReplayStream(train_data, seed)
-        if len(dataset) == 0:
+        if len(cast(Sized, dataset)) == 0:
             raise ValueError("train_data is empty: its dataset has length 0")
         stream: TrainStream = _LoaderStream(train_data, seed)
         if stream.batches_per_epoch == 0:
             raise ValueError(
-                f"train_data yields no batches: {len(dataset)} samples with batch_size="
+                f"train_data yields no batches: {len(cast(Sized, dataset))} samples with batch_size="
                 f"{train_data.batch_size} and drop_last=True"
             )
         return stream
