@@ -6,6 +6,7 @@ import logging
 import math
 import os
 import signal
+import socket
 from typing import Any
 
 import pytest
@@ -204,3 +205,10 @@ class ScriptedValLoss:
         value = self.values[self.calls]
         self.calls += 1
         return torch.tensor(value)
+
+
+def free_port() -> int:
+    """A TCP port on the loopback interface that nothing listens on (for "unreachable" servers)."""
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]

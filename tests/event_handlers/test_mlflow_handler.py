@@ -7,7 +7,6 @@ import json
 import math
 import os
 import signal
-import socket
 import subprocess
 import sys
 
@@ -15,7 +14,7 @@ import pytest
 
 from estimatorch import distributed
 from estimatorch.event_handlers import CheckpointHandler, LambdaHandler, MLflowHandler
-from tests.conftest import Count, CrashAt, ctrl_c_at, make_batches, make_estimator
+from tests.conftest import Count, CrashAt, ctrl_c_at, free_port, make_batches, make_estimator
 
 mlflow = pytest.importorskip("mlflow")
 
@@ -169,18 +168,12 @@ def test_a_run_resumed_from_a_checkpoint_logs_each_step_once(tmp_path):
 
 
 # -- bad input before any step --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 @pytest.mark.parametrize("case", ["malformed", "unreachable", "a file in the way", "a device", "file store"])
 def test_a_tracking_uri_that_cannot_be_used_is_refused_before_any_step(tmp_path, case):
     (tmp_path / "a_file").write_text("x")
     uri, match = {
         "malformed": ("nosuchscheme://x", "tracking_uri 'nosuchscheme://x' cannot be used: .*unsupported URI"),
-        "unreachable": (f"http://127.0.0.1:{_free_port()}", "tracking_uri 'http://127.0.0.1:.*' is unreachable"),
+        "unreachable": (f"http://127.0.0.1:{free_port()}", "tracking_uri 'http://127.0.0.1:.*' is unreachable"),
         "a file in the way": (f"sqlite:///{tmp_path}/a_file/runs.db",
                               f"tracking_uri '{tmp_path}/a_file/runs.db' cannot be created: .* is a file"),
         "a device": ("sqlite:////dev/null/runs.db", "tracking_uri '/dev/null/runs.db' cannot be created"),

@@ -6,7 +6,6 @@ from __future__ import annotations
 import json
 import os
 import signal
-import socket
 import struct
 import subprocess
 import sys
@@ -15,7 +14,7 @@ import pytest
 
 from estimatorch import distributed
 from estimatorch.event_handlers import CheckpointHandler, LambdaHandler, WandbHandler
-from tests.conftest import Count, CrashAt, make_batches, make_estimator
+from tests.conftest import Count, CrashAt, free_port, make_batches, make_estimator
 
 wandb = pytest.importorskip("wandb")
 from wandb.proto import wandb_internal_pb2  # noqa: E402
@@ -183,12 +182,6 @@ def test_a_run_resumed_from_a_checkpoint_continues_the_same_run_id(tmp_path):
 
 
 # -- bad input before any step --------------------------------------------------------------
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
-
-
 def test_bad_arguments_are_refused_before_any_step(tmp_path, monkeypatch):
     (tmp_path / "a_file").write_text("x")
     count = Count()
@@ -196,7 +189,7 @@ def test_bad_arguments_are_refused_before_any_step(tmp_path, monkeypatch):
         _fit(make_estimator(), [count, WandbHandler(dir=str(tmp_path / "a_file"))])
     with pytest.raises(ValueError, match="mode must be one of W&B's modes .* got 'sideways'"):
         _fit(make_estimator(), [count, WandbHandler(mode="sideways")])
-    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{_free_port()}")
+    monkeypatch.setenv("WANDB_BASE_URL", f"http://127.0.0.1:{free_port()}")
     with pytest.raises(ValueError, match="the W&B server .*mode='online'.* is unreachable"):
         _fit(make_estimator(), [count, WandbHandler(mode="online", dir=str(tmp_path))])
     assert count.batches == 0 and os.listdir(tmp_path) == ["a_file"]
