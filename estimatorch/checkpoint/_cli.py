@@ -84,8 +84,10 @@ def _inspect(path: str) -> int:
     print(f"{found.path}: checkpoint, format {payload['format_version']}, "
           f"estimatorch {payload['estimatorch_version']}, torch {payload['torch_version']}, "
           f"world size {payload['world_size']}")
-    print(f"position {first['position']}, plan {first['plan']}")
-    print(f"fingerprint {first['fingerprint']}")
+    # the run's part of rank 0's snapshot, as saved (the store checks only its envelope)
+    missing = "(missing)"
+    print(f"position {first.get('position', missing)}, plan {first.get('plan', missing)}")
+    print(f"fingerprint {first.get('fingerprint', missing)}")
     print(f"handlers {sorted(first['handlers'])}")
     print(f"model {_size(payload['model'])}; optimizer {payload.get('optimizer_class', 'of unknown class')}")
     return 0
