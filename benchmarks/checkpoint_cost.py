@@ -64,15 +64,19 @@ def make_model(layers: int) -> nn.Module:
     return nn.Sequential(*modules)
 
 
-def trained_estimator(layers: int) -> Estimator:
-    """An estimator after one Adam step of fit (so model, optimizer and handlers hold state)."""
+def fit_one_step(layers: int, at_train_end: Callable[[Estimator], Any]) -> Any:
+    """One Adam step of fit (so model, optimizer and handlers hold state), then
+    ``at_train_end(est)`` while the fit is still active: a payload is built through the
+    estimator's seam, which only a fit in progress has. Returns what it returned."""
     net = make_model(layers)
     est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
                     device="cpu", seed=common.SEED)
     data = [(torch.randn(8, WIDTH), torch.randn(8, WIDTH))]
+    result: list[Any] = []
+    measure_at_end = eh.LambdaHandler(train_end=lambda estimator, **_: result.append(at_train_end(estimator)))
     with contextlib.redirect_stdout(io.StringIO()):
-        est.fit(data, batches=1, event_handlers=[eh.StoppingHandler()])
-    return est
+        est.fit(data, batches=1, event_handlers=[eh.StoppingHandler(), measure_at_end])
+    return result[0]
 
 
 def _fsynced_save(obj: Any, path: str) -> None:
@@ -104,7 +108,10 @@ def time_round_robin(ops: dict[str, Callable[[], Any]], repeats: int) -> dict[st
 
 
 def measure(layers: int, directory: str, repeats: int) -> dict[str, Any]:
-    est = trained_estimator(layers)
+    return fit_one_step(layers, lambda est: _measure(est, directory, repeats))
+
+
+def _measure(est: Estimator, directory: str, repeats: int) -> dict[str, Any]:
     params = sum(p.numel() for p in est.net.parameters())
     est_path = os.path.join(directory, "estimatorch.pt")
     prebuilt_path = os.path.join(directory, "estimatorch-prebuilt.pt")
