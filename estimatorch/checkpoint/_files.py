@@ -26,6 +26,7 @@ __all__ = [
     "latest_name",
     "list_checkpoints",
     "list_weights",
+    "prune",
     "read_latest",
     "remove_orphan_temporaries",
     "weights_name",
@@ -227,6 +228,20 @@ def read_latest(model_dir: PathLike, prefix: str) -> Optional[str]:
     except (OSError, UnicodeDecodeError):
         return None
     return name or None
+
+
+def prune(saved: list[str], limit: Optional[int], keep: str) -> None:
+    """Retention: delete the oldest of ``saved`` (paths, oldest first; the list is updated)
+    beyond ``limit`` (None keeps all), never ``keep`` (the file the pointer names)."""
+    if limit is None:
+        return
+    while len(saved) > limit:
+        old = next(path for path in saved if path != keep)
+        saved.remove(old)
+        try:
+            os.remove(old)
+        except FileNotFoundError:  # already gone: nothing to do
+            continue
 
 
 def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
