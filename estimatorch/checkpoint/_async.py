@@ -130,6 +130,11 @@ class BackgroundWriter:
         self._error: Optional[BaseException] = None
         self._logged = False
 
+    def __getstate__(self) -> dict[str, Any]:
+        """Pickled (a handler sent to a spawned process): without buffers, streams or thread."""
+        self.join()
+        return {**self.__dict__, "staging": Staging(), "_thread": None, "_error": None}
+
     def reset(self) -> None:
         """A new fit: log the next wait again (counters start from zero)."""
         self.join()

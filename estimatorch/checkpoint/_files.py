@@ -128,13 +128,18 @@ def _fsync_dir(path: str) -> None:
 
 def _create_temporary(directory: str, name: str) -> tuple[int, str]:
     """Create ``.{name}.<random>.tmp`` in ``directory`` with the permissions ``open()`` would
-    give (``tempfile.mkstemp`` makes files readable by their owner only)."""
+    give (``tempfile.mkstemp`` makes files readable by their owner only), marked in flight before
+    it exists: a background writer's cleanup of orphans never takes it for one."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        _IN_FLIGHT.add(tmp)
         try:
             return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
+        except BaseException as err:
+            _IN_FLIGHT.discard(tmp)
+            if not isinstance(err, FileExistsError):
+                raise
             continue
     raise FileExistsError(f"no free temporary file name for {name!r} in {directory!r}")
 
@@ -184,7 +189,6 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
         fd, tmp = _create_temporary(directory, os.path.basename(path))
     except OSError as err:
         raise _write_error(path, err) from err
-    _IN_FLIGHT.add(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             sink = _Sink(f)

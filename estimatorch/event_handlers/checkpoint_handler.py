@@ -323,9 +323,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
 
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
-        self._reset()
         if self._writer is not None:
-            self._writer.reset()
+            self._writer.reset()  # (waits for a write a second Ctrl-C left running)
+        self._reset()
         self._estimator = weakref.ref(estimator)
         self._check_siblings(estimator)
         found = distributed.run_on_main(lambda: self._open_directory(estimator), "CheckpointHandler opening model_dir")

@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import errno
 import os
+import pickle
 import threading
 
 import pytest
@@ -247,3 +248,22 @@ def test_a_save_that_finds_the_previous_write_running_waits_and_says_so_once(tmp
 def test_async_save_must_be_a_bool(tmp_path):
     with pytest.raises(TypeError, match="async_save"):
         CheckpointHandler(tmp_path, async_save="yes")
+
+
+def test_a_weights_export_in_the_background_holds_the_boundarys_weights(tmp_path, monkeypatch):
+    gate = Gate(monkeypatch)
+    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, save_weights_only=True,
+                                max_checkpoints=None, async_save=True)
+    est, snapshot, scribble = _adam_estimator(), Snapshot(), Scribble(gate, handler)
+    est.fit(make_batches(6), batches=3, event_handlers=[handler, snapshot, scribble])
+    assert gate.held == ["model-epoch0batch2.weights.pt"] and scribble.scribbled == 1
+    assert_tree_equal(torch.load(tmp_path / "model-epoch0batch2.weights.pt", weights_only=True),
+                      snapshot.states[2]["model"], "weights at step 2")
+
+
+def test_a_handler_that_wrote_in_the_background_pickles_without_its_buffers(tmp_path):
+    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, async_save=True)
+    _adam_estimator().fit(make_batches(2), batches=2, event_handlers=[handler])
+    assert handler._writer.staging.nbytes > 0
+    copy = pickle.loads(pickle.dumps(handler))
+    assert copy.async_save and copy._writer.staging.nbytes == 0 and not copy._writer.busy

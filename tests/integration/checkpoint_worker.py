@@ -200,6 +200,9 @@ def main():
             def batch_end(self, estimator, **kwargs):
                 self.seen += 1
                 if self.seen == 2:  # during the second step: its checkpoint is the first to fail
+                    for handler in estimator.handlers:  # (with --async: once the first one is written)
+                        if getattr(handler, "_writer", None) is not None:
+                            handler._writer.join()
                     # a read-only bind mount over it (a remount of the tmpfs itself is refused while
                     # the lock file is open for writing): from here on, paths in it are read-only
                     subprocess.run(["mount", "--bind", args.dir, args.dir], check=True)
