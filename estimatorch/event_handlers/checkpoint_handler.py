@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Optional, Union
@@ -397,11 +398,11 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
 
     def _finish_writes(self, estimator: Any) -> None:
         """Wait for the background write in flight and raise its failure: on every rank where
-        every rank ends the fit at the same boundary (the plan's end, a stop, a signal), else (an
-        error on its way, maybe on this rank only: no collective) on rank 0."""
+        every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
+        no error on its way), else (an error, maybe on this rank only: no collective) on rank 0."""
         if self._writer is None:
             return
-        if estimator.interruption is not None or estimator.position.stop:
+        if estimator.interruption is not None or (estimator.position.stop and sys.exc_info()[1] is None):
             distributed.run_on_main(self._writer.wait, "CheckpointHandler writing a checkpoint in the background")
         elif distributed.is_main_process():
             self._writer.wait()

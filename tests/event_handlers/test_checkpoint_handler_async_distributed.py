@@ -145,3 +145,12 @@ def test_a_failed_background_write_on_rank_0_is_an_error_on_every_rank_at_the_ne
     assert sorted(f for f in os.listdir(tmp_path) if f.startswith("model-")) == \
         [_name(2), "model-latest"]
     assert checkpoint.read_latest(tmp_path, "model") == _name(2)
+
+
+def test_a_failed_last_background_write_is_an_error_on_every_rank_in_train_end(tmp_path):
+    last = EPOCHS * STEPS_PER_EPOCH
+    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), True, False, 0, False, _name(last), backend="gloo")
+    for result in (r0, r1):
+        assert result["error"] == "OSError" and _name(last) in result["message"], result
+        assert result["step"] == last, result  # the whole plan ran: raised in train_end
+    assert checkpoint.read_latest(tmp_path, "model") == _name(last - 2)
