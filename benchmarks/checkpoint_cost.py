@@ -18,10 +18,29 @@ each after an
 divides by the raw ``torch.save`` median (for saves and ``build_payload``) or the raw
 ``torch.load`` median (for loads).
 
+With ``--stall`` it measures instead, in one run, what a checkpoint costs the training loop with
+``CheckpointHandler(async_save=False)`` and ``async_save=True``, for the 50.4M-parameter model
+of 12 ``Linear(2048, 2048)`` with Adam (576 MiB of state; ``--small``: 2 ``Linear(256, 256)``, for
+the tests): each mode is a ``fit`` of ``--steps`` steps (batches of 8) in a fresh process,
+checkpointing every ``--batch-period`` batches, and reports
+
+- the memcpy floor: one copy of the model's and the optimizer's tensors into preallocated CPU
+  buffers (median of 5), the least an asynchronous save can hold a step for;
+- the stall per save: how long the save holds the training thread at the boundary (the
+  handler's save call), and the step time of steps with a save minus that of steps without;
+- the time until durable: from the save's start until the file, the pointer and retention are
+  done (written, fsynced, renamed);
+- the saves that found the previous write still running (and waited for it), and the whole
+  fit's time from its first step until the last file is durable (a write in the background
+  shares the cores and the memory bandwidth with the steps that run meanwhile);
+- peak memory: the process's peak resident set, and its rise above the resident set at the first
+  save (the staging copy of ``async_save`` shows there), with the staging buffers' size.
+
 Usage::
 
     python benchmarks/checkpoint_cost.py
     python benchmarks/checkpoint_cost.py --repeats 9 --json
+    python benchmarks/checkpoint_cost.py --stall [--small] [--steps 24 --batch-period 6] [--json]
 """
 
 from __future__ import annotations
@@ -33,8 +52,10 @@ import io
 import json
 import os
 import random
+import resource
 import shutil
 import statistics
+import subprocess
 import sys
 import tempfile
 import time
@@ -46,7 +67,7 @@ from torch import nn
 
 import _common as common
 
-from estimatorch import Estimator, checkpoint  # noqa: E402
+from estimatorch import CheckpointHandler, Estimator, checkpoint  # noqa: E402
 from estimatorch import event_handlers as eh  # noqa: E402
 
 WIDTH = 1024
@@ -140,15 +161,168 @@ def _measure(est: Estimator, directory: str, repeats: int) -> dict[str, Any]:
     }
 
 
+# -- --stall: the step stall of a save, synchronous and async_save=True -------------------------
+STALL_MODELS = {"50.4M params (12 x Linear(2048, 2048))": (12, 2048), "small (2 x Linear(256, 256))": (2, 256)}
+
+
+def _rss_bytes() -> int:
+    with open("/proc/self/statm", encoding="utf-8") as f:
+        return int(f.read().split()[1]) * os.sysconf("SC_PAGE_SIZE")
+
+
+def memcpy_floor(net: nn.Module, optimizer: torch.optim.Optimizer, repeats: int = 5) -> list[float]:
+    """Seconds to copy the model's and the optimizer's tensors into preallocated CPU buffers."""
+    tensors = [t for t in net.state_dict().values()]
+    tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
+    buffers = [torch.empty_like(t, device="cpu") for t in tensors]
+    times = []
+    for _ in range(repeats + 1):  # the first touches the buffers' pages
+        start = time.perf_counter()
+        for buf, t in zip(buffers, tensors):
+            buf.copy_(t)
+        times.append(time.perf_counter() - start)
+    return times[1:]
+
+
+def stall_child(mode: str, layers: int, width: int, steps: int, period: int, directory: str) -> dict[str, Any]:
+    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode``; its figures."""
+    torch.manual_seed(common.SEED)
+    net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
+    est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-4), device="cpu",
+                    seed=common.SEED)
+    data = [(torch.randn(8, width), torch.randn(8, width)) for _ in range(steps)]
+    handler = CheckpointHandler(directory, batch_period=period, epoch_period=None, max_checkpoints=2,
+                                async_save=mode == "async")
+    begins: list[float] = []
+    saves: list[list[float]] = []  # [start, returned]
+    durable: list[float] = []
+    rss_at_first_save: list[int] = []
+    real_save, real_write = handler._save, handler._write
+
+    def timed_save(estimator: Any, background: bool = True) -> None:
+        if not rss_at_first_save:
+            rss_at_first_save.append(_rss_bytes())
+        start = time.perf_counter()
+        real_save(estimator, background)
+        saves.append([start, time.perf_counter()])
+
+    def timed_write(*args: Any) -> None:
+        real_write(*args)
+        durable.append(time.perf_counter())
+
+    handler._save, handler._write = timed_save, timed_write  # type: ignore[method-assign]
+    clock = eh.LambdaHandler(batch_begin=lambda e, **_: begins.append(time.perf_counter()), priority=-float("inf"))
+    with contextlib.redirect_stdout(io.StringIO()):
+        est.fit(data, batches=steps, event_handlers=[eh.StoppingHandler(), handler, clock])
+    fit_s = time.perf_counter() - begins[0]  # the last write durable included (train_end waits for it)
+    floor = memcpy_floor(est.net, est.optimizer)
+    # a step's time: from its batch_begin to the next one's; a save runs at the end of steps period, 2 period...
+    step_times = [b - a for a, b in zip(begins, begins[1:])]
+    with_save = [t for i, t in enumerate(step_times, start=1) if i % period == 0]
+    without = [t for i, t in enumerate(step_times, start=1) if i % period]
+    writer = handler._writer
+    state_bytes = sum(t.numel() * t.element_size() for t in est.net.state_dict().values())
+    state_bytes += sum(v.numel() * v.element_size() for s in est.optimizer.state.values() for v in s.values()
+                       if isinstance(v, torch.Tensor))
+    return {
+        "mode": mode,
+        "parameters": sum(p.numel() for p in net.parameters()),
+        "state_bytes": state_bytes,
+        "saves": len(saves),
+        "fit_s": fit_s,
+        "memcpy_floor_s": floor,
+        "save_call_s": [end - start for start, end in saves],
+        "step_with_save_s": with_save,
+        "step_without_save_s": without,
+        "until_durable_s": [end - start for (start, _), end in zip(saves, durable)],
+        "waits": writer.waits if writer is not None else 0,
+        "waited_s": writer.waited_seconds if writer is not None else 0.0,
+        "staging_bytes": writer.staging.nbytes if writer is not None else 0,
+        "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
+        "rss_at_first_save_bytes": rss_at_first_save[0] if rss_at_first_save else 0,
+    }
+
+
+def measure_stall(args: argparse.Namespace) -> dict[str, Any]:
+    """Each mode in a fresh process (so that its peak memory is its own), synchronous first."""
+    name = list(STALL_MODELS)[1 if args.small else 0]
+    layers, width = STALL_MODELS[name]
+    results = {}
+    for mode in ("sync", "async"):
+        directory = tempfile.mkdtemp(prefix="estimatorch-stall-", dir=args.dir)
+        try:
+            done = subprocess.run([sys.executable, os.path.abspath(__file__), "--stall-child", mode, "--dir", directory,
+                                   "--layers", str(layers), "--width", str(width), "--steps", str(args.steps),
+                                   "--batch-period", str(args.batch_period), "--threads", str(args.threads)],
+                                  capture_output=True, text=True, check=False)
+            if done.returncode != 0:
+                raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-3000:]}")
+            results[mode] = json.loads(done.stdout)
+        finally:
+            shutil.rmtree(directory, ignore_errors=True)
+    return {"model": name, "results": results}
+
+
+def _ms(values: list[float]) -> str:
+    return f"{statistics.median(values) * 1e3:.1f}" if values else "-"
+
+
+def print_stall(out: dict[str, Any], args: argparse.Namespace) -> None:
+    results = out["results"]
+    floor = statistics.median(results["async"]["memcpy_floor_s"] + results["sync"]["memcpy_floor_s"])
+    first = results["sync"]
+    print(f"\n{out['model']}: {first['parameters'] / 1e6:.1f}M parameters, state (model + Adam) "
+          f"{common.human_bytes(first['state_bytes'])}; {args.steps} steps, a checkpoint every {args.batch_period}; "
+          f"memcpy floor {floor * 1e3:.1f} ms (median)")
+    rows = []
+    for mode, res in results.items():
+        stall = statistics.median(res["step_with_save_s"]) - statistics.median(res["step_without_save_s"])
+        rows.append([f"async_save={mode == 'async'}", _ms(res["save_call_s"]),
+                     f"{statistics.median(res['save_call_s']) / floor:.1f}x", f"{stall * 1e3:.1f}",
+                     _ms(res["step_without_save_s"]), _ms(res["until_durable_s"]), f"{res['waits']}/{res['saves']}",
+                     f"{res['fit_s']:.2f}",
+                     common.human_bytes(res["peak_rss_bytes"]),
+                     common.human_bytes(res["peak_rss_bytes"] - res["rss_at_first_save_bytes"]),
+                     common.human_bytes(res["staging_bytes"])])
+    print(common.format_table(["mode", "save holds the step (ms)", "x memcpy floor", "step with save - without (ms)",
+                               "step without save (ms)", "until durable (ms)", "saves that waited", "fit (s)",
+                               "peak RSS", "peak rise after 1st save", "staging"], rows))
+
+
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
     parser.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--stall", action="store_true",
+                        help="measure the step stall per save, synchronous and async_save=True, instead")
+    parser.add_argument("--small", action="store_true", help="--stall with a small model (for the tests)")
+    parser.add_argument("--steps", type=int, default=None, help="--stall: steps per fit (default 24, --small 8)")
+    parser.add_argument("--batch-period", type=int, default=None,
+                        help="--stall: a checkpoint every this many steps (default 6, --small 2)")
+    parser.add_argument("--stall-child", choices=["sync", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
+    parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
+    args.steps = args.steps or (8 if args.small else 24)
+    args.batch_period = args.batch_period or (2 if args.small else 6)
+    if args.stall_child:
+        print(json.dumps(stall_child(args.stall_child, args.layers, args.width, args.steps, args.batch_period,
+                                     args.dir)))
+        return 0
+    if args.stall:
+        stall = measure_stall(args)
+        info = common.machine_info()
+        if args.json:
+            print(json.dumps({"machine": info, "settings": {"steps": args.steps, "batch_period": args.batch_period,
+                                                            "threads": args.threads}, **stall}, indent=2))
+        else:
+            common.print_machine(info)
+            print_stall(stall, args)
+        return 0
 
     out: dict[str, Any] = {}
     for name, layers in MODELS.items():

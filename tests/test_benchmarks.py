@@ -73,6 +73,20 @@ def test_checkpoint_cost_compares_with_torch_save():
         assert all(_positive(v[0]) for v in size["seconds"].values())
 
 
+def test_checkpoint_cost_measures_the_stall_of_a_save_synchronous_and_async():
+    out = json.loads(_run("checkpoint_cost.py", "--stall", "--small", "--json"))
+    steps, period = out["settings"]["steps"], out["settings"]["batch_period"]
+    assert list(out["results"]) == ["sync", "async"]
+    for mode, figures in out["results"].items():
+        assert figures["saves"] == steps // period == len(figures["until_durable_s"]), mode
+        assert len(figures["step_with_save_s"]) == (steps - 1) // period  # the last save ends the fit
+        assert all(_positive(v) for key in ("memcpy_floor_s", "save_call_s", "until_durable_s")
+                   for v in figures[key]), mode
+        assert figures["peak_rss_bytes"] > 0
+    assert out["results"]["sync"]["staging_bytes"] == 0 and out["results"]["sync"]["waits"] == 0
+    assert out["results"]["async"]["staging_bytes"] >= out["results"]["async"]["state_bytes"] > 0
+
+
 def test_gpu_resnet_compares_fit_with_a_hand_written_loop():
     """On the CPU with tiny settings: only that it runs and reports; the figures need a GPU."""
     out = json.loads(_run("gpu_resnet.py", "--device", "cpu", "--steps", "2", "--repeats", "1", "--batch-size", "4",

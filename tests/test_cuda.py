@@ -9,7 +9,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimatorch import CheckpointHandler, Estimator, LoggingHandler, ProgressBarHandler
+from estimatorch import CheckpointHandler, Estimator, LoggingHandler, ProgressBarHandler, checkpoint
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd, TrainEnd
 
 pytestmark = [pytest.mark.cuda,
@@ -90,3 +90,36 @@ def test_each_micro_batch_of_an_elastic_fit_draws_from_its_place_on_the_gpu(tmp_
 
     for got, wanted in draws_follow_the_micro_batch("cuda", tmp_path):
         assert torch.equal(got, wanted)
+
+
+def test_async_save_copies_through_pinned_buffers_and_writes_the_boundarys_state(tmp_path):
+    """The copy runs on a side stream the training stream waits for: a change made right after
+    the save returns (queued on the training stream) never reaches the file."""
+    est = _estimator(deterministic=True)
+    handler = CheckpointHandler(tmp_path, batch_period=7, epoch_period=None, max_checkpoints=None, async_save=True)
+    at_boundary = {}
+
+    class Scribble(BatchBegin, BatchEnd):
+        priority = float("inf")
+
+        def batch_end(self, e, **kw):
+            if (e.position.step + 1) % 7 == 0:
+                at_boundary[e.position.step + 1] = {k: v.cpu() for k, v in e.net.state_dict().items()}
+
+        def batch_begin(self, e, **kw):
+            if e.position.step % 7 == 0 and e.position.step:
+                saved = [(p, p.detach().clone()) for p in e.net.parameters()]
+                with torch.no_grad():
+                    for p, _ in saved:
+                        p.fill_(1234.5)
+                    for p, value in saved:
+                        p.copy_(value)
+
+    est.fit(_loader(), epochs=1, event_handlers=[handler, Scribble()])
+    buffers = handler._writer.staging._buffers
+    model_buffers = [buf for path, buf in buffers.items() if path[0] == "model"]
+    assert model_buffers and all(buf.is_pinned() for buf in model_buffers)  # copied from the GPU
+    for step, state in at_boundary.items():
+        saved = checkpoint.load(tmp_path / checkpoint.checkpoint_name("model", 0, step))["model"]
+        for key, value in state.items():
+            assert torch.equal(saved[key], value), (step, key)

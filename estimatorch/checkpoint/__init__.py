@@ -33,6 +33,7 @@ Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 """
 
 from .._saved import CheckpointError
+from ._async import BackgroundWriter, Staging
 from ._cli import main
 from ._files import (
     atomic_save,
@@ -42,6 +43,7 @@ from ._files import (
     latest_name,
     list_checkpoints,
     list_weights,
+    prune,
     read_latest,
     remove_orphan_temporaries,
     weights_name,
@@ -70,10 +72,12 @@ from ._weights import is_weights, read_saved, weights_state
 __all__ = [
     "FORMAT_VERSION",
     "LOCK_NAME",
+    "BackgroundWriter",
     "CheckpointError",
     "DirectoryLock",
     "DirectoryLockedError",
     "Layout",
+    "Staging",
     "NewerFormatError",
     "atomic_save",
     "best_weights_name",

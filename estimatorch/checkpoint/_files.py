@@ -26,6 +26,7 @@ __all__ = [
     "latest_name",
     "list_checkpoints",
     "list_weights",
+    "prune",
     "read_latest",
     "remove_orphan_temporaries",
     "weights_name",
@@ -127,13 +128,18 @@ def _fsync_dir(path: str) -> None:
 
 def _create_temporary(directory: str, name: str) -> tuple[int, str]:
     """Create ``.{name}.<random>.tmp`` in ``directory`` with the permissions ``open()`` would
-    give (``tempfile.mkstemp`` makes files readable by their owner only)."""
+    give (``tempfile.mkstemp`` makes files readable by their owner only), marked in flight before
+    it exists: a background writer's cleanup of orphans never takes it for one."""
     flags = os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0)
     for _ in range(100):
         tmp = os.path.join(directory, f".{name}.{secrets.token_hex(6)}.tmp")
+        _IN_FLIGHT.add(tmp)
         try:
             return os.open(tmp, flags, 0o666), tmp
-        except FileExistsError:
+        except BaseException as err:
+            _IN_FLIGHT.discard(tmp)
+            if not isinstance(err, FileExistsError):
+                raise
             continue
     raise FileExistsError(f"no free temporary file name for {name!r} in {directory!r}")
 
@@ -183,7 +189,6 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
         fd, tmp = _create_temporary(directory, os.path.basename(path))
     except OSError as err:
         raise _write_error(path, err) from err
-    _IN_FLIGHT.add(tmp)
     try:
         with os.fdopen(fd, "wb") as f:
             sink = _Sink(f)
@@ -227,6 +232,20 @@ def read_latest(model_dir: PathLike, prefix: str) -> Optional[str]:
     except (OSError, UnicodeDecodeError):
         return None
     return name or None
+
+
+def prune(saved: list[str], limit: Optional[int], keep: str) -> None:
+    """Retention: delete the oldest of ``saved`` (paths, oldest first; the list is updated)
+    beyond ``limit`` (None keeps all), never ``keep`` (the file the pointer names)."""
+    if limit is None:
+        return
+    while len(saved) > limit:
+        old = next(path for path in saved if path != keep)
+        saved.remove(old)
+        try:
+            os.remove(old)
+        except FileNotFoundError:  # already gone: nothing to do
+            continue
 
 
 def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:

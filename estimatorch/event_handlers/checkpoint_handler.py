@@ -5,6 +5,7 @@ from __future__ import annotations
 import logging
 import math
 import os
+import sys
 import warnings
 import weakref
 from typing import Any, Optional, Union
@@ -14,7 +15,7 @@ from .._checks import check_bool, check_file_prefix, check_positive_int, check_s
 from .._schedule import EventFilter
 from ..metrics.base import is_metric, metric_name
 from ._base import StatefulHandler
-from ._monitor import improved, resolve_mode
+from ._monitor import check_threshold, improved, resolve_mode
 from ._paths import check_output_dir
 from ._subscribe import periodic_events, with_events
 from .mixins import TrainBegin, TrainEnd
@@ -42,6 +43,17 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     any moment leaves every checkpoint complete and the pointer naming an existing file. A failed
     write (a full disk, an I/O error, a read-only filesystem) raises an ``OSError`` naming the
     file and the reason and leaves the earlier files and the pointer as they were.
+
+    **Writing in the background** (``async_save=True``). A save copies the state's tensors into
+    CPU buffers and returns; a thread writes the file the same way, then moves the pointer and
+    prunes, so the step waits only for the copy (from CUDA: pinned buffers, copied on a side
+    stream the next kernels wait for, so the host does not wait at all). The file holds the state
+    at the boundary, whatever the steps during the write change. Staging memory: one copy of the
+    state (model, optimizer and the rest, about the checkpoint's size), reused from save to save.
+    One write runs at a time: a save that finds the previous one running waits for it (logged
+    once per fit). A write that failed is raised (naming the file and the errno) at the next save
+    and in ``train_end``, on every rank; the files written before it are kept. ``train_end``
+    (also after SIGTERM or Ctrl-C) waits for the write in flight, then saves as without it.
 
     **One writer per directory.** At ``fit`` start rank 0 takes a lock in ``model_dir`` (an
     ``flock`` on ``.estimatorch.lock``, which records host and pid) and holds it until the fit
@@ -136,6 +148,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             resume on another world size with the same ``batch_size`` and ``world_size x
             accumulation_steps`` (see :mod:`estimatorch.estimator._elastic`); set it from the
             run's first fit on, and on every resume. Defaults to False.
+        async_save: write checkpoints on a background thread; the step waits only for a copy of
+            the state into reused CPU buffers (see above). Defaults to False.
 
     Example:
         >>> import tempfile
@@ -157,7 +171,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
-                 elastic: bool = False):
+                 elastic: bool = False, async_save: bool = False):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
@@ -167,7 +181,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
                            ("save_best_only", save_best_only), ("save_weights_only", save_weights_only),
-                           ("elastic", elastic)):
+                           ("elastic", elastic), ("async_save", async_save)):
             check_bool(value, arg)
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
@@ -179,7 +193,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                 raise ValueError(f"resume_from_checkpoint=True cannot go with {arg}=True, which writes no checkpoint "
                                  "to resume from: give the fit a second CheckpointHandler(model_dir, "
                                  "resume_from_checkpoint=True) for the resumable checkpoints")
-        _check_threshold(initial_value_threshold, save_best or save_best_only)
+        check_threshold(initial_value_threshold, save_best or save_best_only)
         self.epoch_period = check_positive_int(epoch_period, "epoch_period", allow_none=True)
         self.batch_period = check_positive_int(batch_period, "batch_period", allow_none=True)
         if epoch_period is None and batch_period is None:
@@ -195,6 +209,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
         self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
+        self.async_save = async_save
+        self._writer = checkpoint.BackgroundWriter() if async_save else None  # rank 0 only writes
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
                                             periodic=not save_best_only, best=save_best or save_best_only)
@@ -308,6 +324,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
 
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+        if self._writer is not None:
+            self._writer.reset()  # (waits for a write a second Ctrl-C left running)
         self._reset()
         self._estimator = weakref.ref(estimator)
         self._check_siblings(estimator)
@@ -362,18 +380,32 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                           if self._layout.resumable and version is not None and path != best_path
                           and path not in skipped]
             if found is not None:  # finish a prune a killed writer left undone (after its pointer)
-                self._prune(keep=found[0])
+                checkpoint.prune(self.saved, self.max_checkpoints, keep=found[0])
         estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(),
                               os.path.abspath(self.model_dir))
         return found
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
         try:
+            self._finish_writes(estimator)
             self._save_interrupted(estimator)
         finally:
             self._epochs, self._batches = self.current_epoch, self.current_batch
             self._estimator = None
+            if self._writer is not None:
+                self._writer.join()  # the lock is held until the last file is durable
             self._release_lock()
+
+    def _finish_writes(self, estimator: Any) -> None:
+        """Wait for the background write in flight and raise its failure: on every rank where
+        every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
+        no error on its way), else (an error, maybe on this rank only: no collective) on rank 0."""
+        if self._writer is None:
+            return
+        if estimator.interruption is not None or (estimator.position.stop and sys.exc_info()[1] is None):
+            distributed.run_on_main(self._writer.wait, "CheckpointHandler writing a checkpoint in the background")
+        elif distributed.is_main_process():
+            self._writer.wait()
 
     def _save_interrupted(self, estimator: Any) -> None:
         """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
@@ -383,7 +415,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         reason, pos = estimator.interruption, estimator.position
         if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step, self._resumed_step):
             return
-        self._save(estimator)
+        self._save(estimator, background=False)  # the process exits once it is durable
         name = checkpoint.checkpoint_name(self.model_prefix, pos.epoch, pos.step)
         estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
                               os.path.join(self.model_dir, name), reason)
@@ -425,8 +457,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             return False, value
         return improved(value, self.best, self.mode), value
 
-    def _save(self, estimator: Any) -> None:
-        """Write what is due at the current boundary. A collective: every rank calls it."""
+    def _save(self, estimator: Any, background: bool = True) -> None:
+        """Write what is due at the current boundary (with ``async_save``, and ``background``,
+        hand it to the writer thread). A collective: every rank calls it."""
         is_best, value = self._check_best()
         pos = estimator.position
         names = self._layout.due(pos.epoch, pos.step, is_best)
@@ -447,9 +480,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             state = checkpoint.weights_state(estimator.net) if distributed.is_main_process() else None
         else:
             state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        # a full disk on rank 0 stops every rank, never a hang
-        distributed.run_on_main(lambda: self._write(estimator, state, names, value if is_best else None),
-                                "CheckpointHandler writing a checkpoint")
+        best = value if is_best else None
+        writer = self._writer if background else None
+        if writer is None:  # a full disk on rank 0 stops every rank, never a hang
+            distributed.run_on_main(lambda: self._write(estimator, state, names, best),
+                                    "CheckpointHandler writing a checkpoint")
+        else:  # the previous background write's failure too
+            distributed.run_on_main(lambda: writer.submit(state, lambda staged: self._write(estimator, staged,
+                                                                                            names, best)),
+                                    "CheckpointHandler writing a checkpoint")
 
     def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float]) -> None:
         """On rank 0: the files of one save, the periodic one first, then the best one; then the
@@ -462,34 +501,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                 self.saved.remove(paths[0])
             self.saved.append(paths[0])
             checkpoint.write_latest(self.model_dir, self.model_prefix, paths[0])
-            self._prune(keep=paths[0])
+            checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         if self.verbose:
             note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
             estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",
                                   paths[0], note)
 
-    def _prune(self, keep: str) -> None:
-        """Delete the oldest files retention owns beyond ``max_checkpoints``, never ``keep`` (the
-        file the pointer names)."""
-        if self.max_checkpoints is None:
-            return
-        while len(self.saved) > self.max_checkpoints:
-            old = next(path for path in self.saved if path != keep)
-            self.saved.remove(old)
-            try:
-                os.remove(old)
-            except FileNotFoundError:  # already gone: nothing to do
-                continue
-
-
-def _check_threshold(value: Any, keeps_best: bool) -> None:
-    if value is None:
-        return
-    if not is_real(value):
-        raise TypeError(f"initial_value_threshold must be a number or None, got {value!r}")
-    if math.isnan(float(value)):
-        raise ValueError(f"initial_value_threshold must be a number, got {value!r}")
-    if not keeps_best:
-        raise ValueError(f"initial_value_threshold={value!r} applies to the best file: pass save_best=True or "
-                         "save_best_only=True (with monitor=)")

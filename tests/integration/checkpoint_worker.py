@@ -5,11 +5,13 @@ dropout, AdamW and a step LR scheduler, on a shuffling DataLoader: 3 epochs of 6
 checkpoint after every batch, ``max_checkpoints=2``.
 
     python checkpoint_worker.py reference --out OUT
-    python checkpoint_worker.py chain [--resume DIR --out OUT] [--kill DIR --how HOW --at X]
+    python checkpoint_worker.py chain [--resume DIR --out OUT] [--kill DIR --how HOW --at X] [--async]
         resume DIR (if given) in this fresh process and save the result to OUT; then fit into the
         kill DIR and SIGKILL itself: HOW is "timer" (after X seconds of fit), "bytes" (once X
         bytes of checkpoints were written: inside a write), or one of "replace-checkpoint",
-        "replace-pointer", "remove", "fsync" (before the X-th such call).
+        "replace-pointer", "remove", "fsync" (before the X-th such call). With --async the
+        checkpoints are written in the background (``async_save=True``): the kills inside the
+        write sequence land in the writer thread.
     python checkpoint_worker.py race --dir DIR --out OUT     (says "ready", fits at the time read from stdin)
     python checkpoint_worker.py fill --dir DIR --out OUT              (until the disk is full)
     python checkpoint_worker.py readonly --dir DIR --out OUT          (the mount turns read-only)
@@ -64,13 +66,16 @@ class Recorder(BatchBegin, BatchEnd):
         self.losses.append(float(loss.detach()).hex())
 
 
+ASYNC_SAVE = False  # --async
+
+
 def fit(directory, resume, extra=(), max_checkpoints=MAX_CHECKPOINTS, wait_for_start=False):
     """Fit the run; with ``wait_for_start``, once everything is built, say "ready" on stdout and
     start at the wall-clock time read from stdin."""
     est, loader = build()
     recorder = Recorder()
     handler = CheckpointHandler(directory, batch_period=1, epoch_period=None, max_checkpoints=max_checkpoints,
-                                resume_from_checkpoint=resume)
+                                resume_from_checkpoint=resume, async_save=ASYNC_SAVE)
     if wait_for_start:
         print("ready", flush=True)
         time.sleep(max(float(sys.stdin.readline()) - time.time(), 0.0))
@@ -147,7 +152,10 @@ def main():
     parser.add_argument("--how")
     parser.add_argument("--at")
     parser.add_argument("--dir")
+    parser.add_argument("--async", dest="async_save", action="store_true")
     args = parser.parse_args()
+    global ASYNC_SAVE
+    ASYNC_SAVE = args.async_save
     torch.set_num_threads(1)
     if args.mode == "reference":
         torch.save(fit(args.out + ".dir", resume=False), args.out)
@@ -192,6 +200,9 @@ def main():
             def batch_end(self, estimator, **kwargs):
                 self.seen += 1
                 if self.seen == 2:  # during the second step: its checkpoint is the first to fail
+                    for handler in estimator.handlers:  # (with --async: once the first one is written)
+                        if getattr(handler, "_writer", None) is not None:
+                            handler._writer.join()
                     # a read-only bind mount over it (a remount of the tmpfs itself is refused while
                     # the lock file is open for writing): from here on, paths in it are read-only
                     subprocess.run(["mount", "--bind", args.dir, args.dir], check=True)

@@ -6,7 +6,9 @@ uninterrupted run (parameters, optimizer state, every later step's loss), and le
 file behind. The pointer must never name a missing file.
 
 Each process resumes the previous trial's directory, then runs the next trial and is killed:
-one python start-up per trial.
+one python start-up per trial. The whole chain runs with synchronous saves and with
+``async_save=True`` (the kills inside the write sequence then land in the writer thread, while
+the steps go on).
 """
 
 from __future__ import annotations
@@ -84,9 +86,11 @@ def _classify(directory, how):
 
 
 @pytest.mark.slow
-def test_sigkill_at_random_moments_then_resume_picks_the_newest_complete_file_bit_identically(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_sigkill_at_random_moments_then_resume_picks_the_newest_complete_file_bit_identically(tmp_path, async_save):
+    mode = ["--async"] if async_save else []
     out = tmp_path / "reference.pt"
-    _run("reference", "--out", out, expect_kill=False)
+    _run("reference", "--out", out, *mode, expect_kill=False)
     reference = torch.load(out, weights_only=True)
     assert len(reference["losses"]) == STEPS
     sizes = [os.path.getsize(p) for _, _, p in checkpoint.list_checkpoints(str(out) + ".dir", "model")]
@@ -103,7 +107,7 @@ def test_sigkill_at_random_moments_then_resume_picks_the_newest_complete_file_bi
             args += ["--resume", directory, "--out", tmp_path / f"resumed{i - 1}.pt"]
         if how is not None:
             args += ["--kill", tmp_path / f"trial{i}", "--how", how, "--at", at]
-        _run("chain", *args, expect_kill=how is not None)
+        _run("chain", *args, *mode, expect_kill=how is not None)
         if previous is not None:
             resumed = torch.load(tmp_path / f"resumed{i - 1}.pt", weights_only=True)
             where = f"trial {i - 1} ({trials[i - 1]})"
@@ -127,7 +131,8 @@ def test_sigkill_at_random_moments_then_resume_picks_the_newest_complete_file_bi
             step, newest = _newest_complete(directory)
             picked["none: a new run" if newest is None else "the newest file"] += 1
             previous = (directory, step)
-    print(f"\n{len(trials)} SIGKILLs ({TIMER_TRIALS} timed, {len(trials) - TIMER_TRIALS} at write stages), "
+    saves = "async_save=True" if async_save else "synchronous saves"
+    print(f"\n{saves}: {len(trials)} SIGKILLs ({TIMER_TRIALS} timed, {len(trials) - TIMER_TRIALS} at write stages), "
           f"seed {SEED}; where they landed:")
     for outcome, count in sorted(outcomes.items()):
         print(f"  {count:3d}  {outcome}")

@@ -1,7 +1,9 @@
 """Preemption as a cluster does it, in subprocesses: SIGTERM (to the whole process group, so the
 DataLoader workers get it too) or Ctrl-C during a step; the job checkpoints that step, exits with
 the conventional status, and the rerun resumes from the exact step, ending bit-identical to an
-uninterrupted run. (Two ranks: tests/estimator/test_stop_agreement.py.)"""
+uninterrupted run. With ``async_save=True`` the signal comes while the previous checkpoint is
+being written in the background: both files are durable before the process exits. (Two ranks:
+tests/estimator/test_stop_agreement.py.)"""
 
 from __future__ import annotations
 
@@ -21,13 +23,25 @@ ROOT = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 STEP = 9  # checkpoints every 4 batches: steps 5 to 8 would be lost without the preemption save
 
 SCRIPT = r'''
-import os, signal, sys
+import os, signal, sys, threading
 import torch
 from torch import nn
-from estimatorch import CheckpointHandler, Estimator
+from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.event_handlers import BatchEnd
 
 model_dir, step, signame, workers, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
+async_save = sys.argv[6] == "async"
+signalled = threading.Event()
+if async_save and step:  # the background write of the checkpoint before the signal waits for it
+    real_save = checkpoint.atomic_save
+
+    def held(obj, path, **kwargs):
+        if path.endswith(f"batch{step - 1}.pt"):
+            assert signalled.wait(60), "no signal"
+            print("the signal came during the write of", os.path.basename(path), flush=True)
+        real_save(obj, path, **kwargs)
+
+    checkpoint.atomic_save = held
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background start inherits SIGINT ignored
 torch.set_num_threads(1)
 
@@ -50,6 +64,7 @@ class Preempt(BatchEnd):
     def batch_end(self, est, **kw):
         if est.position.step + 1 == step:  # mid-step: the whole process group, as SLURM does
             os.killpg(os.getpgid(0), getattr(signal, signame))
+            signalled.set()
 
 
 torch.manual_seed(0)
@@ -57,7 +72,7 @@ net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Dropout(0.3), nn.Linear(16, 
 est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=7)
 loader = torch.utils.data.DataLoader(Noisy(), batch_size=6, shuffle=True, num_workers=workers)
 ckpt = CheckpointHandler(model_dir, batch_period=4, epoch_period=None, max_checkpoints=None,
-                         resume_from_checkpoint=True)
+                         resume_from_checkpoint=True, async_save=async_save)
 try:
     est.fit(loader, epochs=3, event_handlers=[Preempt(), ckpt])
 finally:
@@ -67,12 +82,13 @@ finally:
 '''
 
 
-def run_script(tmp_path, model_dir, step=0, signame="SIGTERM", workers=0, tag="run"):
+def run_script(tmp_path, model_dir, step=0, signame="SIGTERM", workers=0, tag="run", async_save=False):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     out = tmp_path / f"{tag}.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(step), signame, str(workers), str(out)],
+    proc = subprocess.run([sys.executable, str(script), str(model_dir), str(step), signame, str(workers), str(out),
+                           "async" if async_save else "sync"],
                           capture_output=True, text=True, env=env, timeout=300, start_new_session=True)
     result = torch.load(out, weights_only=True) if out.exists() else None
     return proc, result
@@ -86,22 +102,28 @@ def reference(tmp_path_factory):
     return result
 
 
-@pytest.mark.parametrize("signame, workers, status", [
-    ("SIGTERM", 2, 128 + signal.SIGTERM),  # loader workers receive it too
-    ("SIGTERM", 0, 128 + signal.SIGTERM),
-    ("SIGINT", 0, -signal.SIGINT),  # an unhandled KeyboardInterrupt: python ends itself by SIGINT
+@pytest.mark.parametrize("signame, workers, status, async_save", [
+    ("SIGTERM", 2, 128 + signal.SIGTERM, False),  # loader workers receive it too
+    ("SIGTERM", 0, 128 + signal.SIGTERM, False),
+    ("SIGINT", 0, -signal.SIGINT, False),  # an unhandled KeyboardInterrupt: python ends itself by SIGINT
+    ("SIGTERM", 0, 128 + signal.SIGTERM, True),  # during the background write of step 8's checkpoint
+    ("SIGINT", 0, -signal.SIGINT, True),
 ])
-def test_a_preempted_job_loses_no_step_and_its_rerun_ends_bit_identical(signame, workers, status, tmp_path, reference):
+def test_a_preempted_job_loses_no_step_and_its_rerun_ends_bit_identical(signame, workers, status, async_save,
+                                                                        tmp_path, reference):
     model_dir = tmp_path / "ckpt"
-    proc, stopped = run_script(tmp_path, model_dir, step=STEP, signame=signame, workers=workers, tag="stopped")
+    proc, stopped = run_script(tmp_path, model_dir, step=STEP, signame=signame, workers=workers, tag="stopped",
+                               async_save=async_save)
     assert proc.returncode == status, proc.stderr[-3000:]
+    if async_save:
+        assert f"the signal came during the write of model-epoch1batch{STEP - 1}.pt" in proc.stdout
     assert "finally ran" in proc.stdout  # the user's finally blocks ran
     assert stopped["step"] == STEP and stopped["interruption"] == signame
     assert sorted(os.listdir(model_dir)) == sorted(["model-epoch0batch4.pt", "model-epoch1batch8.pt",
                                                     f"model-epoch1batch{STEP}.pt", "model-latest"])
     assert f"Saved checkpoint of step {STEP} to {model_dir / f'model-epoch1batch{STEP}.pt'} ({signame})" in proc.stdout
 
-    proc, resumed = run_script(tmp_path, model_dir, workers=workers, tag="resumed")
+    proc, resumed = run_script(tmp_path, model_dir, workers=workers, tag="resumed", async_save=async_save)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert f"Resuming from {model_dir / f'model-epoch1batch{STEP}.pt'}: 1 epochs and {STEP} batches done" in proc.stdout
     assert resumed["step"] == reference["step"] == 21 and resumed["interruption"] is None
