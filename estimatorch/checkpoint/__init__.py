@@ -26,6 +26,9 @@ the model's state dict alone (plain module keys, CPU tensors), which plain PyTor
 ``torch.load(path, weights_only=True)``. :func:`load_weights` returns that state dict from any
 checkpoint, export, pointer or directory.
 
+A model sharded across ranks (FSDP2) is stored as a directory ``{prefix}-epoch{E}batch{B}.dcp``
+written by every rank (``_sharded.py``); :func:`load_weights` and ``inspect`` read one.
+
 Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 
     python -m estimatorch.checkpoint inspect PATH      # a file, a {prefix}-latest pointer, or a directory
