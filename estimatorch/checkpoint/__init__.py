@@ -65,7 +65,7 @@ from ._format import (
 from ._layout import Layout
 from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
-from ._model import load_model_state, model_state, plain_key, plain_module
+from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
@@ -87,6 +87,7 @@ __all__ = [
     "list_checkpoints",
     "list_weights",
     "load",
+    "is_sharded_module",
     "load_model_state",
     "load_weights",
     "locate",
