@@ -26,6 +26,9 @@ the model's state dict alone (plain module keys, CPU tensors), which plain PyTor
 ``torch.load(path, weights_only=True)``. :func:`load_weights` returns that state dict from any
 checkpoint, export, pointer or directory.
 
+A model sharded across ranks (FSDP2) is stored as a directory ``{prefix}-epoch{E}batch{B}.dcp``
+written by every rank (``_sharded.py``); :func:`load_weights` and ``inspect`` read one.
+
 Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 
     python -m estimatorch.checkpoint inspect PATH      # a file, a {prefix}-latest pointer, or a directory
@@ -64,7 +67,7 @@ from ._format import (
 from ._layout import Layout
 from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
-from ._model import load_model_state, model_state, plain_key, plain_module
+from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
@@ -88,6 +91,7 @@ __all__ = [
     "list_checkpoints",
     "list_weights",
     "load",
+    "is_sharded_module",
     "load_model_state",
     "load_weights",
     "locate",

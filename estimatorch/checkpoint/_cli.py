@@ -6,6 +6,7 @@ Exit status 0 when the command did its work, 2 on an error (the message goes to 
 from __future__ import annotations
 
 import argparse
+import math
 import os
 import shutil
 import sys
@@ -17,6 +18,7 @@ from ._files import atomic_save
 from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
 from ._locate import Located, locate
 from ._lock import DirectoryLock, DirectoryLockedError
+from ._sharded import sharded_tensors
 from ._weights import is_weights
 
 __all__ = ["main"]
@@ -74,6 +76,15 @@ def _inspect(path: str) -> int:
         print(f"warning: skipped {reason}", file=sys.stderr)
     if found.how:
         print(f"{found.path} ({found.how})")
+    if found.kind == "sharded":
+        marker = found.content
+        print(f"{found.path}: sharded checkpoint (a directory), estimatorch {marker.get('estimatorch_version')}, "
+              f"torch {marker.get('torch_version')}, world size {marker['world_size']}")
+        tensors = sharded_tensors(found.path)
+        dtypes = ", ".join(sorted({str(dtype).replace("torch.", "") for _, dtype in tensors.values()}))
+        print(f"model {len(tensors)} tensors, {sum(math.prod(shape) for shape, _ in tensors.values())} values "
+              f"({dtypes or 'no dtype'}), in shards of {marker['world_size']} ranks")
+        return 0
     if found.kind == "weights":
         keys = list(found.content)
         print(f"{found.path}: weights export (a state dict for load_state_dict), {_size(found.content)}")

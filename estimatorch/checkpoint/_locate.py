@@ -12,6 +12,7 @@ from typing import Any
 
 from ._files import PathLike
 from ._format import CheckpointError
+from ._sharded import check_sharded, is_sharded, read_sharded_weights
 from ._weights import read_saved
 
 __all__ = ["Located", "load_weights", "locate", "saved_files"]
@@ -20,6 +21,7 @@ logger = logging.getLogger("estimatorch")
 
 _POINTER = re.compile(r".+-latest")
 _PERIODIC = re.compile(r".+-epoch(\d+)batch(\d+)(\.weights)?\.pt")
+_PERIODIC_SHARDED = re.compile(r".+-epoch(\d+)batch(\d+)\.dcp")
 _BEST = re.compile(r".+-best(?:\.weights)?\.pt")
 
 
@@ -29,9 +31,10 @@ class Located:
 
     #: the file read
     path: str
-    #: ``"checkpoint"`` (a training checkpoint) or ``"weights"`` (a weights export)
+    #: ``"checkpoint"`` (a training checkpoint), ``"weights"`` (a weights export) or
+    #: ``"sharded"`` (a sharded checkpoint directory)
     kind: str
-    #: the checkpoint's payload, or the export's state dict
+    #: the checkpoint's payload, the export's state dict, or a sharded checkpoint's marker
     content: Any
     #: how the path given led to ``path``, in words ("" when it is that file)
     how: str = ""
@@ -40,14 +43,18 @@ class Located:
 
 
 def saved_files(directory: PathLike) -> list[str]:
-    """The checkpoints and weights exports in ``directory`` (any prefix), newest first: periodic
-    files by batches trained, then epochs (a checkpoint before a weights export of the same
-    point), then the best files, the most recently written first. Pointers, temporaries and
-    other files are not listed."""
+    """The checkpoints, sharded checkpoint directories and weights exports in ``directory`` (any
+    prefix), newest first: periodic ones by batches trained, then epochs (a checkpoint before a
+    weights export of the same point), then the best files, the most recently written first.
+    Pointers, temporaries, incomplete sharded directories and other files are not listed."""
     directory = os.fspath(directory)
     periodic, best = [], []
     for name in os.listdir(directory):
         path = os.path.join(directory, name)
+        sharded = _PERIODIC_SHARDED.fullmatch(name)
+        if sharded and is_sharded(path):
+            periodic.append(((int(sharded.group(2)), int(sharded.group(1)), True, name), path))
+            continue
         if not os.path.isfile(path):
             continue
         match = _PERIODIC.fullmatch(name)
@@ -68,17 +75,25 @@ def _follow(pointer: str) -> str:
     if not name or name in (".", "..") or os.path.basename(name) != name or (os.altsep and os.altsep in name):
         raise CheckpointError(f"pointer {pointer!r} should name a file in its directory, but holds {name[:80]!r}")
     target = os.path.join(os.path.dirname(pointer), name)
-    if not os.path.isfile(target):
+    if not os.path.isfile(target) and not is_sharded(target):
         where = os.path.dirname(pointer) or "."
         raise CheckpointError(f"pointer {pointer!r} names {name!r}, which is not in {where!r} "
                               "(removed or moved since the pointer was written?)")
     return target
 
 
+def _read(path: str) -> tuple[str, Any]:
+    """``read_saved`` for a file; a sharded checkpoint directory is checked, and its marker read."""
+    if os.path.isdir(path):
+        return "sharded", check_sharded(path)
+    return read_saved(path)
+
+
 def locate(path: PathLike) -> Located:
     """Read what ``path`` names, without running code: a checkpoint or weights export file; a
-    ``{prefix}-latest`` pointer (the file it names); or a directory: its newest file that can be
-    read (see :func:`saved_files`; newer files that cannot are listed in ``skipped``).
+    sharded checkpoint directory (checked, not loaded); a ``{prefix}-latest`` pointer (what it
+    names); or a directory: its newest checkpoint or export that can be read (see
+    :func:`saved_files`; newer ones that cannot are listed in ``skipped``).
 
     Raises:
         FileNotFoundError: nothing is at ``path``.
@@ -87,11 +102,13 @@ def locate(path: PathLike) -> Located:
     path = os.fspath(path)
     if not os.path.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
+    if is_sharded(path):
+        return Located(path, "sharded", check_sharded(path))
     if os.path.isdir(path):
         return _newest(path)
     if _POINTER.fullmatch(os.path.basename(path)):
         target = _follow(path)
-        kind, content = read_saved(target)
+        kind, content = _read(target)
         return Located(target, kind, content, how=f"{path} points to it")
     kind, content = read_saved(path)
     return Located(path, kind, content)
@@ -105,7 +122,7 @@ def _newest(directory: str) -> Located:
     skipped = []
     for path in files:
         try:
-            kind, content = read_saved(path)
+            kind, content = _read(path)
         except FileNotFoundError:  # removed since it was listed
             continue
         except (CheckpointError, OSError) as err:
@@ -119,9 +136,10 @@ def _newest(directory: str) -> Located:
 
 def load_weights(path: PathLike) -> Any:
     """The model's weights as a plain state dict (tensors on the CPU, the plain module's keys) from
-    a checkpoint, a weights export, a ``{prefix}-latest`` pointer or a directory (its newest file
-    that can be read; newer ones that cannot are skipped with a warning). Nothing is unpickled
-    but tensors and plain values.
+    a checkpoint, a weights export, a sharded checkpoint directory (gathered in full in this
+    process; no process group needed), a ``{prefix}-latest`` pointer or a directory (its newest
+    checkpoint that can be read; newer ones that cannot are skipped with a warning). Nothing is
+    unpickled but tensors and plain values.
 
     Args:
         path: a file or a directory.
@@ -148,4 +166,6 @@ def load_weights(path: PathLike) -> Any:
         logger.warning("load_weights: skipping %s", reason)
     if found.how:
         logger.info("load_weights: %s (%s)", found.path, found.how)
+    if found.kind == "sharded":
+        return read_sharded_weights(found.path)
     return found.content["model"] if found.kind == "checkpoint" else found.content

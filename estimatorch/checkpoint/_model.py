@@ -12,8 +12,9 @@ from collections import OrderedDict
 from typing import Any
 
 from torch import nn
+from torch.distributed.tensor import DTensor
 
-__all__ = ["load_model_state", "model_state", "plain_key", "plain_module"]
+__all__ = ["is_sharded_module", "load_model_state", "model_state", "plain_key", "plain_module"]
 
 _COMPILED = "_orig_mod"
 
@@ -27,6 +28,17 @@ def plain_module(net: nn.Module) -> nn.Module:
             net = getattr(net, _COMPILED)
         else:
             return net
+
+
+def is_sharded_module(net: nn.Module) -> bool:
+    """``net`` holds parameters sharded across ranks (``DTensor``s, e.g. after FSDP2's
+    ``fully_shard``).
+
+    Example:
+        >>> is_sharded_module(nn.Linear(2, 1))
+        False
+    """
+    return any(isinstance(p, DTensor) for p in net.parameters())
 
 
 def plain_key(key: str) -> str:

@@ -101,6 +101,25 @@ def _available(device: torch.device) -> bool:
     return True
 
 
+def check_estimator_arguments(net: Any, loss: Any, val_net: Any, val_loss: Any, optimizer: Any,
+                              batch_processor: Any) -> None:
+    """The types of ``Estimator``'s arguments, and an optimizer that trains the net."""
+    if not isinstance(net, nn.Module):
+        raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
+    if not callable(loss):
+        raise TypeError(f"loss must be callable, e.g. torch.nn.CrossEntropyLoss(), got {loss!r}")
+    if val_net is not None and not isinstance(val_net, nn.Module):
+        raise TypeError(f"val_net must be a torch.nn.Module or None, got {type(val_net).__name__}")
+    if val_loss is not None and not callable(val_loss):
+        raise TypeError(f"val_loss must be callable or None, got {val_loss!r}")
+    if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
+        raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
+    check_optimizer(optimizer, net)
+    if batch_processor is not None and not all(
+            callable(getattr(batch_processor, m, None)) for m in ("fit_batch", "evaluate_batch")):
+        raise TypeError(f"batch_processor must have fit_batch and evaluate_batch methods, got {batch_processor!r}")
+
+
 def check_optimizer(optimizer: Optional[torch.optim.Optimizer], net: nn.Module) -> None:
     """An optimizer over none of ``net``'s trainable parameters trains nothing of it: refused.
     Parameters of other modules beside some of the net's (a loss with weights, a second module

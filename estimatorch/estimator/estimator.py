@@ -18,6 +18,7 @@ from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_re
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
+    check_estimator_arguments,
     check_fit_arguments,
     check_optimizer,
     check_unique_handlers,
@@ -40,6 +41,7 @@ from ._state import (
     resume_plan,
     take_snapshot,
 )
+from ._strategy import check_strategy, train_wrapper
 from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
 from .history import History
@@ -77,6 +79,11 @@ class Estimator:
             are accepted and ``est.precision`` holds the canonical name. Defaults to ``"32"``.
         deterministic: use deterministic algorithms only during ``fit``. Defaults to False.
         cudnn_benchmark: let cuDNN pick kernels by timing during ``fit``. Defaults to False.
+        strategy: how ``fit`` spreads the net over the ranks of a process group: ``"ddp"`` (a
+            copy per rank, wrapped in DDP) or ``"fsdp"`` (FSDP2: ``fully_shard`` on each
+            top-level child with parameters and on the root when fit starts, the optimizer
+            pointed at the sharded parameters). Defaults to None: a net already sharded with
+            ``fully_shard`` trains as it is, any other under DDP. No effect in one process.
 
     Example:
         >>> import torch
@@ -101,21 +108,8 @@ class Estimator:
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
                  seed: Optional[int] = None, precision: Union[str, int] = "32",
-                 deterministic: bool = False, cudnn_benchmark: bool = False):
-        if not isinstance(net, nn.Module):
-            raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-        if not callable(loss):
-            raise TypeError(f"loss must be callable, e.g. torch.nn.CrossEntropyLoss(), got {loss!r}")
-        if val_net is not None and not isinstance(val_net, nn.Module):
-            raise TypeError(f"val_net must be a torch.nn.Module or None, got {type(val_net).__name__}")
-        if val_loss is not None and not callable(val_loss):
-            raise TypeError(f"val_loss must be callable or None, got {val_loss!r}")
-        if optimizer is not None and not isinstance(optimizer, torch.optim.Optimizer):
-            raise TypeError(f"optimizer must be a torch.optim.Optimizer or None, got {type(optimizer).__name__}")
-        check_optimizer(optimizer, net)
-        if batch_processor is not None and not all(
-                callable(getattr(batch_processor, m, None)) for m in ("fit_batch", "evaluate_batch")):
-            raise TypeError(f"batch_processor must have fit_batch and evaluate_batch methods, got {batch_processor!r}")
+                 deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None):
+        check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = precision_name(precision)
         check_bool(deterministic, "deterministic")
         check_bool(cudnn_benchmark, "cudnn_benchmark")
@@ -151,6 +145,7 @@ class Estimator:
                 warnings.warn("no optimizer given: using torch.optim.SGD(net.parameters(), lr=0.01)", stacklevel=2)
                 optimizer = torch.optim.SGD(params, lr=0.01)
         self.optimizer = optimizer
+        self.strategy = check_strategy(strategy, net, optimizer)
         if lr_scheduler is not None:
             if not all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
                 raise TypeError(f"lr_scheduler must be a torch LR scheduler, got {lr_scheduler!r}")
@@ -175,7 +170,8 @@ class Estimator:
     # -- what a step uses ------------------------------------------------------------------
     @property
     def train_net(self) -> nn.Module:
-        """The module the training step calls: ``net``, wrapped in DDP under torch.distributed."""
+        """The module the training step calls: ``net``, wrapped in DDP under torch.distributed
+        (unless it is sharded: see ``strategy``)."""
         return self._ddp if self._ddp is not None else self.net
 
     def autocast(self) -> contextlib.AbstractContextManager:
@@ -308,8 +304,7 @@ class Estimator:
             with torch_flags(self.deterministic, self.cudnn_benchmark), run.signals:
                 try:
                     if distributed.is_distributed() and self._ddp is None:
-                        ids = [self.device.index] if self.device.type == "cuda" else None
-                        self._ddp = nn.parallel.DistributedDataParallel(self.net, device_ids=ids)
+                        self._ddp = train_wrapper(self)  # None for a sharded net
                     rng.seed_everything(self.seed if distributed.get_world_size() == 1
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
                     self.net.train()
