@@ -302,7 +302,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         ``train_begin``, which sees whether another handler resumes.) ``fit`` agrees on the
         outcome of every rank's start checks, so an error raised here on rank 0 only stops every
         rank."""
-        if checkpoint.is_sharded_module(estimator.net) or getattr(estimator, "strategy", None) == "fsdp":
+        if checkpoint.is_sharded_module(estimator.net) or (
+                getattr(estimator, "strategy", None) == "fsdp" and distributed.get_world_size() > 1):
             raise ValueError("CheckpointHandler cannot checkpoint a net sharded across ranks (FSDP2) yet: its "
                              "sharded checkpoints are not written by fit. Train it without CheckpointHandler, or use "
                              "strategy='ddp' where the model fits on one device")

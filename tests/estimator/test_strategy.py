@@ -108,9 +108,9 @@ def test_strategy_is_checked_when_the_estimator_is_built():
         Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, strategy="fsdp")
 
 
-def test_in_one_process_fsdp_trains_the_net_as_it_is():
+def test_in_one_process_fsdp_trains_the_net_as_it_is(tmp_path):
     net = make_net()
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
                     device="cpu", strategy="fsdp")
-    est.fit(loaders()[0], epochs=1)
+    est.fit(loaders()[0], epochs=1, event_handlers=[CheckpointHandler(tmp_path)])  # not sharded: checkpoints
     assert est.strategy == "fsdp" and est.train_net is net and not is_sharded_module(net)
