@@ -86,9 +86,11 @@ def default_handlers(estimator: Any, user: list[Any], val_data: Any) -> list[Any
         defaults.append(MetricHandler(estimator.train_metrics))
     if val_data is not None and missing(ValidationHandler):
         defaults.append(ValidationHandler(val_data, estimator.evaluate))
-    if estimator.lr_scheduler is not None and not any(
+    scheduled = estimator.lr_scheduler is not None or estimator.lr_scheduler_factory is not None
+    if scheduled and not any(
             isinstance(h, LRSchedulerHandler) and h.scheduler in (None, estimator.lr_scheduler) for h in user):
-        defaults.append(LRSchedulerHandler())  # unless one of yours already steps it
+        # unless one of yours already steps it
+        defaults.append(LRSchedulerHandler(step_on=estimator.lr_scheduler_interval))
     if missing(LoggingHandler):
         defaults.append(LoggingHandler())
     if missing(ProgressBarHandler) and interactive():

@@ -80,8 +80,13 @@ class Run:
     """The state of one ``fit`` call that is not a handler's: the loop's own bookkeeping."""
 
     def __init__(self, dispatch: Dispatch, stream: TrainStream, plan: dict[str, Optional[int]],
-                 batch_axis: int, signals: SignalGuard):
+                 batch_axis: int, signals: SignalGuard,
+                 limits: tuple[Optional[int], Optional[int]] = (None, None)):
         self.dispatch = dispatch
+        #: ``fit``'s ``(batches_per_epoch, val_batches)``
+        self.limits = limits
+        #: what the plan amounts to (a ``_plan.PlanCounts``), set once the handlers are known
+        self.counts: Any = None
         self.stream = stream
         self.plan = plan
         self.batch_axis = batch_axis

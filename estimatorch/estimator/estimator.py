@@ -15,10 +15,13 @@ from .. import distributed, rng
 from .._batches import to_device
 from .._checks import check_bool
 from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
+from ..event_handlers._monitor import resolve_monitors
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
     check_fit_arguments,
+    check_limits,
+    check_lr_scheduler,
     check_optimizer,
     check_unique_handlers,
     precision_name,
@@ -29,6 +32,7 @@ from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, stop_exception
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._payload import check_payload, payload_of, snapshot_to_resume
+from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps
 from ._predict import run_prediction
 from ._setup import default_handlers, signal_guard, torch_flags, train_metric_list, val_metric_list
 from ._state import (
@@ -67,8 +71,13 @@ class Estimator:
         val_net: the network ``evaluate`` runs. Defaults to ``net``.
         val_loss: the loss ``evaluate`` computes. Defaults to ``loss``.
         batch_processor: the step (see :class:`BatchProcessor`). Defaults to ``BatchProcessor()``.
-        lr_scheduler: a torch LR scheduler of ``optimizer``, stepped every epoch by a default
-            ``LRSchedulerHandler``. Defaults to None.
+        lr_scheduler: a torch LR scheduler of ``optimizer``, or a callable ``(optimizer,
+            total_steps) -> scheduler`` that the first ``fit`` calls at its start with the steps
+            the scheduler will take (optimizer steps for ``lr_scheduler_interval="batch"``, see
+            :meth:`planned_steps`; epochs for ``"epoch"``). A default ``LRSchedulerHandler``
+            steps it. Defaults to None.
+        lr_scheduler_interval: ``"epoch"`` (step ``lr_scheduler`` after every epoch, after
+            validation) or ``"batch"`` (after every optimizer step). Defaults to ``"epoch"``.
         seed: seeds every generator at the start of ``fit`` and the data order: an int in
             ``[0, 2**64)`` (what torch, numpy and python's ``random`` all accept). Defaults to
             :data:`estimatorch.rng.DEFAULT_SEED`, so runs are reproducible unless you choose.
@@ -100,7 +109,7 @@ class Estimator:
                  device: Union[str, torch.device, None] = None, val_net: Optional[nn.Module] = None,
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
-                 seed: Optional[int] = None, precision: Union[str, int] = "32",
+                 lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
                  deterministic: bool = False, cudnn_benchmark: bool = False):
         if not isinstance(net, nn.Module):
             raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
@@ -151,12 +160,11 @@ class Estimator:
                 warnings.warn("no optimizer given: using torch.optim.SGD(net.parameters(), lr=0.01)", stacklevel=2)
                 optimizer = torch.optim.SGD(params, lr=0.01)
         self.optimizer = optimizer
-        if lr_scheduler is not None:
-            if not all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
-                raise TypeError(f"lr_scheduler must be a torch LR scheduler, got {lr_scheduler!r}")
-            if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
-                raise ValueError("lr_scheduler must schedule this estimator's optimizer")
-        self.lr_scheduler = lr_scheduler
+        #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
+        #: then :attr:`lr_scheduler_factory`)
+        self.lr_scheduler, self.lr_scheduler_factory = check_lr_scheduler(lr_scheduler, optimizer,
+                                                                          lr_scheduler_interval)
+        self.lr_scheduler_interval = lr_scheduler_interval
         amp_dtype = PRECISIONS[precision]
         self._amp_dtype = amp_dtype
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
@@ -171,6 +179,22 @@ class Estimator:
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
         self._eval_count = 0
+
+    def planned_steps(self, train_data: Iterable[Any], epochs: Optional[int] = None, batches: Optional[int] = None,
+                      batches_per_epoch: Optional[int] = None, *, event_handlers: Any = None) -> int:
+        """The optimizer steps this process will take in ``fit(train_data, epochs=...)`` (or
+        ``batches=``), known before it: under torchrun (also before the process group exists)
+        each process's share of a DataLoader, ``GradientUpdateHandler``'s accumulation and a
+        ``StoppingHandler``'s limits among ``event_handlers``, and ``batches_per_epoch``
+        counted. What to size a per-batch schedule with (or pass ``lr_scheduler`` as a callable).
+
+        Example:
+            >>> net = nn.Linear(4, 2)
+            >>> est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> est.planned_steps([(torch.randn(8, 4), torch.randn(8, 2))] * 10, epochs=3, batches_per_epoch=4)
+            12
+        """
+        return planned_steps(self, train_data, epochs, batches, batches_per_epoch, event_handlers)
 
     # -- what a step uses ------------------------------------------------------------------
     @property
@@ -202,7 +226,8 @@ class Estimator:
     # -- fit ---------------------------------------------------------------------------------
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
             epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
-            batch_axis: int = 0, *, resume: bool = False) -> History:
+            batch_axis: int = 0, *, resume: bool = False, batches_per_epoch: Optional[int] = None,
+            val_batches: Optional[int] = None) -> History:
         """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
 
         The loop, with every event in place::
@@ -256,21 +281,29 @@ class Estimator:
                 that ended mid-epoch already ran that epoch's ``epoch_end``: extending it
                 continues with the next epoch (resume from a ``batch_period`` checkpoint to
                 continue mid-epoch). Defaults to False.
+            batches_per_epoch: train at most this many batches of each epoch (Keras'
+                ``steps_per_epoch``, Lightning's ``limit_train_batches``); the next epoch starts
+                where its data starts, and a resume continues exactly. Defaults to None (all).
+            val_batches: evaluate at most this many batches at each validation during this fit
+                (per process). Defaults to None (all).
         """
         distributed.init_from_env()
         error: Optional[Exception] = None
         try:
-            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume)
+            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
+                                  (batches_per_epoch, val_batches))
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
         return self._fit(run)
 
     def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
-                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool) -> Run:
+                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool,
+                   limits: tuple[Optional[int], Optional[int]]) -> Run:
         """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
         rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
         check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
+        check_limits(*limits)
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
         check_optimizer(self.optimizer, self.net)
@@ -281,6 +314,7 @@ class Estimator:
             raise ValueError("resume=True but this estimator has no earlier fit to continue")
         stream = make_train_stream(train_data, self.seed)
         handlers = order_handlers(user, default_handlers(self, user, val_data))
+        resolve_monitors(handlers, self.train_metrics + self.val_metrics)  # monitors given by name
         check_metric_references(handlers, self.train_metrics + self.val_metrics)
         for handler in handlers:
             check = getattr(handler, "_check_fit", None)
@@ -294,13 +328,14 @@ class Estimator:
                           "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
                           "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
-                  signal_guard(handlers, self.logger))
+                  signal_guard(handlers, self.logger), limits)
+        run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
         if resume and self._last is not None:  # checked above: a resume has a fit to continue
             run.pending = resume_plan(run, self._last, source="the previous fit")
         return run
 
     def _fit(self, run: Run) -> History:
-        before = (self._run, self.max_epoch, self.max_batch, self.batch_axis)
+        before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
         self._run, self._dispatch, self._fitting = run, run.dispatch, True
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed = False
@@ -313,8 +348,10 @@ class Estimator:
                     rng.seed_everything(self.seed if distributed.get_world_size() == 1
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
                     self.net.train()
+                    build_scheduler(self, run)
                     run.at_boundary, run.began = False, True
                     run.dispatch.fire("train_begin", self)
+                    check_horizons(self, run)
                     self._loop(run)
                 except BaseException:
                     failed = True
@@ -327,7 +364,7 @@ class Estimator:
         finally:
             self._dispatch, self._fitting = Dispatch([]), False
             if not run.started:  # failed before training began: the estimator stays as it was
-                self._run, self.max_epoch, self.max_batch, self.batch_axis = before
+                self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
 
     def _end(self, run: Run, failed: bool) -> None:
         """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
@@ -381,7 +418,7 @@ class Estimator:
             if not pos.stop:
                 batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
                 started = pos.batch
-                for batch in stream.epoch_iter(epoch, pos.batch):
+                for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
                     signals.stoppable = run.at_boundary = False
                     batch = to_device(batch, device)
                     for fn in batch_begin:
@@ -447,8 +484,9 @@ class Estimator:
     # -- state: snapshots, resume -----------------------------------------------------------
     @property
     def batches_per_epoch(self) -> Optional[int]:
-        """Batches in a full epoch of the current (or last) fit's data, when known."""
-        return self._run.stream.batches_per_epoch if self._run is not None else None
+        """Batches an epoch of the current (or last) fit trains (its data's, capped by
+        ``fit(batches_per_epoch=...)``), when known."""
+        return self._run.counts.per_epoch if self._run is not None else None
 
     @property
     def handlers(self) -> tuple[Any, ...]:
@@ -560,9 +598,9 @@ class Estimator:
         """
         handlers = check_inference_args(val_data, "val_data", batch_axis, event_handlers,
                                         check_empty=not distributed.is_distributed())
-        evaluate_batches(self, val_data, batch_axis, handlers)
-        self._eval_count += 1
         run = self._active
+        evaluate_batches(self, val_data, batch_axis, handlers, limit=run.limits[1] if run is not None else None)
+        self._eval_count += 1
         if run is not None:
             run.evaluated = True
         return {metric_name(m): float(m.compute()) for m in self.val_metrics}

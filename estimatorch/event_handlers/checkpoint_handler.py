@@ -12,9 +12,9 @@ from typing import Any, Optional, Union
 from .. import checkpoint, distributed
 from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real
 from .._schedule import EventFilter
-from ..metrics.base import is_metric, metric_name
+from ..metrics.base import metric_name
 from ._base import StatefulHandler
-from ._monitor import improved, resolve_mode
+from ._monitor import check_monitor, improved, resolve_mode
 from ._paths import check_output_dir
 from ._subscribe import periodic_events, with_events
 from .mixins import TrainBegin, TrainEnd
@@ -113,7 +113,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         model_dir: the directory (created if missing); a file, a dangling symlink or a directory
             this process cannot write is a ``ValueError`` at ``fit`` start.
         model_prefix: file name prefix. Defaults to ``"model"``.
-        monitor: a metric the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
+        monitor: a metric's name (e.g. ``"val_loss"``, resolved at ``fit`` start) or a metric
+            the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
             to None.
         verbose: 1 logs every save. Defaults to 0.
         save_best: also keep ``{model_prefix}-best.pt``, the checkpoint where ``monitor`` was
@@ -161,8 +162,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
-        if monitor is not None and not is_metric(monitor):
-            raise TypeError(f"monitor must be a metric the estimator owns, got {monitor!r}")
+        self.monitor_name = check_monitor(monitor, "CheckpointHandler")
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
@@ -190,7 +190,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self.monitor = monitor
         self.verbose = verbose
         self.save_best = save_best
-        self.mode = resolve_mode(mode, monitor, "CheckpointHandler") if monitor is not None else mode
+        self._mode = mode
+        self.mode = resolve_mode(mode, monitor, "CheckpointHandler", unresolved=self.monitor_name is not None) \
+            if monitor is not None else mode
         self.resume_from_checkpoint = resume_from_checkpoint
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
@@ -203,6 +205,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self._lock: Any = None  # the model_dir lock, held on rank 0 during fit
         self._estimator: Optional[weakref.ref] = None  # the estimator of the fit in progress
         self._reset()
+
+    def resolve_monitor(self, metric: Any) -> None:
+        """Monitor ``metric``, the estimator's metric of the name given (at ``fit`` start)."""
+        self.monitor, self.mode = metric, resolve_mode(self._mode, metric, "CheckpointHandler")
 
     def _reset(self) -> None:
         self._epochs = self._batches = 0  # the counters outside fit (after it, or loaded)
