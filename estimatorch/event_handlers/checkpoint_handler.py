@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
@@ -122,7 +123,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         mode: ``"min"``, ``"max"`` or ``"auto"`` (from the monitor's ``higher_is_better``).
             Defaults to ``"auto"``.
         epoch_period: save every this many epochs; None for never. Defaults to 1.
-        batch_period: save every this many batches (over the run); None for never. Defaults to None.
+        batch_period: save every this many batches (over the run); None for never. One file per
+            step: an epoch end's checkpoint replaces the batch checkpoint of the same step.
+            Defaults to None.
         max_checkpoints: periodic checkpoints kept (the oldest are deleted, also ones from before
             a resume); None keeps all. Defaults to 5.
         resume_from_checkpoint: resume from the newest usable checkpoint in ``model_dir``.
@@ -218,6 +221,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
         self._saved_step = -1  # the step of this run's last periodic checkpoint
+        self._step_file: tuple[Optional[int], str] = (-1, "")  # rank 0: that step and its file
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
@@ -330,6 +334,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                                   self.model_dir)
             return
         checkpoint.restore_training_state(estimator, found[1])
+        self._step_file = (estimator.resume_step, found[0])
         # that boundary is saved already: a signal before the first step saves nothing again
         self._resumed_step = estimator.resume_step
 
@@ -468,6 +473,12 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                 self.saved.remove(paths[0])
             self.saved.append(paths[0])
             checkpoint.write_latest(self.model_dir, self.model_prefix, paths[0])
+            step, earlier = self._step_file
+            self._step_file = (estimator.position.step, paths[0])
+            if step == estimator.position.step and earlier != paths[0]:  # one file per step: an epoch end
+                self.saved = [path for path in self.saved if path != earlier]  # replaces its batch save
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(earlier)
             self._prune(keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         if self.verbose:
