@@ -34,7 +34,14 @@ from ._logging import default_logger as _default_logger  # the demo imports it f
 from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps
 from ._predict import run_prediction
-from ._setup import default_handlers, signal_guard, torch_flags, train_metric_list, val_metric_list
+from ._setup import (
+    default_handlers,
+    describe_stop,
+    signal_guard,
+    torch_flags,
+    train_metric_list,
+    val_metric_list,
+)
 from ._state import (
     Position,
     Run,
@@ -338,7 +345,7 @@ class Estimator:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
         self._run, self._dispatch, self._fitting = run, run.dispatch, True
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
-        failed = False
+        failed, stopping = False, BaseException()
         try:
             with torch_flags(self.deterministic, self.cudnn_benchmark), run.signals:
                 try:
@@ -353,13 +360,14 @@ class Estimator:
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
                     self._loop(run)
-                except BaseException:
-                    failed = True
+                except BaseException as err:
+                    failed, stopping = True, err
                     raise
                 finally:
                     self._end(run, failed)
+                    describe_stop(stopping, self, run.dispatch.handlers)  # a clean Ctrl-C stop's one line
                 if run.signals.received is not None:  # it came after the last agreed boundary
-                    raise stop_exception(run.signals.received)
+                    raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
                 return run.history
         finally:
             self._dispatch, self._fitting = Dispatch([]), False

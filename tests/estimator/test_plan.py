@@ -277,3 +277,23 @@ def test_a_resumed_fit_in_process_continues_with_the_same_limit():
     assert split.position.step == full.position.step == 6
     for a, b in zip(full.net.parameters(), split.net.parameters()):
         assert torch.equal(a, b)
+
+
+# -- extending a finished run ----------------------------------------------------------------------
+def test_extending_a_finished_run_past_its_schedule_warns_saying_what_to_do(tmp_path):
+    from estimatorch import CheckpointHandler
+
+    def make():
+        return make_estimator(lr_scheduler=lambda o, n: CosineAnnealingLR(o, n), lr_scheduler_interval="batch")
+
+    first = make()
+    first.fit(batches(4), epochs=2, event_handlers=[CheckpointHandler(tmp_path)])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # the same plan again: nothing to warn about
+        make().fit(batches(4), epochs=2, event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+    with pytest.warns(UserWarning, match=r"ends after 8 optimizer steps, but the new plan runs to 12.*raises the "
+                                         r"learning rate again.*new run") as record:
+        make().fit(batches(4), epochs=3, event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+    assert record[0].filename == __file__
+    with pytest.warns(UserWarning, match="the new plan runs to 12"):
+        first.fit(batches(4), epochs=3, resume=True)
