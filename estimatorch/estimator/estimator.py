@@ -614,7 +614,8 @@ class Estimator:
         return {metric_name(m): float(m.compute()) for m in self.val_metrics}
 
     def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> Any:
-        """Run ``val_net`` over ``data`` as ``evaluate`` does; return its outputs in order, on the CPU.
+        """Run ``val_net`` over ``data`` as ``evaluate`` does; return its outputs in order, on the CPU
+        (under mixed precision, outputs of its 16-bit dtype as float32).
 
         Batches need no label (a tensor, ``(x,)``, a dict); a batch's last element (or its
         ``"label"`` key) is dropped as a label (``BatchProcessor.predict_batch``). Tensor outputs
