@@ -57,7 +57,7 @@ class Throughput(RunningStatistic):
 
     def scalars(self) -> dict[str, Value]:
         elapsed = self._elapsed()
-        per_second = {"": self.samples / elapsed if elapsed > 0 else float("nan")}
+        per_second: dict[str, Value] = {"": self.samples / elapsed if elapsed > 0 else float("nan")}
         if self.tokens:
             per_second["tokens"] = self.tokens / elapsed if elapsed > 0 else float("nan")
         return per_second
