@@ -13,7 +13,7 @@ from torch import nn
 
 from .. import distributed, rng
 from .._batches import to_device
-from .._checks import check_bool
+from .._checks import check_bool, warn_user
 from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
 from ..event_handlers._monitor import resolve_monitors
 from ..metrics.base import metric_name
@@ -330,10 +330,10 @@ class Estimator:
         configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
         resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
         if not stream.exact and resumes:
-            warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
-                          "(load and discard) the batches before the saved position, and random draws made while "
-                          "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
-                          "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
+            warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
+                      "and discard) the batches before the saved position, and random draws made while loading are "
+                      "not restored. Use a map-style DataLoader, or give the IterableDataset "
+                      "state_dict()/load_state_dict() (with num_workers=0).")
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger), limits)
         run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])

@@ -6,12 +6,11 @@ import contextlib
 import logging
 import math
 import os
-import warnings
 import weakref
 from typing import Any, Optional, Union
 
 from .. import checkpoint, distributed
-from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real
+from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real, warn_user
 from .._schedule import EventFilter
 from ..metrics.base import metric_name
 from ._base import StatefulHandler
@@ -431,8 +430,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if math.isnan(value):
             if not self._warned_nan:
                 self._warned_nan = True  # once per fit: a val monitor is nan at every save before validating
-                warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); "
-                              "the best file is updated only with a value", stacklevel=3)
+                warn_user(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); the best file "
+                          "is updated only with a value: monitor a metric validation computes before the save "
+                          "(ValidationHandler's epoch_period), or save at epoch ends")
             return False, value
         return improved(value, self.best, self.mode), value
 

@@ -3,12 +3,11 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional
 
 import torch
 
-from .._checks import check_bool, check_positive_int, is_real
+from .._checks import check_bool, check_positive_int, is_real, warn_user
 from ..checkpoint import load_model_state, model_state
 from ..metrics.base import metric_name
 from ._base import StatefulHandler
@@ -106,8 +105,8 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
             return False  # warming up: not even read
         value = float(self.monitor.compute())
         if math.isnan(value):
-            warnings.warn(f"EarlyStoppingHandler: {metric_name(self.monitor)} is nan in epoch "
-                          f"{self.current_epoch}; counted as no improvement", stacklevel=2)
+            warn_user(f"EarlyStoppingHandler: {metric_name(self.monitor)} is nan in epoch {self.current_epoch}; "
+                      "counted as no improvement (TerminateOnNaNHandler stops a run at its first nan loss)")
         elif improved(value, self.best, self.mode, self.min_delta):
             self.best, self.best_epoch = value, self.current_epoch
             if self.restore_best_weights:
