@@ -171,7 +171,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self.log_file = self._path(self.run_id)
             self._open_file(estimator.logger, self.log_file, "w")
         optimizer = estimator.optimizer
-        lrs = ", ".join(_group_rate(g) for g in optimizer.param_groups)
+        lrs = "; ".join(dict.fromkeys(_group_rate(g) for g in optimizer.param_groups))  # alike groups once
         plan = f"{estimator.max_epoch} epochs" if estimator.max_epoch else f"{estimator.max_batch} batches"
         estimator.logger.info("Training begin: %s (lr %s) on %s, %s, seed %d, %d process%s",
                               type(optimizer).__name__, lrs, estimator.device, plan, estimator.seed,
