@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
@@ -34,6 +33,7 @@ from ._logging import default_logger as _default_logger  # the demo imports it f
 from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps
 from ._predict import run_prediction
+from ._run_view import RunView
 from ._setup import (
     default_handlers,
     describe_stop,
@@ -43,7 +43,6 @@ from ._setup import (
     val_metric_list,
 )
 from ._state import (
-    Position,
     Run,
     describe_plan,
     record_history,
@@ -60,7 +59,7 @@ __all__ = ["Estimator"]
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
-class Estimator:
+class Estimator(RunView):
     """Train and evaluate a PyTorch model with a loop that dispatches events to handlers.
 
     Args:
@@ -481,70 +480,6 @@ class Estimator:
         for action in actions:
             action()
 
-    def at_boundary(self, action: Callable[[], None]) -> None:
-        """Run ``action()`` once the current event has reached every handler.
-
-        A handler that must see the state *between* events (a checkpoint, say) registers its
-        work here from ``batch_end`` or ``epoch_end``.
-        """
-        self._current_run("at_boundary").boundary_actions.append(action)
-
-    # -- state: snapshots, resume -----------------------------------------------------------
-    @property
-    def batches_per_epoch(self) -> Optional[int]:
-        """Batches an epoch of the current (or last) fit trains (its data's, capped by
-        ``fit(batches_per_epoch=...)``), when known."""
-        return self._run.counts.per_epoch if self._run is not None else None
-
-    @property
-    def handlers(self) -> tuple[Any, ...]:
-        """The current fit's handlers, in the order events reach them (empty outside fit)."""
-        return tuple(self._dispatch.handlers)
-
-    @property
-    def boundary_actions_pending(self) -> bool:
-        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
-        for the current event to reach every handler; False outside ``fit``."""
-        run = self._active
-        return run is not None and bool(run.boundary_actions)
-
-    @property
-    def validated(self) -> bool:
-        """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
-        ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""
-        run = self._active
-        return run is not None and run.evaluated
-
-    @property
-    def interruption(self) -> Optional[str]:
-        """``"SIGINT"`` or ``"SIGTERM"`` when the current (or last) fit ends because of that
-        signal at a step boundary, so that its state is exactly resumable (``CheckpointHandler``
-        saves it in ``train_end``); None otherwise (also after a second Ctrl-C, mid-step)."""
-        return self._run.signals.stopped if self._run is not None else None
-
-    @property
-    def position(self) -> Position:
-        """A copy of where the current (or last) fit stands."""
-        return dataclasses.replace(self._run.pos) if self._run is not None else Position()
-
-    def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
-        """Resume the current fit from ``snapshot`` (a CheckpointHandler calls this in
-        ``train_begin``). Validated at once; applied when the loop reaches the saved position."""
-        run = self._current_run("request_resume")
-        run.pending = resume_plan(run, snapshot, source)
-
-    @property
-    def resume_pending(self) -> bool:
-        """True when the current fit will resume from a snapshot."""
-        run = self._active
-        return run is not None and run.pending is not None
-
-    @property
-    def resume_step(self) -> Optional[int]:
-        """The step (batches trained) the current fit resumes from, while a resume is pending."""
-        run = self._active
-        return run.pending["position"]["step"] if run is not None and run.pending is not None else None
-
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self) -> Optional[dict[str, Any]]:
         """Everything needed to resume the current fit, for a checkpoint store to write: the
@@ -579,16 +514,6 @@ class Estimator:
         """
         self._current_run("load_payload")
         self.request_resume(snapshot_to_resume(self, payload, source), source)
-
-    @property
-    def _active(self) -> Optional[Run]:
-        """The run of the fit in progress, None outside fit."""
-        return self._run if self._fitting else None
-
-    def _current_run(self, method: str) -> Run:
-        if not self._fitting or self._run is None:
-            raise RuntimeError(f"{method}() is only available during fit")
-        return self._run
 
     # -- evaluate, predict -----------------------------------------------------------------
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
