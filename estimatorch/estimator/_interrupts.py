@@ -30,6 +30,8 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
+from .. import distributed
+
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
            "stop_exception", "stop_message"]
 
@@ -90,7 +92,8 @@ def stop_exception(name: str) -> BaseException:
 def _one_line(previous: Callable[..., Any]) -> Callable[..., Any]:
     def excepthook(kind: type, value: BaseException, tb: Any) -> None:
         if is_clean_stop(value):
-            sys.stderr.write(f"KeyboardInterrupt: {value}\n")  # then Python ends the process as Ctrl-C does
+            if distributed.is_main_process():  # one line for the job, not one per process
+                sys.stderr.write(f"KeyboardInterrupt: {value}\n")  # then Python ends the process as Ctrl-C does
             sys.stderr.flush()
             return
         previous(kind, value, tb)
