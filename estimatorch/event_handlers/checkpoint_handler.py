@@ -422,13 +422,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         estimator.at_boundary(lambda: self._save(estimator))
 
     # -- saving ----------------------------------------------------------------------------
-    def _check_best(self) -> tuple[bool, Optional[float]]:
+    def _check_best(self, position: Any) -> tuple[bool, Optional[float]]:
         """Whether ``monitor`` improved on the best (a collective), and its value."""
         if not self._layout.best:
             return False, None
         value = float(self.monitor.compute())
         if math.isnan(value):
-            if not self._warned_nan:
+            # a batch save in the first epoch, before its validation: nan is expected there
+            expected = position.phase == "batch_end" and position.epoch == 0
+            if not self._warned_nan and not expected:
                 self._warned_nan = True  # once per fit: a val monitor is nan at every save before validating
                 warn_user(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); the best file "
                           "is updated only with a value: monitor a metric validation computes before the save "
@@ -438,8 +440,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
 
     def _save(self, estimator: Any) -> None:
         """Write what is due at the current boundary. A collective: every rank calls it."""
-        is_best, value = self._check_best()
         pos = estimator.position
+        is_best, value = self._check_best(pos)
         names = self._layout.due(pos.epoch, pos.step, is_best)
         if not names:
             return
