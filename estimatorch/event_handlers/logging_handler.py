@@ -305,7 +305,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
 def _group_rate(group: dict[str, Any]) -> str:
     """A param group's learning rate, with the schedule's initial one when they differ (a resumed
     run at the end of its schedule shows ``lr 0, initial 0.003``, not a bare 0)."""
-    rate, initial = group["lr"], group.get("initial_lr")
-    if initial is None or initial == rate:
-        return f"{rate:.6g}"
-    return f"{rate:.6g}, initial {initial:.6g}"
+    rate, initial = f"{group['lr']:.6g}", group.get("initial_lr")
+    if initial is None or f"{initial:.6g}" == rate:
+        return rate
+    return f"{rate}, initial {initial:.6g}"
