@@ -50,3 +50,43 @@ def test_a_metric_without_state_warns_at_the_fit_line_with_the_fix(tmp_path):
     ours = [w for w in record if "keeps no state" in str(w.message)]
     assert len(ours) == 2  # train_mean_pred and its val copy, once each
     assert all("metric.persistent(True)" in str(w.message) and w.filename == __file__ for w in ours)
+
+
+class CountsUpdates(NotPersistent):
+    """As a torchmetrics metric: a persistent state, and an update count outside it whose zero
+    makes compute() warn (torchmetrics' "called before the update method")."""
+
+    def __init__(self):
+        super().__init__()
+        self._update_count = 0
+
+    def update(self, pred, label):
+        super().update(pred, label)
+        self._update_count += 1
+
+    def compute(self):
+        if self._update_count == 0:
+            warnings.warn("The ``compute`` method of metric CountsUpdates was called before the ``update`` method")
+        return self.total
+
+    def reset(self):
+        super().reset()
+        self._update_count = 0
+
+    def state_dict(self):
+        return {"total": self.total.clone()}
+
+    def load_state_dict(self, state):
+        self.total = state["total"].clone()
+
+
+def test_rerunning_a_finished_run_does_not_warn_that_restored_metrics_were_never_updated(tmp_path):
+    def run():
+        est = make_estimator(train_metrics=[CountsUpdates()])
+        est.fit(make_batches(2), val_data=make_batches(1), epochs=1,
+                event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+
+    run()
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        run()  # nothing left to train: the values shown are the restored ones

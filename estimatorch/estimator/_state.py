@@ -337,6 +337,10 @@ def restore_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None
         name = metric_name(metric)
         if name in snapshot["metrics"] and callable(getattr(metric, "load_state_dict", None)):
             metric.load_state_dict(snapshot["metrics"][name])
+            if snapshot["metrics"][name] and getattr(metric, "_update_count", None) == 0:
+                # torchmetrics counts updates outside its state_dict: restored accumulators are
+                # updates, so its compute() must not warn "called before the update method"
+                metric._update_count = 1
     run.history.load_state_dict(snapshot["history"])
     run.evaluated = snapshot["evaluated"]
     run.stream.load_state_dict(snapshot["data"])
