@@ -33,7 +33,7 @@ from ._elastic import configure_elastic
 from ._streams import make_train_stream
 
 __all__ = ["PlanCounts", "build_scheduler", "check_horizons", "count_epoch_ends", "count_steps", "limited",
-           "plan_counts", "planned_steps", "scheduler_horizon"]
+           "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]
 
 
 class PlanCounts:
@@ -207,17 +207,28 @@ def check_horizons(estimator: Any, run: Any) -> None:
         warn_user(message)
 
 
+def schedule_length(estimator: Any, counts: PlanCounts) -> Optional[int]:
+    """The steps a schedule built from ``Estimator(lr_scheduler=callable)`` will take in this
+    fit's whole plan (None when there is nothing to build). ``fit`` calls it before any work.
+
+    Raises:
+        ValueError: the plan cannot be counted (data without a length), saying what to pass.
+    """
+    if estimator.lr_scheduler_factory is None or estimator.lr_scheduler is not None:
+        return None
+    try:
+        return counts.steps() if estimator.lr_scheduler_interval == "batch" else counts.epoch_ends()
+    except ValueError as err:
+        raise ValueError(f"lr_scheduler is a callable sized from the plan, but {err}") from None
+
+
 def build_scheduler(estimator: Any, run: Any) -> None:
     """Call ``Estimator(lr_scheduler=callable)`` with the optimizer and the steps the schedule
     will take in this fit's whole plan, once (a later fit continues that scheduler)."""
-    factory = estimator.lr_scheduler_factory
-    if factory is None or estimator.lr_scheduler is not None:
+    total = schedule_length(estimator, run.counts)
+    if total is None:
         return
-    if estimator.lr_scheduler_interval == "batch":
-        total = run.counts.steps()
-    else:
-        total = run.counts.epoch_ends()
-    scheduler = factory(estimator.optimizer, total)
+    scheduler = estimator.lr_scheduler_factory(estimator.optimizer, total)
     if not all(callable(getattr(scheduler, method, None)) for method in ("step", "state_dict")) \
             or getattr(scheduler, "optimizer", None) is not estimator.optimizer:
         raise TypeError(f"lr_scheduler(optimizer, total_steps) must return a torch LR scheduler of that optimizer, "

@@ -31,7 +31,7 @@ from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, stop_exception
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._payload import check_payload, payload_of, snapshot_to_resume
-from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps
+from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
 from ._predict import run_prediction
 from ._run_view import RunView
 from ._setup import (
@@ -336,6 +336,7 @@ class Estimator(RunView):
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger), limits)
         run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
+        schedule_length(self, run.counts)  # a callable lr_scheduler can be sized: checked before any work
         if resume and self._last is not None:  # checked above: a resume has a fit to continue
             run.pending = resume_plan(run, self._last, source="the previous fit")
         return run

@@ -297,3 +297,21 @@ def test_extending_a_finished_run_past_its_schedule_warns_saying_what_to_do(tmp_
     assert record[0].filename == __file__
     with pytest.warns(UserWarning, match="the new plan runs to 12"):
         first.fit(batches(4), epochs=3, resume=True)
+
+
+def test_a_callable_lr_scheduler_over_data_without_length_is_refused_before_any_work():
+    est = make_estimator(lr_scheduler=lambda o, n: CosineAnnealingLR(o, n), lr_scheduler_interval="batch")
+    before = [p.clone() for p in est.net.parameters()]
+    with pytest.raises(ValueError, match="lr_scheduler is a callable sized from the plan, but train_data has no "
+                                         "length.*batches_per_epoch="):
+        est.fit(_Endless(), epochs=2, event_handlers=[GradientUpdateHandler(accumulation_steps=2)])
+    assert all(torch.equal(a, b) for a, b in zip(before, est.net.parameters()))
+    est.fit(_Endless(), epochs=2, batches_per_epoch=3)  # a limit makes it countable
+    assert est.lr_scheduler.T_max == 6
+
+
+class _Endless(torch.utils.data.IterableDataset):
+    def __iter__(self):
+        g = torch.Generator().manual_seed(3)
+        while True:
+            yield torch.randn(4, 4, generator=g), torch.randint(0, 3, (4,), generator=g)
