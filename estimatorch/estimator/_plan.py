@@ -195,7 +195,7 @@ def check_horizons(estimator: Any, run: Any) -> None:
         unit = "optimizer steps" if interval == "batch" else "epochs"
         if resumed and ends_at > horizon:
             message = (f"this fit continues a run whose {name} ends after {horizon} {unit}, but the new plan runs "
-                       f"to {ends_at}: past its end the schedule raises the learning rate again. To train further, "
+                       f"to {ends_at}: {_past_the_end(scheduler)}. To train further, "
                        "start a new run with a schedule sized for it (Estimator(lr_scheduler=lambda optimizer, "
                        "total_steps: ...) sizes it from the plan), or keep the plan the run finished")
         else:
@@ -205,6 +205,16 @@ def check_horizons(estimator: Any, run: Any) -> None:
                        "batches_per_epoch counted): size it with est.planned_steps(train_data, epochs=...), or "
                        "pass Estimator(lr_scheduler=lambda optimizer, total_steps: ...) to have fit size it")
         warn_user(message)
+
+
+def _past_the_end(scheduler: Any) -> str:
+    """What a schedule does when it is stepped past its horizon, in words."""
+    last = scheduler._schedulers[-1] if isinstance(scheduler, SequentialLR) else scheduler
+    if isinstance(last, CosineAnnealingLR):
+        return "past its end a cosine raises the learning rate again"
+    if isinstance(last, OneCycleLR):
+        return "OneCycleLR raises a ValueError once stepped past its total_steps"
+    return "the steps past its end keep its last learning rate"
 
 
 def schedule_length(estimator: Any, counts: PlanCounts) -> Optional[int]:
