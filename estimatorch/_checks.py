@@ -19,6 +19,8 @@ from __future__ import annotations
 
 import numbers
 import os
+import sys
+import warnings
 from collections.abc import Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -26,7 +28,7 @@ if TYPE_CHECKING:  # typing_extensions comes with torch; only the type checker r
     from typing_extensions import TypeGuard
 
 __all__ = ["check_bool", "check_file_prefix", "check_positive_int", "check_real", "check_state_keys",
-           "is_int", "is_real"]
+           "is_int", "is_real", "user_stacklevel", "warn_user"]
 
 
 def is_int(value: Any) -> TypeGuard[int]:
@@ -81,3 +83,23 @@ def check_state_keys(state: Any, keys: Iterable[str], owner: str) -> None:
     for key in keys:
         if key not in state:
             raise ValueError(f"state of {owner} is missing the key {key!r}")
+
+
+_PACKAGE_DIR = os.path.dirname(os.path.abspath(__file__)) + os.sep
+
+
+def user_stacklevel() -> int:
+    """The ``stacklevel`` at which a warning raised by the caller of this function is reported at
+    the first frame outside estimatorch (the user's line, e.g. their ``fit`` call), whatever the
+    depth of the library's own calls. For ``warnings.warn(..., stacklevel=user_stacklevel())``."""
+    frame = sys._getframe(1)  # the function about to warn: stacklevel 1
+    level = 1
+    while frame is not None and os.path.abspath(frame.f_code.co_filename).startswith(_PACKAGE_DIR):
+        frame = frame.f_back  # type: ignore[assignment]
+        level += 1
+    return level
+
+
+def warn_user(message: str, category: type[Warning] = UserWarning) -> None:
+    """``warnings.warn(message, category)`` reported at the user's line (see :func:`user_stacklevel`)."""
+    warnings.warn(message, category, stacklevel=user_stacklevel())

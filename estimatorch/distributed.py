@@ -59,19 +59,34 @@ def is_distributed() -> bool:
     return dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1
 
 
+def _initialized() -> bool:
+    return dist.is_available() and dist.is_initialized()
+
+
+def _env_int(name: str, default: int) -> int:
+    """The launcher's variable ``name`` as an int (``default`` when unset or not a number)."""
+    value = os.environ.get(name, "")
+    try:
+        return int(value)
+    except ValueError:
+        return default
+
+
 def get_rank() -> int:
-    """The global rank (0 without a process group)."""
-    return dist.get_rank() if dist.is_available() and dist.is_initialized() else 0
+    """The global rank: the process group's; before one exists, torchrun's ``RANK`` (0 without
+    either), so that "print on rank 0" before ``fit`` (which starts the group) prints once."""
+    return dist.get_rank() if _initialized() else _env_int("RANK", 0)
 
 
 def get_world_size() -> int:
-    """The number of processes (1 without a process group)."""
-    return dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    """The number of processes: the process group's; before one exists, torchrun's
+    ``WORLD_SIZE`` (1 without either). Collectives need :func:`is_distributed`, not this."""
+    return dist.get_world_size() if _initialized() else max(_env_int("WORLD_SIZE", 1), 1)
 
 
 def get_local_rank() -> int:
     """The rank on this machine (``LOCAL_RANK``, else 0)."""
-    return int(os.environ.get("LOCAL_RANK", "0"))
+    return _env_int("LOCAL_RANK", 0)
 
 
 def is_main_process() -> bool:

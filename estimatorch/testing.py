@@ -112,7 +112,7 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
                      batches: Optional[int] = None, val_data: Any = None,
                      event_handlers: Union[Callable[[], list[Any]], Sequence[Any], None] = None,
                      stop_at: Optional[Iterable[int]] = None, workdir: Optional[str] = None,
-                     quiet: bool = False) -> None:
+                     quiet: bool = False, batches_per_epoch: Optional[int] = None) -> None:
     """Fail unless stopping after any of ``stop_at`` steps and resuming from the checkpoint there,
     in a fresh estimator, reproduces the uninterrupted run bit for bit.
 
@@ -133,6 +133,7 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
         workdir: where checkpoints go. Defaults to a temporary directory, removed afterwards.
         quiet: silence the estimator's INFO log lines and the default progress bar while it
             runs (a bar among ``event_handlers`` is kept). Defaults to False.
+        batches_per_epoch: passed to ``fit``. Defaults to None.
 
     Raises:
         AssertionError: naming the stop step and the first step (or state) that differs.
@@ -147,7 +148,7 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
             handlers.append(ProgressBarHandler(file=io.StringIO()))  # takes the default bar's place, unseen
         return handlers
 
-    plan = {"epochs": epochs, "batches": batches}
+    plan: dict[str, Any] = {"epochs": epochs, "batches": batches, "batches_per_epoch": batches_per_epoch}
     logger = default_logger()  # set up first: the level put back afterwards is the one fit logs at
     level = logger.level
     if quiet:

@@ -244,9 +244,16 @@ torch.set_num_threads(1)
 net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
 est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
 data = torch.utils.data.TensorDataset(torch.randn(40, 4), torch.arange(40) % 3)
-history = est.fit(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), epochs=2)
+loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
+before = {"group": torch.distributed.is_initialized(), "rank": distributed.get_rank(),
+          "world": distributed.get_world_size(), "main": distributed.is_main_process(),
+          "planned": est.planned_steps(loader, epochs=2)}
+steps = [0]
+est.optimizer.register_step_post_hook(lambda *a: steps.__setitem__(0, steps[0] + 1))
+history = est.fit(loader, epochs=2)
 torch.save({"world": distributed.get_world_size(), "rank": distributed.get_rank(), "model": est.net.state_dict(),
-            "history": history.to_dict()}, f"{sys.argv[1]}/rank{distributed.get_rank()}.pt")
+            "history": history.to_dict(), "before": before, "steps": steps[0]},
+           f"{sys.argv[1]}/rank{distributed.get_rank()}.pt")
 # With torch 2.13 a gloo process sometimes aborts during interpreter teardown, after its work is
 # done ("terminate called without an active exception"): results are saved, leave without it.
 sys.stdout.flush(); sys.stderr.flush()
@@ -271,6 +278,22 @@ def test_fit_under_torchrun_initialises_the_group_itself(tmp_path):
         assert torch.equal(r0["model"][key], r1["model"][key])
     assert r0["history"] == r1["history"] and len(r0["history"]["epoch"]) == 2
     assert proc.stdout.count("Training begin") == 1  # only rank 0 logs
+    # before fit started the process group, each rank knew its rank and its share of the steps
+    for rank, result in enumerate((r0, r1)):
+        before = result["before"]
+        assert not before["group"]
+        assert (before["rank"], before["world"], before["main"]) == (rank, 2, rank == 0)
+        assert before["planned"] == result["steps"] == 2 * (40 // 4 // 2)
+
+
+def test_rank_and_world_size_come_from_torchrun_variables_before_a_process_group(monkeypatch):
+    assert not torch.distributed.is_initialized()
+    assert (distributed.get_rank(), distributed.get_world_size(), distributed.is_main_process()) == (0, 1, True)
+    monkeypatch.setenv("RANK", "3")
+    monkeypatch.setenv("WORLD_SIZE", "4")
+    monkeypatch.setenv("LOCAL_RANK", "1")
+    assert (distributed.get_rank(), distributed.get_world_size(), distributed.get_local_rank()) == (3, 4, 1)
+    assert not distributed.is_main_process() and not distributed.is_distributed()  # no collective without a group
 
 
 class CtrlCOnRank(BatchEnd):

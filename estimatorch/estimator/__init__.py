@@ -1,7 +1,8 @@
 """The Estimator, its step (BatchProcessor) and what fit returns (History)."""
 
+from ._state import Position
 from .batch_processor import BatchProcessor
-from .estimator import Estimator, Position
+from .estimator import Estimator
 from .history import History
 
 __all__ = ["BatchProcessor", "Estimator", "History", "Position"]

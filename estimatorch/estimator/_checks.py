@@ -13,8 +13,8 @@ from .. import distributed
 from .._checks import check_bool, check_positive_int, is_int
 from ..event_handlers._dispatch import handler_name
 
-__all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_optimizer", "check_unique_handlers",
-           "precision_name", "resolve_device"]
+__all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
+           "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]
 
 #: canonical precision name -> autocast dtype (None: no autocast).
 PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -160,3 +160,27 @@ def check_fit_arguments(train_data: Any, val_data: Any, epochs: Any, batches: An
     if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
         raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
                         f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
+
+
+def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, interval: Any) -> tuple[Any, Any]:
+    """``Estimator``'s ``lr_scheduler`` and ``lr_scheduler_interval``: returns ``(scheduler,
+    factory)``, one of them None (both without a schedule). A scheduler must be one of
+    ``optimizer``; a factory is any other callable, ``(optimizer, total_steps) -> scheduler``."""
+    if interval not in ("epoch", "batch"):
+        raise ValueError(f"lr_scheduler_interval must be 'epoch' or 'batch', got {interval!r}")
+    if lr_scheduler is None:
+        return None, None
+    if all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
+        if getattr(lr_scheduler, "optimizer", None) is not optimizer:
+            raise ValueError("lr_scheduler must schedule this estimator's optimizer")
+        return lr_scheduler, None
+    if callable(lr_scheduler):
+        return None, lr_scheduler
+    raise TypeError("lr_scheduler must be a torch LR scheduler or a callable (optimizer, total_steps) -> "
+                    f"scheduler, got {lr_scheduler!r}")
+
+
+def check_limits(batches_per_epoch: Any, val_batches: Any) -> None:
+    """``fit``'s per-epoch limits: positive ints or None."""
+    check_positive_int(batches_per_epoch, "batches_per_epoch", allow_none=True)
+    check_positive_int(val_batches, "val_batches", allow_none=True)

@@ -32,11 +32,10 @@ per optimizer step, the same samples in each step (anything else is refused). Th
 from __future__ import annotations
 
 import copy
-import warnings
 from typing import Any, Callable
 
 from .. import distributed, rng
-from .._checks import is_int
+from .._checks import is_int, warn_user
 from .._saved import CheckpointError
 from ..checkpoint import rank_snapshot
 from ..event_handlers import GradientUpdateHandler
@@ -161,8 +160,9 @@ def _combined_metrics(estimator: Any, saved: list[dict[str, Any]], new_world: in
         if not all(name in states for states in saved):
             continue
         if not isinstance(metric, Metric):
-            warnings.warn(f"metric {name!r} is not an estimatorch Metric: its per-rank state cannot be combined "
-                          f"onto {new_world} processes, so its running value restarts for this epoch", stacklevel=4)
+            warn_user(f"metric {name!r} is not an estimatorch Metric: its per-rank state cannot be combined onto "
+                      f"{new_world} processes, so its running value restarts for this epoch (resume on the same "
+                      "number of processes, or use estimatorch.metrics, to keep it)")
             continue
         for rank, state in enumerate(metric.combine_rank_states([states[name] for states in saved], new_world)):
             out[rank][name] = state

@@ -5,8 +5,9 @@ random generator kept, the four epoch/batch events fired, over this rank's share
 from __future__ import annotations
 
 import contextlib
+import itertools
 from collections.abc import Iterable, Iterator, Mapping, Sized
-from typing import Any, Callable
+from typing import Any, Callable, Optional
 
 import torch
 
@@ -77,7 +78,7 @@ def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Di
 
 
 def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[Any], step: Step, *,
-                agree_on_empty: bool) -> InferenceData:
+                agree_on_empty: bool, limit: Optional[int] = None) -> InferenceData:
     """Fire ``epoch_begin``, then per batch ``batch_begin``, ``step``, ``batch_end``, then
     ``epoch_end``, over this rank's batches of ``data``.
 
@@ -85,6 +86,8 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
         agree_on_empty: with data each rank holds itself, under torch.distributed, raise only
             when no rank saw a batch (one collective, every rank alike); else raise when this
             rank saw none.
+        limit: at most this many of this rank's batches (``fit(val_batches=...)``). Defaults
+            to None (all).
 
     Raises:
         ValueError: no batches (before ``epoch_end``).
@@ -95,7 +98,7 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
         device = estimator.device
         dispatch.fire("epoch_begin", estimator)
         seen = 0
-        for batch in shard.batches:
+        for batch in shard.batches if limit is None else itertools.islice(shard.batches, limit):
             batch = to_device(batch, device)
             dispatch.fire("batch_begin", estimator, batch=batch)
             pred, label, loss = step(batch)
@@ -110,8 +113,10 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     return shard
 
 
-def evaluate_batches(estimator: Any, val_data: Iterable[Any], batch_axis: int, handlers: list[Any]) -> None:
-    """Reset the val metrics and update them over ``val_data`` (``Estimator.evaluate``'s loop)."""
+def evaluate_batches(estimator: Any, val_data: Iterable[Any], batch_axis: int, handlers: list[Any], *,
+                     limit: Optional[int] = None) -> None:
+    """Reset the val metrics and update them over ``val_data`` (``Estimator.evaluate``'s loop),
+    at most ``limit`` batches of this rank's (None: all)."""
     loss_metrics, other_metrics = split_loss_metrics(estimator.val_metrics)
     for metric in estimator.val_metrics:
         metric.reset()
@@ -123,4 +128,4 @@ def evaluate_batches(estimator: Any, val_data: Iterable[Any], batch_axis: int, h
         return pred, label, loss
 
     # compute() is a collective: every rank calls evaluate, so agreeing on emptiness is safe.
-    run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True)
+    run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True, limit=limit)

@@ -26,10 +26,14 @@ from __future__ import annotations
 
 import os
 import signal
+import sys
 import threading
 from typing import Any, Callable, Optional
 
-__all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "stop_exception", "stop_message"]
+from .. import distributed
+
+__all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
+           "stop_exception", "stop_message"]
 
 #: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
@@ -59,11 +63,51 @@ class IgnoreStopSignals:
             self.fn(worker_id)
 
 
+def interrupted(message: str) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` ``fit`` raises after a Ctrl-C, once it has stopped at a step
+    boundary and its checkpoints are saved; ``message`` says what was saved and how to resume.
+
+    A plain ``KeyboardInterrupt`` (marked ``estimatorch_stop``): uncaught in a script, it ends
+    the process with that one line instead of a traceback (:func:`install_excepthook`) and, as
+    Python does for Ctrl-C, with the status of a process ended by SIGINT (130 in a shell); in a
+    notebook it shows as any ``KeyboardInterrupt`` does.
+    """
+    error = KeyboardInterrupt(message)
+    error.estimatorch_stop = True  # type: ignore[attr-defined]
+    return error
+
+
+def is_clean_stop(error: BaseException) -> bool:
+    """Whether ``error`` is the ``KeyboardInterrupt`` of a stop at a step boundary (:func:`interrupted`)."""
+    return isinstance(error, KeyboardInterrupt) and getattr(error, "estimatorch_stop", False) is True
+
+
 def stop_exception(name: str) -> BaseException:
     """What ``fit`` raises once it has stopped at a boundary because of signal ``name``."""
     if name == "SIGTERM":
         return SystemExit(128 + signal.SIGTERM)
-    return KeyboardInterrupt()
+    return interrupted("stopped by Ctrl-C at the end of a step")
+
+
+def _one_line(previous: Callable[..., Any]) -> Callable[..., Any]:
+    def excepthook(kind: type, value: BaseException, tb: Any) -> None:
+        if is_clean_stop(value):
+            if distributed.is_main_process():  # one line for the job, not one per process
+                sys.stderr.write(f"KeyboardInterrupt: {value}\n")  # then Python ends the process as Ctrl-C does
+            sys.stderr.flush()
+            return
+        previous(kind, value, tb)
+
+    excepthook.estimatorch = True  # type: ignore[attr-defined]
+    return excepthook
+
+
+def install_excepthook() -> None:
+    """Make an uncaught :func:`interrupted` stop end a script with its one line instead of a traceback
+    through the library's loop (Python then exits as after Ctrl-C: status 130 in a shell).
+    Chains to the hook in place for everything else; installed once per process."""
+    if not getattr(sys.excepthook, "estimatorch", False):
+        sys.excepthook = _one_line(sys.excepthook)
 
 
 class SignalGuard:

@@ -3,7 +3,7 @@
 from __future__ import annotations
 
 from collections.abc import Iterable, Mapping, Sequence
-from typing import Any
+from typing import Any, Optional
 
 import torch
 
@@ -17,18 +17,22 @@ class _Ragged(Exception):
     """Per-batch outputs that do not join into one structure."""
 
 
-def _to_host(obj: Any, non_blocking: bool) -> Any:
+def _to_host(obj: Any, non_blocking: bool, amp: Optional[torch.dtype] = None) -> Any:
     """Every tensor of a (nested) output on the CPU; asynchronous from CUDA (the caller
-    synchronises once, before the values are read)."""
+    synchronises once, before the values are read). Tensors of the autocast dtype ``amp``
+    (mixed precision's working dtype) come back as float32."""
     if isinstance(obj, torch.Tensor):
-        return obj.detach().to("cpu", non_blocking=non_blocking)
+        obj = obj.detach()
+        if amp is not None and obj.dtype == amp:
+            obj = obj.float()
+        return obj.to("cpu", non_blocking=non_blocking)
     if isinstance(obj, tuple):
-        moved = [_to_host(x, non_blocking) for x in obj]
+        moved = [_to_host(x, non_blocking, amp) for x in obj]
         return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
     if isinstance(obj, list):
-        return [_to_host(x, non_blocking) for x in obj]
+        return [_to_host(x, non_blocking, amp) for x in obj]
     if isinstance(obj, Mapping):
-        return {k: _to_host(v, non_blocking) for k, v in obj.items()}
+        return {k: _to_host(v, non_blocking, amp) for k, v in obj.items()}
     return obj
 
 
@@ -87,6 +91,7 @@ def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_h
     processor = estimator.batch_processor
     predict_batch = getattr(processor, "predict_batch", None)
     non_blocking = estimator.device.type == "cuda"
+    amp = estimator._amp_dtype  # "bf16-mixed" / "16-mixed": outputs come back as float32
     outputs: list[Any] = []
 
     def step(batch: Any) -> tuple[Any, Any, Any]:
@@ -94,7 +99,7 @@ def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_h
             pred = predict_batch(estimator, batch, batch_axis)
         else:  # a batch processor of its own without a predict step: its evaluation forward
             _, _, pred, _ = processor.evaluate_batch(estimator, batch, batch_axis)
-        outputs.append(_to_host(pred, non_blocking))
+        outputs.append(_to_host(pred, non_blocking, amp))
         return pred, None, None
 
     shard = run_batches(estimator, data, "data", handlers, step, agree_on_empty=False)

@@ -28,9 +28,9 @@ from ..event_handlers import (
 )
 from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
-from ._interrupts import SignalGuard, stop_message
+from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
 
-__all__ = ["default_handlers", "interactive", "signal_guard", "torch_flags", "train_metric_list",
+__all__ = ["default_handlers", "describe_stop", "interactive", "signal_guard", "torch_flags", "train_metric_list",
            "val_metric_list"]
 
 
@@ -86,9 +86,11 @@ def default_handlers(estimator: Any, user: list[Any], val_data: Any) -> list[Any
         defaults.append(MetricHandler(estimator.train_metrics))
     if val_data is not None and missing(ValidationHandler):
         defaults.append(ValidationHandler(val_data, estimator.evaluate))
-    if estimator.lr_scheduler is not None and not any(
+    scheduled = estimator.lr_scheduler is not None or estimator.lr_scheduler_factory is not None
+    if scheduled and not any(
             isinstance(h, LRSchedulerHandler) and h.scheduler in (None, estimator.lr_scheduler) for h in user):
-        defaults.append(LRSchedulerHandler())  # unless one of yours already steps it
+        # unless one of yours already steps it
+        defaults.append(LRSchedulerHandler(step_on=estimator.lr_scheduler_interval))
     if missing(LoggingHandler):
         defaults.append(LoggingHandler())
     if missing(ProgressBarHandler) and interactive():
@@ -126,4 +128,27 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
                                    resumes=any(h.resume_from_checkpoint for h in savers),
                                    multi=distributed.is_distributed())
 
+    if not _bars.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
+        install_excepthook()
     return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}))
+
+
+def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> BaseException:
+    """Give the ``KeyboardInterrupt`` of a clean Ctrl-C stop (once ``train_end`` has saved) its
+    one line: where it stopped, what was saved, how to resume; returns ``error``."""
+    if not is_clean_stop(error):
+        return error
+    pos = estimator.position
+    savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
+    where = f"stopped by Ctrl-C after step {pos.step} (epoch {pos.epoch + (pos.phase != 'epoch_end')})"
+    if _bars.in_notebook():
+        how = "fit(..., resume=True) continues from there"
+    elif any(h.resume_from_checkpoint for h in savers):
+        how = f"checkpoint in {savers[0].model_dir}: run the script again to resume"
+    elif savers:
+        how = (f"checkpoint in {savers[0].model_dir}: to resume, run again with "
+               "CheckpointHandler(..., resume_from_checkpoint=True)")
+    else:
+        how = "nothing saved: add CheckpointHandler(model_dir, resume_from_checkpoint=True) to resume after a stop"
+    error.args = (f"{where}; {how}",)
+    return error

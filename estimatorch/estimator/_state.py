@@ -13,14 +13,13 @@ rank (``shared_state``) once, and gives it back with ``checkpoint.rank_snapshot`
 from __future__ import annotations
 
 import dataclasses
-import warnings
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 import torch
 
 from .. import distributed, rng
-from .._checks import is_int
+from .._checks import is_int, warn_user
 from .._saved import MISSING, CheckpointError, check_count, check_dict, check_keys, check_like, kind, show
 from ..event_handlers._dispatch import Dispatch
 from ..event_handlers.lr_scheduler import epoch_learning_rates
@@ -80,8 +79,13 @@ class Run:
     """The state of one ``fit`` call that is not a handler's: the loop's own bookkeeping."""
 
     def __init__(self, dispatch: Dispatch, stream: TrainStream, plan: dict[str, Optional[int]],
-                 batch_axis: int, signals: SignalGuard):
+                 batch_axis: int, signals: SignalGuard,
+                 limits: tuple[Optional[int], Optional[int]] = (None, None)):
         self.dispatch = dispatch
+        #: ``fit``'s ``(batches_per_epoch, val_batches)``
+        self.limits = limits
+        #: what the plan amounts to (a ``_plan.PlanCounts``), set once the handlers are known
+        self.counts: Any = None
         self.stream = stream
         self.plan = plan
         self.batch_axis = batch_axis
@@ -126,9 +130,10 @@ def take_snapshot(estimator: Any, run: Run, partial: bool = False) -> dict[str, 
         if not state and not isinstance(metric, Metric) and run.pos.phase == "batch_end" \
                 and metric_name(metric) not in run.stateless_metrics:
             run.stateless_metrics.add(metric_name(metric))  # warned once per fit
-            warnings.warn(f"metric {metric_name(metric)!r} keeps no state (no or an empty state_dict(), e.g. "
-                          "a torchmetrics metric whose states are not persistent): resuming from here "
-                          "restarts its running value for this epoch", stacklevel=4)
+            warn_user(f"metric {metric_name(metric)!r} keeps no state (no or an empty state_dict(), e.g. a "
+                      "torchmetrics metric whose states are not persistent): resuming from here restarts its "
+                      "running value for this epoch. For a torchmetrics metric, call metric.persistent(True) "
+                      "before fit so that checkpoints keep it")
     snapshot = {
         "position": dataclasses.asdict(run.pos),
         "plan": dict(run.plan),
@@ -308,9 +313,9 @@ def resume_plan(run: Run, snapshot: dict[str, Any], source: str) -> dict[str, An
               (epochs is not None and pos["phase"] == "epoch_end" and pos["epoch"] >= epochs)
     snapshot = dict(snapshot, position=dict(pos, stop=reached or (pos["stop"] and same_plan)), source=source)
     if snapshot["partial"]:
-        warnings.warn(f"{source} was interrupted in the middle of a step or epoch end: resuming "
-                      "restarts it, so results may differ from an uninterrupted run. "
-                      "(Ctrl-C stops at a step boundary and resumes exactly.)", stacklevel=3)
+        warn_user(f"{source} was interrupted in the middle of a step or epoch end: resuming restarts it, so "
+                  "results may differ from an uninterrupted run. (Ctrl-C stops at a step boundary and resumes "
+                  "exactly.)")
     return snapshot
 
 
@@ -326,11 +331,16 @@ def restore_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None
         if name in saved:
             handler.load_state_dict(saved[name])
         elif handler.state_dict():
-            warnings.warn(f"handler {name!r} has no saved state to resume from; it starts fresh", stacklevel=2)
+            warn_user(f"handler {name!r} has no saved state to resume from (the fit that saved it had no handler "
+                      "of that name); it starts fresh. Resume with the handlers of the saved run to continue theirs")
     for metric in estimator.train_metrics + estimator.val_metrics:
         name = metric_name(metric)
         if name in snapshot["metrics"] and callable(getattr(metric, "load_state_dict", None)):
             metric.load_state_dict(snapshot["metrics"][name])
+            if snapshot["metrics"][name] and getattr(metric, "_update_count", None) == 0:
+                # torchmetrics counts updates outside its state_dict: restored accumulators are
+                # updates, so its compute() must not warn "called before the update method"
+                metric._update_count = 1
     run.history.load_state_dict(snapshot["history"])
     run.evaluated = snapshot["evaluated"]
     run.stream.load_state_dict(snapshot["data"])

@@ -14,7 +14,6 @@ from __future__ import annotations
 
 import inspect
 import itertools
-import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Callable, Optional, cast
 
@@ -34,6 +33,7 @@ from torch.utils.data import (
 from torch.utils.data._utils.collate import default_collate
 
 from .. import distributed, rng
+from .._checks import warn_user
 from ..samplers._index_shuffle import order_fingerprint
 from ..samplers.resumable import (
     ResumableDistributedSampler,
@@ -215,13 +215,11 @@ class _LoaderStream(TrainStream):
             length = len(self._user_batches) if isinstance(self._user_batches, Sized) else None
             index_batches = self._replayed_batches
             self.sampler_name = type(self._user_batches).__name__
-            warnings.warn(
+            warn_user(
                 f"train_data's {self.sampler_name} is not one estimatorch knows how to position: "
                 "a resume replays its indices (no data is loaded for skipped batches) and is "
                 "exact only if its order is a function of set_epoch(). Use a "
-                "estimatorch.samplers.ResumableSampler for a guaranteed resume.",
-                stacklevel=4,
-            )
+                "estimatorch.samplers.ResumableSampler for a guaranteed resume.")
         self.batches_per_epoch = length
         collate = loader.collate_fn
         seeding = not (_draws_no_randomness(dataset) and collate is default_collate)
@@ -359,12 +357,11 @@ class _ReplayStream(TrainStream):
 
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
         if start:
-            warnings.warn(
+            warn_user(
                 f"resuming a {type(self.data).__name__} without state_dict(): replaying {start} "
                 "batches (loaded and discarded) to reach the saved position; random draws made "
-                "while loading them are not restored",
-                stacklevel=3,
-            )
+                "while loading them are not restored. Give it state_dict()/load_state_dict(), or use a "
+                "map-style DataLoader, for an exact resume")
         return itertools.islice(iter(self.data), start, None)
 
 

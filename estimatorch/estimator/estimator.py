@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import dataclasses
 import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
@@ -13,13 +12,16 @@ from torch import nn
 
 from .. import distributed, rng
 from .._batches import to_device
-from .._checks import check_bool
+from .._checks import check_bool, warn_user
 from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
+from ..event_handlers._monitor import resolve_monitors
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
     check_estimator_arguments,
     check_fit_arguments,
+    check_limits,
+    check_lr_scheduler,
     check_optimizer,
     check_unique_handlers,
     precision_name,
@@ -30,10 +32,18 @@ from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, stop_exception
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._payload import check_payload, payload_of, snapshot_to_resume
+from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
 from ._predict import run_prediction
-from ._setup import default_handlers, signal_guard, torch_flags, train_metric_list, val_metric_list
+from ._run_view import RunView
+from ._setup import (
+    default_handlers,
+    describe_stop,
+    signal_guard,
+    torch_flags,
+    train_metric_list,
+    val_metric_list,
+)
 from ._state import (
-    Position,
     Run,
     describe_plan,
     record_history,
@@ -51,7 +61,7 @@ __all__ = ["Estimator"]
 _NO_AUTOCAST = contextlib.nullcontext()  # reusable: entering it does nothing
 
 
-class Estimator:
+class Estimator(RunView):
     """Train and evaluate a PyTorch model with a loop that dispatches events to handlers.
 
     Args:
@@ -69,8 +79,13 @@ class Estimator:
         val_net: the network ``evaluate`` runs. Defaults to ``net``.
         val_loss: the loss ``evaluate`` computes. Defaults to ``loss``.
         batch_processor: the step (see :class:`BatchProcessor`). Defaults to ``BatchProcessor()``.
-        lr_scheduler: a torch LR scheduler of ``optimizer``, stepped every epoch by a default
-            ``LRSchedulerHandler``. Defaults to None.
+        lr_scheduler: a torch LR scheduler of ``optimizer``, or a callable ``(optimizer,
+            total_steps) -> scheduler`` that the first ``fit`` calls at its start with the steps
+            the scheduler will take (optimizer steps for ``lr_scheduler_interval="batch"``, see
+            :meth:`planned_steps`; epochs for ``"epoch"``). A default ``LRSchedulerHandler``
+            steps it. Defaults to None.
+        lr_scheduler_interval: ``"epoch"`` (step ``lr_scheduler`` after every epoch, after
+            validation) or ``"batch"`` (after every optimizer step). Defaults to ``"epoch"``.
         seed: seeds every generator at the start of ``fit`` and the data order: an int in
             ``[0, 2**64)`` (what torch, numpy and python's ``random`` all accept). Defaults to
             :data:`estimatorch.rng.DEFAULT_SEED`, so runs are reproducible unless you choose.
@@ -107,7 +122,7 @@ class Estimator:
                  device: Union[str, torch.device, None] = None, val_net: Optional[nn.Module] = None,
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
-                 seed: Optional[int] = None, precision: Union[str, int] = "32",
+                 lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
                  deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None):
         check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = precision_name(precision)
@@ -146,12 +161,11 @@ class Estimator:
                 optimizer = torch.optim.SGD(params, lr=0.01)
         self.optimizer = optimizer
         self.strategy = check_strategy(strategy, net, optimizer)
-        if lr_scheduler is not None:
-            if not all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
-                raise TypeError(f"lr_scheduler must be a torch LR scheduler, got {lr_scheduler!r}")
-            if getattr(lr_scheduler, "optimizer", None) is not self.optimizer:
-                raise ValueError("lr_scheduler must schedule this estimator's optimizer")
-        self.lr_scheduler = lr_scheduler
+        #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
+        #: then :attr:`lr_scheduler_factory`)
+        self.lr_scheduler, self.lr_scheduler_factory = check_lr_scheduler(lr_scheduler, optimizer,
+                                                                          lr_scheduler_interval)
+        self.lr_scheduler_interval = lr_scheduler_interval
         amp_dtype = PRECISIONS[precision]
         self._amp_dtype = amp_dtype
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
@@ -166,6 +180,22 @@ class Estimator:
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
         self._eval_count = 0
+
+    def planned_steps(self, train_data: Iterable[Any], epochs: Optional[int] = None, batches: Optional[int] = None,
+                      batches_per_epoch: Optional[int] = None, *, event_handlers: Any = None) -> int:
+        """The optimizer steps this process will take in ``fit(train_data, epochs=...)`` (or
+        ``batches=``), known before it: under torchrun (also before the process group exists)
+        each process's share of a DataLoader, ``GradientUpdateHandler``'s accumulation and a
+        ``StoppingHandler``'s limits among ``event_handlers``, and ``batches_per_epoch``
+        counted. What to size a per-batch schedule with (or pass ``lr_scheduler`` as a callable).
+
+        Example:
+            >>> net = nn.Linear(4, 2)
+            >>> est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> est.planned_steps([(torch.randn(8, 4), torch.randn(8, 2))] * 10, epochs=3, batches_per_epoch=4)
+            12
+        """
+        return planned_steps(self, train_data, epochs, batches, batches_per_epoch, event_handlers)
 
     # -- what a step uses ------------------------------------------------------------------
     @property
@@ -198,7 +228,8 @@ class Estimator:
     # -- fit ---------------------------------------------------------------------------------
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
             epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
-            batch_axis: int = 0, *, resume: bool = False) -> History:
+            batch_axis: int = 0, *, resume: bool = False, batches_per_epoch: Optional[int] = None,
+            val_batches: Optional[int] = None) -> History:
         """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
 
         The loop, with every event in place::
@@ -252,21 +283,29 @@ class Estimator:
                 that ended mid-epoch already ran that epoch's ``epoch_end``: extending it
                 continues with the next epoch (resume from a ``batch_period`` checkpoint to
                 continue mid-epoch). Defaults to False.
+            batches_per_epoch: train at most this many batches of each epoch (Keras'
+                ``steps_per_epoch``, Lightning's ``limit_train_batches``); the next epoch starts
+                where its data starts, and a resume continues exactly. Defaults to None (all).
+            val_batches: evaluate at most this many batches at each validation during this fit
+                (per process). Defaults to None (all).
         """
         distributed.init_from_env()
         error: Optional[Exception] = None
         try:
-            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume)
+            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
+                                  (batches_per_epoch, val_batches))
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
         return self._fit(run)
 
     def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
-                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool) -> Run:
+                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool,
+                   limits: tuple[Optional[int], Optional[int]]) -> Run:
         """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
         rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
         check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
+        check_limits(*limits)
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
         check_optimizer(self.optimizer, self.net)
@@ -277,6 +316,7 @@ class Estimator:
             raise ValueError("resume=True but this estimator has no earlier fit to continue")
         stream = make_train_stream(train_data, self.seed)
         handlers = order_handlers(user, default_handlers(self, user, val_data))
+        resolve_monitors(handlers, self.train_metrics + self.val_metrics)  # monitors given by name
         check_metric_references(handlers, self.train_metrics + self.val_metrics)
         for handler in handlers:
             check = getattr(handler, "_check_fit", None)
@@ -285,21 +325,23 @@ class Estimator:
         configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
         resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
         if not stream.exact and resumes:
-            warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
-                          "(load and discard) the batches before the saved position, and random draws made while "
-                          "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
-                          "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
+            warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
+                      "and discard) the batches before the saved position, and random draws made while loading are "
+                      "not restored. Use a map-style DataLoader, or give the IterableDataset "
+                      "state_dict()/load_state_dict() (with num_workers=0).")
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
-                  signal_guard(handlers, self.logger))
+                  signal_guard(handlers, self.logger), limits)
+        run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
+        schedule_length(self, run.counts)  # a callable lr_scheduler can be sized: checked before any work
         if resume and self._last is not None:  # checked above: a resume has a fit to continue
             run.pending = resume_plan(run, self._last, source="the previous fit")
         return run
 
     def _fit(self, run: Run) -> History:
-        before = (self._run, self.max_epoch, self.max_batch, self.batch_axis)
+        before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
         self._run, self._dispatch, self._fitting = run, run.dispatch, True
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
-        failed = False
+        failed, stopping = False, BaseException()
         try:
             with torch_flags(self.deterministic, self.cudnn_benchmark), run.signals:
                 try:
@@ -308,21 +350,24 @@ class Estimator:
                     rng.seed_everything(self.seed if distributed.get_world_size() == 1
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
                     self.net.train()
+                    build_scheduler(self, run)
                     run.at_boundary, run.began = False, True
                     run.dispatch.fire("train_begin", self)
+                    check_horizons(self, run)
                     self._loop(run)
-                except BaseException:
-                    failed = True
+                except BaseException as err:
+                    failed, stopping = True, err
                     raise
                 finally:
                     self._end(run, failed)
+                    describe_stop(stopping, self, run.dispatch.handlers)  # a clean Ctrl-C stop's one line
                 if run.signals.received is not None:  # it came after the last agreed boundary
-                    raise stop_exception(run.signals.received)
+                    raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
                 return run.history
         finally:
             self._dispatch, self._fitting = Dispatch([]), False
             if not run.started:  # failed before training began: the estimator stays as it was
-                self._run, self.max_epoch, self.max_batch, self.batch_axis = before
+                self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
 
     def _end(self, run: Run, failed: bool) -> None:
         """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
@@ -376,7 +421,7 @@ class Estimator:
             if not pos.stop:
                 batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
                 started = pos.batch
-                for batch in stream.epoch_iter(epoch, pos.batch):
+                for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
                     signals.stoppable = run.at_boundary = False
                     batch = to_device(batch, device)
                     for fn in batch_begin:
@@ -431,69 +476,6 @@ class Estimator:
         for action in actions:
             action()
 
-    def at_boundary(self, action: Callable[[], None]) -> None:
-        """Run ``action()`` once the current event has reached every handler.
-
-        A handler that must see the state *between* events (a checkpoint, say) registers its
-        work here from ``batch_end`` or ``epoch_end``.
-        """
-        self._current_run("at_boundary").boundary_actions.append(action)
-
-    # -- state: snapshots, resume -----------------------------------------------------------
-    @property
-    def batches_per_epoch(self) -> Optional[int]:
-        """Batches in a full epoch of the current (or last) fit's data, when known."""
-        return self._run.stream.batches_per_epoch if self._run is not None else None
-
-    @property
-    def handlers(self) -> tuple[Any, ...]:
-        """The current fit's handlers, in the order events reach them (empty outside fit)."""
-        return tuple(self._dispatch.handlers)
-
-    @property
-    def boundary_actions_pending(self) -> bool:
-        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
-        for the current event to reach every handler; False outside ``fit``."""
-        run = self._active
-        return run is not None and bool(run.boundary_actions)
-
-    @property
-    def validated(self) -> bool:
-        """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
-        ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""
-        run = self._active
-        return run is not None and run.evaluated
-
-    @property
-    def interruption(self) -> Optional[str]:
-        """``"SIGINT"`` or ``"SIGTERM"`` when the current (or last) fit ends because of that
-        signal at a step boundary, so that its state is exactly resumable (``CheckpointHandler``
-        saves it in ``train_end``); None otherwise (also after a second Ctrl-C, mid-step)."""
-        return self._run.signals.stopped if self._run is not None else None
-
-    @property
-    def position(self) -> Position:
-        """A copy of where the current (or last) fit stands."""
-        return dataclasses.replace(self._run.pos) if self._run is not None else Position()
-
-    def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
-        """Resume the current fit from ``snapshot`` (a CheckpointHandler calls this in
-        ``train_begin``). Validated at once; applied when the loop reaches the saved position."""
-        run = self._current_run("request_resume")
-        run.pending = resume_plan(run, snapshot, source)
-
-    @property
-    def resume_pending(self) -> bool:
-        """True when the current fit will resume from a snapshot."""
-        run = self._active
-        return run is not None and run.pending is not None
-
-    @property
-    def resume_step(self) -> Optional[int]:
-        """The step (batches trained) the current fit resumes from, while a resume is pending."""
-        run = self._active
-        return run.pending["position"]["step"] if run is not None and run.pending is not None else None
-
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self) -> Optional[dict[str, Any]]:
         """Everything needed to resume the current fit, for a checkpoint store to write: the
@@ -529,16 +511,6 @@ class Estimator:
         self._current_run("load_payload")
         self.request_resume(snapshot_to_resume(self, payload, source), source)
 
-    @property
-    def _active(self) -> Optional[Run]:
-        """The run of the fit in progress, None outside fit."""
-        return self._run if self._fitting else None
-
-    def _current_run(self, method: str) -> Run:
-        if not self._fitting or self._run is None:
-            raise RuntimeError(f"{method}() is only available during fit")
-        return self._run
-
     # -- evaluate, predict -----------------------------------------------------------------
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
         """Run ``val_net`` over ``val_data`` in eval mode without gradients.
@@ -555,15 +527,16 @@ class Estimator:
         """
         handlers = check_inference_args(val_data, "val_data", batch_axis, event_handlers,
                                         check_empty=not distributed.is_distributed())
-        evaluate_batches(self, val_data, batch_axis, handlers)
-        self._eval_count += 1
         run = self._active
+        evaluate_batches(self, val_data, batch_axis, handlers, limit=run.limits[1] if run is not None else None)
+        self._eval_count += 1
         if run is not None:
             run.evaluated = True
         return {metric_name(m): float(m.compute()) for m in self.val_metrics}
 
     def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> Any:
-        """Run ``val_net`` over ``data`` as ``evaluate`` does; return its outputs in order, on the CPU.
+        """Run ``val_net`` over ``data`` as ``evaluate`` does; return its outputs in order, on the CPU
+        (under mixed precision, outputs of its 16-bit dtype as float32).
 
         Batches need no label (a tensor, ``(x,)``, a dict); a batch's last element (or its
         ``"label"`` key) is dropped as a label (``BatchProcessor.predict_batch``). Tensor outputs

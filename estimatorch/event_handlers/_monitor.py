@@ -1,22 +1,59 @@
-"""Whether a monitored metric improved: the one rule early stopping and the best checkpoint share (and the
+"""What a handler monitors: a metric object or a metric's name (resolved at ``fit`` start), and
+whether its value improved: the one rule early stopping and the best checkpoint share (and the
 check of the threshold a best file waits for)."""
 
 from __future__ import annotations
 
 import math
-from typing import Any
+from collections.abc import Sequence
+from typing import Any, Optional
 
 from .._checks import is_real
-from ..metrics.base import metric_name
+from ..metrics.base import is_metric, metric_name
 
-__all__ = ["check_threshold", "improved", "resolve_mode"]
+__all__ = ["check_monitor", "check_threshold", "improved", "resolve_mode", "resolve_monitors"]
 
 
-def resolve_mode(mode: str, monitor: Any, owner: str) -> str:
-    """``"min"`` or ``"max"``; ``"auto"`` follows the monitor's ``higher_is_better``."""
+def check_monitor(monitor: Any, owner: str) -> Optional[str]:
+    """Check a handler's ``monitor`` argument (a metric object, a metric's name, or None);
+    returns the name when one was given (the handler keeps it and is resolved at ``fit`` start)."""
+    if isinstance(monitor, str):
+        if not monitor:
+            raise ValueError(f"{owner}: monitor must name a metric (e.g. 'val_loss'), got ''")
+        return monitor
+    if monitor is not None and not is_metric(monitor):
+        raise TypeError(f"{owner}: monitor must be a metric's name (e.g. 'val_loss') or a metric the estimator owns "
+                        f"(e.g. est.val_metrics[0]), got {monitor!r}")
+    return None
+
+
+def resolve_monitors(handlers: Sequence[Any], metrics: Sequence[Any]) -> None:
+    """At ``fit`` start, give every handler that monitors a metric by name (its
+    ``monitor_name``) the estimator's metric of that name (its ``resolve_monitor(metric)``).
+
+    Raises:
+        ValueError: no metric has that name; the message lists the names there are.
+    """
+    by_name = {metric_name(m): m for m in metrics}
+    for handler in handlers:
+        wanted = getattr(handler, "monitor_name", None)
+        if wanted is None:
+            continue
+        if wanted not in by_name:
+            hint = ""
+            if f"val_{wanted}" in by_name or f"train_{wanted}" in by_name:
+                hint = f" (metric names carry a train_ or val_ prefix: val_{wanted}?)"
+            raise ValueError(f"{type(handler).__name__}: monitor {wanted!r} is not a metric of this estimator{hint}; "
+                             f"its metrics are {', '.join(repr(n) for n in by_name)}")
+        handler.resolve_monitor(by_name[wanted])
+
+
+def resolve_mode(mode: str, monitor: Any, owner: str, *, unresolved: bool = False) -> str:
+    """``"min"`` or ``"max"``; ``"auto"`` follows the monitor's ``higher_is_better`` (and stays
+    ``"auto"`` while the monitor is ``unresolved``, a name not yet resolved)."""
     if mode not in ("auto", "min", "max"):
         raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
-    if mode != "auto":
+    if mode != "auto" or unresolved:
         return mode
     higher = getattr(monitor, "higher_is_better", None)
     if not isinstance(higher, bool):

@@ -2,20 +2,20 @@
 
 from __future__ import annotations
 
+import contextlib
 import logging
 import math
 import os
 import sys
-import warnings
 import weakref
 from typing import Any, Optional, Union
 
 from .. import checkpoint, distributed
-from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real
+from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real, warn_user
 from .._schedule import EventFilter
-from ..metrics.base import is_metric, metric_name
+from ..metrics.base import metric_name
 from ._base import StatefulHandler
-from ._monitor import check_threshold, improved, resolve_mode
+from ._monitor import check_monitor, check_threshold, improved, resolve_mode
 from ._paths import check_output_dir
 from ._subscribe import periodic_events, with_events
 from .mixins import TrainBegin, TrainEnd
@@ -125,7 +125,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         model_dir: the directory (created if missing); a file, a dangling symlink or a directory
             this process cannot write is a ``ValueError`` at ``fit`` start.
         model_prefix: file name prefix. Defaults to ``"model"``.
-        monitor: a metric the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
+        monitor: a metric's name (e.g. ``"val_loss"``, resolved at ``fit`` start) or a metric
+            the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
             to None.
         verbose: 1 logs every save. Defaults to 0.
         save_best: also keep ``{model_prefix}-best.pt``, the checkpoint where ``monitor`` was
@@ -133,7 +134,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         mode: ``"min"``, ``"max"`` or ``"auto"`` (from the monitor's ``higher_is_better``).
             Defaults to ``"auto"``.
         epoch_period: save every this many epochs; None for never. Defaults to 1.
-        batch_period: save every this many batches (over the run); None for never. Defaults to None.
+        batch_period: save every this many batches (over the run); None for never. One file per
+            step: an epoch end's checkpoint replaces the batch checkpoint of the same step.
+            Defaults to None.
         max_checkpoints: periodic checkpoints kept (the oldest are deleted, also ones from before
             a resume); None keeps all. Defaults to 5.
         resume_from_checkpoint: resume from the newest usable checkpoint in ``model_dir``.
@@ -175,8 +178,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
-        if monitor is not None and not is_metric(monitor):
-            raise TypeError(f"monitor must be a metric the estimator owns, got {monitor!r}")
+        self.monitor_name = check_monitor(monitor, "CheckpointHandler")
         if verbose not in (0, 1):
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
@@ -204,7 +206,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self.monitor = monitor
         self.verbose = verbose
         self.save_best = save_best
-        self.mode = resolve_mode(mode, monitor, "CheckpointHandler") if monitor is not None else mode
+        self._mode = mode
+        self.mode = resolve_mode(mode, monitor, "CheckpointHandler", unresolved=self.monitor_name is not None) \
+            if monitor is not None else mode
         self.resume_from_checkpoint = resume_from_checkpoint
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
@@ -220,6 +224,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self._estimator: Optional[weakref.ref] = None  # the estimator of the fit in progress
         self._reset()
 
+    def resolve_monitor(self, metric: Any) -> None:
+        """Monitor ``metric``, the estimator's metric of the name given (at ``fit`` start)."""
+        self.monitor, self.mode = metric, resolve_mode(self._mode, metric, "CheckpointHandler")
+
     def _reset(self) -> None:
         self._epochs = self._batches = 0  # the counters outside fit (after it, or loaded)
         if self.initial_value_threshold is not None:
@@ -228,6 +236,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             self.best = math.inf if self.mode == "min" else -math.inf
         self.saved: list[str] = []
         self._saved_step = -1  # the step of this run's last periodic checkpoint
+        self._step_file: tuple[Optional[int], str] = (-1, "")  # rank 0: that step and its file
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
@@ -347,6 +356,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                                   self.model_dir)
             return
         checkpoint.restore_training_state(estimator, found[1])
+        self._step_file = (estimator.resume_step, found[0])
         # that boundary is saved already: a signal before the first step saves nothing again
         self._resumed_step = estimator.resume_step
 
@@ -449,24 +459,27 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         estimator.at_boundary(lambda: self._save(estimator))
 
     # -- saving ----------------------------------------------------------------------------
-    def _check_best(self) -> tuple[bool, Optional[float]]:
+    def _check_best(self, position: Any) -> tuple[bool, Optional[float]]:
         """Whether ``monitor`` improved on the best (a collective), and its value."""
         if not self._layout.best:
             return False, None
         value = float(self.monitor.compute())
         if math.isnan(value):
-            if not self._warned_nan:
+            # a batch save in the first epoch, before its validation: nan is expected there
+            expected = position.phase == "batch_end" and position.epoch == 0
+            if not self._warned_nan and not expected:
                 self._warned_nan = True  # once per fit: a val monitor is nan at every save before validating
-                warnings.warn(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); "
-                              "the best file is updated only with a value", stacklevel=3)
+                warn_user(f"CheckpointHandler: {metric_name(self.monitor)} is nan (not computed yet?); the best file "
+                          "is updated only with a value: monitor a metric validation computes before the save "
+                          "(ValidationHandler's epoch_period), or save at epoch ends")
             return False, value
         return improved(value, self.best, self.mode), value
 
     def _save(self, estimator: Any, background: bool = True) -> None:
         """Write what is due at the current boundary (with ``async_save``, and ``background``,
         hand it to the writer thread). A collective: every rank calls it."""
-        is_best, value = self._check_best()
         pos = estimator.position
+        is_best, value = self._check_best(pos)
         names = self._layout.due(pos.epoch, pos.step, is_best)
         if not names:
             return
@@ -485,19 +498,19 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             state = checkpoint.weights_state(estimator.net) if distributed.is_main_process() else None
         else:
             state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        best = value if is_best else None
+        best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
         writer = self._writer if background else None
         if writer is None:  # a full disk on rank 0 stops every rank, never a hang
-            distributed.run_on_main(lambda: self._write(estimator, state, names, best),
+            distributed.run_on_main(lambda: self._write(estimator, state, names, best, step),
                                     "CheckpointHandler writing a checkpoint")
         else:  # the previous background write's failure too
             distributed.run_on_main(lambda: writer.submit(state, lambda staged: self._write(estimator, staged,
-                                                                                            names, best)),
+                                                                                            names, best, step)),
                                     "CheckpointHandler writing a checkpoint")
 
-    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float]) -> None:
-        """On rank 0: the files of one save, the periodic one first, then the best one; then the
-        pointer, retention and orphaned temporaries."""
+    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float], step_now: int) -> None:
+        """On rank 0: the files of one save (at step ``step_now``), the periodic one first, then
+        the best one; then the pointer, retention and orphaned temporaries."""
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths:
             checkpoint.atomic_save(state, path)
@@ -506,6 +519,12 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                 self.saved.remove(paths[0])
             self.saved.append(paths[0])
             checkpoint.write_latest(self.model_dir, self.model_prefix, paths[0])
+            step, earlier = self._step_file
+            self._step_file = (step_now, paths[0])
+            if step == step_now and earlier != paths[0]:  # one file per step: an epoch end
+                self.saved = [path for path in self.saved if path != earlier]  # replaces its batch save
+                with contextlib.suppress(FileNotFoundError):
+                    os.remove(earlier)
             checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         if self.verbose:

@@ -4,11 +4,10 @@ from __future__ import annotations
 
 import csv
 import os
-import warnings
 from typing import Any, Optional, Union
 
 from .. import distributed
-from .._checks import check_bool, check_positive_int, check_state_keys
+from .._checks import check_bool, check_positive_int, check_state_keys, warn_user
 from ..metrics.base import metric_name
 from ._base import StatefulHandler
 from ._paths import check_output_file, path_argument
@@ -146,8 +145,8 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         """Cut the file to ``size`` bytes; return the size it has now."""
         if not os.path.isfile(self.path):
             if size:
-                warnings.warn(f"CSVLoggerHandler: path {self.path!r} is gone; the resumed run starts it again "
-                              "without the rows written before the resume point", stacklevel=2)
+                warn_user(f"CSVLoggerHandler: path {self.path!r} is gone; the resumed run starts it again without "
+                          "the rows written before the resume point")
             return 0
         actual = os.path.getsize(self.path)
         if actual < size or (size and _byte_at(self.path, size - 1) != b"\n"):

@@ -3,16 +3,15 @@
 from __future__ import annotations
 
 import math
-import warnings
 from typing import Any, Optional
 
 import torch
 
-from .._checks import check_bool, check_positive_int, is_real
+from .._checks import check_bool, check_positive_int, is_real, warn_user
 from ..checkpoint import load_model_state, model_state
-from ..metrics.base import is_metric, metric_name
+from ..metrics.base import metric_name
 from ._base import StatefulHandler
-from ._monitor import improved, resolve_mode
+from ._monitor import check_monitor, improved, resolve_mode
 from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["EarlyStoppingHandler", "improved", "resolve_mode"]
@@ -28,7 +27,8 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
     (``best``, ``best_epoch``) is tracked all the same.
 
     Args:
-        monitor: a metric the estimator owns, e.g. ``est.val_metrics[0]``.
+        monitor: the name of one of the estimator's metrics (e.g. ``"val_loss"``, resolved at
+            ``fit`` start) or the metric object itself (e.g. ``est.val_metrics[0]``).
         min_delta: the smallest change that counts as an improvement. Defaults to 0.
         patience: epochs without improvement before stopping (0 and 1 both stop at the first
             one without improvement). Defaults to 0.
@@ -57,9 +57,10 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
     def __init__(self, monitor: Any, min_delta: float = 0, patience: int = 0, mode: str = "auto",
                  baseline: Optional[float] = None, restore_best_weights: bool = False, *,
                  start_from_epoch: int = 0):
-        if not is_metric(monitor):
-            raise TypeError("monitor must be a metric object the estimator owns (e.g. est.val_metrics[0]), "
-                            f"got {monitor!r}")
+        self.monitor_name = check_monitor(monitor, "EarlyStoppingHandler")
+        if monitor is None:
+            raise TypeError("EarlyStoppingHandler: monitor must be a metric's name (e.g. 'val_loss') or a metric "
+                            "the estimator owns (e.g. est.val_metrics[0]), got None")
         if not is_real(min_delta) or not min_delta >= 0:
             raise ValueError(f"min_delta must be a non-negative number, got {min_delta!r}")
         check_positive_int(patience, "patience", minimum=0)
@@ -71,9 +72,17 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self.monitor = monitor
         self.min_delta = float(min_delta)
         self.patience = patience
-        self.mode = resolve_mode(mode, monitor, "EarlyStoppingHandler")
+        self._mode = mode
+        self.mode = resolve_mode(mode, monitor, "EarlyStoppingHandler") if self.monitor_name is None \
+            else resolve_mode(mode, None, "EarlyStoppingHandler", unresolved=True)
         self.baseline = None if baseline is None else float(baseline)
         self.restore_best_weights = restore_best_weights
+        self._reset()
+
+    def resolve_monitor(self, metric: Any) -> None:
+        """Monitor ``metric``, the estimator's metric of the name given (at ``fit`` start)."""
+        self.monitor = metric
+        self.mode = resolve_mode(self._mode, metric, "EarlyStoppingHandler")
         self._reset()
 
     def _reset(self) -> None:
@@ -96,8 +105,8 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
             return False  # warming up: not even read
         value = float(self.monitor.compute())
         if math.isnan(value):
-            warnings.warn(f"EarlyStoppingHandler: {metric_name(self.monitor)} is nan in epoch "
-                          f"{self.current_epoch}; counted as no improvement", stacklevel=2)
+            warn_user(f"EarlyStoppingHandler: {metric_name(self.monitor)} is nan in epoch {self.current_epoch}; "
+                      "counted as no improvement (TerminateOnNaNHandler stops a run at its first nan loss)")
         elif improved(value, self.best, self.mode, self.min_delta):
             self.best, self.best_epoch = value, self.current_epoch
             if self.restore_best_weights:

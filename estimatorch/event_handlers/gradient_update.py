@@ -96,6 +96,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
             self._step(estimator)
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+        self.stepped = bool(self.pending)  # an epoch's leftover batches: one more step
         if self.pending:
             self._step(estimator)
 

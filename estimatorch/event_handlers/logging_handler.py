@@ -47,7 +47,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123, lr: 0.1
         Train finished in 0.760s: 3 epochs, 300 batches. train_loss: 0.5012, ...
 
-    A fit ended by an error or Ctrl-C ends with ``Train interrupted after ...`` instead. After a
+    A fit stopped by Ctrl-C or SIGTERM (at a step boundary) ends with ``Train interrupted after
+    ...`` instead; one ended in the middle of a step (an error, a second Ctrl-C) with ``Train
+    failed in step N ...``, with the values of the batches before it, if any. After a
     resume, times count this process only and the lines say how many batches ran since the
     resume: ``100 batches (40 since resume)``.
 
@@ -169,7 +171,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self.log_file = self._path(self.run_id)
             self._open_file(estimator.logger, self.log_file, "w")
         optimizer = estimator.optimizer
-        lrs = ", ".join(f"{g['lr']:.6g}" for g in optimizer.param_groups)
+        lrs = "; ".join(dict.fromkeys(_group_rate(g) for g in optimizer.param_groups))  # alike groups once
         plan = f"{estimator.max_epoch} epochs" if estimator.max_epoch else f"{estimator.max_batch} batches"
         estimator.logger.info("Training begin: %s (lr %s) on %s, %s, seed %d, %d process%s",
                               type(optimizer).__name__, lrs, estimator.device, plan, estimator.seed,
@@ -224,16 +226,25 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
         try:
             elapsed = time.perf_counter() - self._train_start
+            position = estimator.position
+            steps = position.step
+            since = steps - self._resume_step if self._resume_step is not None else 0  # None: none ran
+            # a resumed run shows the val metrics it restored, also when nothing was left to train
+            with_val = self._validated or self._resumed
+            at_boundary = position.stop or estimator.interruption is not None
             # a stop, or a signal every rank agreed on: every rank is here, the values reduce
-            if estimator.position.stop or estimator.interruption is not None or not distributed.is_distributed():
-                values = format_metrics(self._values(self._shown(estimator, with_val=self._validated)))
+            if at_boundary or not distributed.is_distributed():
+                values = format_metrics(self._values(self._shown(estimator, with_val=with_val)))
             else:  # stopped by an error or a second Ctrl-C: other ranks may not be here to reduce
                 values = "(stopped early; values not reduced across processes)"
-            # the loop returns only once a stop was requested: otherwise an error or Ctrl-C ended it
-            ended = "finished in" if estimator.position.stop else "interrupted after"
-            steps = estimator.position.step
-            since = steps - self._resume_step if self._resume_step is not None else 0  # None: none ran
             ran = f" ({since} since resume)" if self._resumed else ""
+            if not at_boundary:  # the loop returns only at a stop: an error (or a second Ctrl-C) ended a step
+                trained = since if self._resumed else steps
+                estimator.logger.info("Train failed in step %d after %.3fs: %d epochs, %d batches completed%s. %s",
+                                      steps + 1, elapsed, self.current_epoch, steps, ran,
+                                      values if trained else "(no values: no batch completed)")
+                return
+            ended = "finished in" if position.stop else "interrupted after"
             estimator.logger.info("Train %s %.3fs: %d epochs, %d batches%s. %s", ended, elapsed,
                                   self.current_epoch, steps, ran, values)
         finally:
@@ -289,3 +300,12 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self.log_file, self.run_id, self._continued = saved_file, saved_id, True
         if logger is not None:
             self._open_file(logger, saved_file, "a")
+
+
+def _group_rate(group: dict[str, Any]) -> str:
+    """A param group's learning rate, with the schedule's initial one when they differ (a resumed
+    run at the end of its schedule shows ``lr 0, initial 0.003``, not a bare 0)."""
+    rate, initial = f"{group['lr']:.6g}", group.get("initial_lr")
+    if initial is None or f"{initial:.6g}" == rate:
+        return rate
+    return f"{rate}, initial {initial:.6g}"

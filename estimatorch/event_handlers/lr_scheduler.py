@@ -7,8 +7,9 @@ from typing import Any, Optional
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from .._checks import check_state_keys
-from ..metrics.base import is_metric, metric_name
+from ..metrics.base import metric_name
 from ._base import StatefulHandler
+from ._monitor import check_monitor
 from ._subscribe import subscribe
 from .gradient_update import GradientUpdateHandler
 from .mixins import TrainBegin
@@ -78,8 +79,10 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
     optimizer step. ``ReduceLROnPlateau`` is stepped with ``monitor``'s value.
 
     With ``step_on="batch"`` the scheduler follows the optimizer: under gradient accumulation
-    (``GradientUpdateHandler(accumulation_steps=k)``) it steps once per optimizer step, not once
-    per batch, so a schedule sized in optimizer steps (``OneCycleLR(total_steps=...)``) fits.
+    (``GradientUpdateHandler(accumulation_steps=k)``) it steps once per optimizer step (an
+    epoch's leftover step included), not once per batch, so a schedule sized in optimizer steps
+    (``OneCycleLR(total_steps=est.planned_steps(...))``) fits. ``Estimator(lr_scheduler=s,
+    lr_scheduler_interval="batch")`` is the way to ask for it.
 
     When an epoch step changes a learning rate, a line says so after the epoch's line, e.g.
     ``[Epoch 5] Learning rate 0.1 -> 0.01 (ReduceLROnPlateau, val_loss 0.5321)``; per-batch
@@ -96,8 +99,9 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
     Args:
         scheduler: Defaults to the estimator's ``lr_scheduler``.
         step_on: ``"epoch"`` or ``"batch"``. Defaults to ``"epoch"``.
-        monitor: the metric ``ReduceLROnPlateau`` watches (e.g. ``est.val_metrics[0]``).
-            Required for it, refused for other schedulers. Defaults to None.
+        monitor: the metric ``ReduceLROnPlateau`` watches: a metric's name (e.g. ``"val_loss"``,
+            resolved at ``fit`` start) or the metric (e.g. ``est.val_metrics[0]``). Required
+            for it, refused for other schedulers. Defaults to None.
 
     Example:
         >>> LRSchedulerHandler(step_on="batch").step_on
@@ -109,8 +113,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
             raise ValueError(f"step_on must be 'epoch' or 'batch', got {step_on!r}")
         if scheduler is not None and not callable(getattr(scheduler, "step", None)):
             raise TypeError(f"scheduler must be a torch LR scheduler, got {scheduler!r}")
-        if monitor is not None and not is_metric(monitor):
-            raise TypeError(f"monitor must be a metric the estimator owns, got {monitor!r}")
+        self.monitor_name = check_monitor(monitor, "LRSchedulerHandler")
         if scheduler is not None:
             self._check_monitor(scheduler, monitor)
         self.scheduler = scheduler
@@ -120,7 +123,12 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._scheduler: Any = scheduler
         #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
         self._before_step: Optional[tuple[int, list[float]]] = None
-        subscribe(self, ["batch_end" if step_on == "batch" else "epoch_end"])  # only the event it steps on
+        # only the events it steps on (per batch: also an epoch's leftover accumulation step)
+        subscribe(self, ["batch_end", "epoch_end"] if step_on == "batch" else ["epoch_end"])
+
+    def resolve_monitor(self, metric: Any) -> None:
+        """Watch ``metric``, the estimator's metric of the name given (at ``fit`` start)."""
+        self.monitor = metric
 
     @staticmethod
     def _check_monitor(scheduler: Any, monitor: Any) -> None:
@@ -131,6 +139,8 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
 
     def _check_fit(self, estimator: Any, resume: bool) -> None:
         scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
+        if scheduler is None and getattr(estimator, "lr_scheduler_factory", None) is not None:
+            return  # built at fit start, after these checks
         if scheduler is None:
             raise ValueError("LRSchedulerHandler has no scheduler: pass one, or Estimator(lr_scheduler=...)")
         self._check_monitor(scheduler, self.monitor)
@@ -158,7 +168,11 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
             self._step()
 
     def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
-        """Subscribed with ``step_on="epoch"``."""
+        """With ``step_on="epoch"``; with ``"batch"``, after an epoch's leftover accumulation step."""
+        if self.step_on == "batch":
+            if any(u.stepped for u in self._updaters):  # GradientUpdateHandler ran first (-2000)
+                self._step()
+            return
         optimizer = getattr(self._scheduler, "optimizer", None)
         ours = optimizer is estimator.optimizer
         before = _rates(optimizer) if ours else []

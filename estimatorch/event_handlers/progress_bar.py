@@ -63,7 +63,8 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     Training by epochs shows two bars (epochs, and batches in the current epoch); training by
     ``batches`` shows one. Validation during fit shows its own bar; the batch bar is brought up
     to date before it starts. The batch bar's postfix shows the running train metrics (the
-    validation bar's, the val metrics), read from the device only when tqdm redraws the bar, at
+    validation bar's, the val metrics), with the learning rate (of the first param group) after
+    the first value, read from the device only when tqdm redraws the bar, at
     most every ``refresh_interval`` seconds, so other steps pay no host sync. The epoch bar
     shows the last finished epoch's values, val metrics first, as many as fit the line.
 
@@ -113,6 +114,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._redirect: Optional[_bars.ConsoleRedirect] = None
         self._active = False
         self._shown: list[Any] = []
+        self._optimizer: Any = None
         self._per_epoch: Optional[int] = None
         self._max_epoch: Optional[int] = None
         self._unshown = 0  # batches done but not yet passed to the bar
@@ -157,9 +159,15 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
                 self._redirect = None
 
     def _new_batch_bar(self, **kwargs: Any) -> Any:
-        shown = self._shown
-        return _bar(lambda: _values(shown), unit="batch", file=self._output(), mininterval=self.refresh_interval,
-                    **kwargs)
+        shown, optimizer = self._shown, self._optimizer
+
+        def postfix() -> dict[str, str]:  # the running loss, the learning rate now, the other values
+            values = list(_values(shown).items())
+            if optimizer is not None and optimizer.param_groups:
+                values.insert(1, ("lr", f"{optimizer.param_groups[0]['lr']:.3g}"))  # kept on a narrow line
+            return dict(values)
+
+        return _bar(postfix, unit="batch", file=self._output(), mininterval=self.refresh_interval, **kwargs)
 
     def _epoch_desc(self, epoch: int) -> str:
         return f"epoch {epoch + 1}/{self._max_epoch}"
@@ -176,6 +184,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         else:
             self._redirect = _bars.ConsoleRedirect(estimator.logger, _bars.bar_class())
         self._shown = self.metrics if self.metrics is not None else list(estimator.train_metrics)
+        self._optimizer = estimator.optimizer
         self._per_epoch = estimator.batches_per_epoch
         self._max_epoch = estimator.max_epoch
         if self._max_epoch is not None:

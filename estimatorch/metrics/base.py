@@ -191,7 +191,7 @@ class Metric:
                 (e.g. a progress bar).
         """
         states = self._states()
-        if sync and distributed.get_world_size() > 1:
+        if sync and distributed.is_distributed():  # a process group exists (not only torchrun's variables)
             states = distributed.all_reduce_states(states, self._reductions, self.device)
         else:  # this rank alone: ``cat`` states concatenated as a reduction would
             states = {k: _concatenated(v, self.device) if self._reductions[k] == "cat" else v

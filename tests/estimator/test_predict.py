@@ -134,10 +134,15 @@ def test_predict_uses_val_net():
     assert torch.equal(est.predict(inputs), plain_loop(other, inputs))
 
 
-def test_predict_under_mixed_precision_autocasts_like_evaluate():
+def test_predict_under_mixed_precision_autocasts_like_evaluate_and_returns_float32():
+    """The forward runs in bf16 (as evaluate's does), the outputs come back as float32: what
+    a user takes them on with (numpy, argmax over sampled logits) without a cast of their own."""
     est = make_estimator(precision="bf16-mixed")
     got = est.predict(make_batches(n_batches=2))
-    assert got.dtype == torch.bfloat16 and got.shape == (16, 3)
+    assert got.dtype == torch.float32 and got.shape == (16, 3)
+    with torch.no_grad(), est.autocast():
+        bf16 = torch.cat([est.val_net(x) for x, _ in make_batches(n_batches=2)])
+    assert bf16.dtype == torch.bfloat16 and torch.equal(got, bf16.float())
     assert make_estimator().predict(make_batches(n_batches=2)).dtype == torch.float32
 
 

@@ -88,7 +88,9 @@ def test_bad_types():
     with pytest.raises(TypeError, match="restore_best_weights"):
         EarlyStoppingHandler(Loss(), restore_best_weights=1)
     with pytest.raises(TypeError, match="monitor"):
-        EarlyStoppingHandler("val_loss")
+        EarlyStoppingHandler(3)
+    with pytest.raises(TypeError, match="monitor"):
+        EarlyStoppingHandler(None)
 
 
 def test_auto_mode_needs_higher_is_better():

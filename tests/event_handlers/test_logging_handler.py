@@ -147,7 +147,7 @@ def test_the_file_is_closed_when_training_raises(tmp_path, lines):
     with pytest.raises(RuntimeError, match="boom"):
         est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler, LambdaHandler(batch_end=boom, once=3)])
     # the error escaped batch 3's batch_end before this handler (priority +inf) saw it
-    assert lines[-1].startswith("Train interrupted after") and "0 epochs, 2 batches" in lines[-1]
+    assert lines[-1].startswith("Train failed in step 3 after") and "0 epochs, 2 batches completed" in lines[-1]
     assert all(not isinstance(h, logging.FileHandler) for h in est.logger.handlers)
     est.logger.info("after the run")
     with open(handler.log_file, encoding="utf-8") as f:
@@ -372,3 +372,32 @@ def test_a_read_only_log_dir_is_refused(tmp_path):
                                  event_handlers=[LoggingHandler(log_dir=tmp_path / "logs")])
     finally:
         tmp_path.chmod(0o700)
+
+
+def test_a_failing_first_batch_says_the_step_failed_without_nan_values(lines):
+    def boom(est, **kw):
+        raise RuntimeError("boom")
+
+    est = make_estimator()
+    with pytest.raises(RuntimeError, match="boom"):
+        est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[LambdaHandler(batch_end=boom, once=1)])
+    assert lines[-1].startswith("Train failed in step 1 after")
+    assert "0 batches completed" in lines[-1] and "no batch completed" in lines[-1] and "nan" not in lines[-1]
+
+
+def test_a_rerun_with_nothing_left_shows_the_restored_val_metrics_and_the_initial_lr(tmp_path, lines):
+    from estimatorch import CheckpointHandler
+
+    def run():
+        est = make_estimator()
+        est.lr_scheduler = torch.optim.lr_scheduler.CosineAnnealingLR(est.optimizer, T_max=2)
+        est.fit(make_batches(N_BATCHES), val_data=make_batches(2, seed=1), epochs=2,
+                event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+        return est
+
+    run()
+    finished = lines[-1]
+    del lines[:]
+    run()  # the same command again: nothing left to train
+    assert any(line.startswith("Training begin: SGD (lr 0, initial 0.1)") for line in lines)
+    assert "val_loss" in finished and lines[-1].split(". ", 1)[1] == finished.split(". ", 1)[1]

@@ -79,7 +79,9 @@ def test_bad_scheduler_and_monitor():
     with pytest.raises(TypeError, match="scheduler"):
         LRSchedulerHandler(object())
     with pytest.raises(TypeError, match="monitor"):
-        LRSchedulerHandler(monitor="val_loss")
+        LRSchedulerHandler(monitor=3)
+    with pytest.raises(ValueError, match="monitor"):
+        LRSchedulerHandler(monitor="")
 
 
 def test_plateau_needs_a_monitor():
@@ -224,8 +226,8 @@ def test_subscribes_only_to_the_event_it_steps_on():
     from estimatorch.event_handlers import BatchEnd, EpochEnd
 
     assert isinstance(LRSchedulerHandler(), EpochEnd) and not isinstance(LRSchedulerHandler(), BatchEnd)
-    per_batch = LRSchedulerHandler(step_on="batch")
-    assert isinstance(per_batch, BatchEnd) and not isinstance(per_batch, EpochEnd)
+    per_batch = LRSchedulerHandler(step_on="batch")  # epoch_end: an epoch's leftover accumulation step
+    assert isinstance(per_batch, BatchEnd) and isinstance(per_batch, EpochEnd)
 
 
 # -- state across fits: a new fit watches afresh, a resume continues -----------------------------

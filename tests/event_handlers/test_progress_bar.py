@@ -65,9 +65,22 @@ def test_training_by_epochs_shows_an_epoch_bar_and_a_bar_per_epoch():
     for epoch in (1, 2, 3):
         frame = last(text, f"epoch {epoch}/3")
         assert count(frame) == (N_BATCHES, N_BATCHES)
-        assert "loss" in postfix(frame)  # the running train metrics
-        assert postfix(frame).items() <= shown_values(history, ["train_loss", "train_accuracy"], epoch - 1).items()
+        assert "loss" in postfix(frame)  # the running train metrics, then the learning rate
+        values = {k: v for k, v in postfix(frame).items() if k != "lr"}
+        assert values.items() <= shown_values(history, ["train_loss", "train_accuracy"], epoch - 1).items()
     assert not any(f.startswith("batches:") for f in frames(text))
+
+
+def test_the_batch_bar_shows_the_learning_rate_as_it_changes(monkeypatch):
+    import torch
+
+    monkeypatch.setattr(_bars, "DEFAULT_WIDTH", 200)  # room for every value on the stream
+    est = make_estimator()
+    est.lr_scheduler = torch.optim.lr_scheduler.StepLR(est.optimizer, step_size=1, gamma=0.5)
+    text, _, _ = fit_with_bar(est, epochs=2)
+    first, second = last(text, "epoch 1/2"), last(text, "epoch 2/2")
+    assert list(postfix(first))[:2] == ["loss", "lr"]  # right after the loss: kept on a narrow line
+    assert (postfix(first)["lr"], postfix(second)["lr"]) == ("0.1", "0.05")
 
 
 def test_training_by_batches_shows_one_bar():
@@ -107,7 +120,7 @@ def test_every_line_fits_80_columns_with_a_real_bar(monkeypatch, n_val):
         inside = frame.split("|")[1]  # the bar itself: never squeezed to a character
         assert len(inside) >= 10, frame
         for name, value in postfix(frame).items():  # no metric is cut: whole names, whole values
-            assert name in {short_name(m) for m in history.metrics}, frame
+            assert name in {short_name(m) for m in history.metrics} | {"lr"}, frame
             float(value)
     epochs = last(text, "epochs")
     candidates = [short_name(m.name) for m in (est.val_metrics if n_val else []) + est.train_metrics]

@@ -7,7 +7,7 @@ import torch
 from torch import nn
 
 from estimatorch.event_handlers import BatchEnd, EpochBegin, EpochEnd, ValidationHandler
-from estimatorch.estimator.estimator import Position
+from estimatorch.estimator import Position
 from tests.conftest import Count, make_batches, make_estimator
 
 N_BATCHES = 4

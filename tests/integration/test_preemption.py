@@ -129,3 +129,16 @@ def test_a_preempted_job_loses_no_step_and_its_rerun_ends_bit_identical(signame,
     assert resumed["step"] == reference["step"] == 21 and resumed["interruption"] is None
     assert_tree_equal(resumed["model"], reference["model"], "model")
     assert_tree_equal(resumed["optimizer"], reference["optimizer"], "optimizer")
+
+
+def test_ctrl_c_in_a_script_ends_with_one_line_saying_what_was_saved_and_how_to_resume(tmp_path):
+    """Not a 10-line traceback through the loop: one line, and the status of a process ended by
+    Ctrl-C (130 in a shell: python ends itself by SIGINT)."""
+    model_dir = tmp_path / "ckpt"
+    proc, stopped = run_script(tmp_path, model_dir, step=STEP, signame="SIGINT", tag="stopped")
+    assert proc.returncode == -signal.SIGINT, proc.stderr[-3000:]
+    assert "Traceback" not in proc.stderr
+    last = proc.stderr.strip().splitlines()[-1]
+    assert last == (f"KeyboardInterrupt: stopped by Ctrl-C after step {STEP} (epoch 2); checkpoint in {model_dir}: "
+                    "run the script again to resume")
+    assert stopped["step"] == STEP

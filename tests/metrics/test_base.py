@@ -243,7 +243,7 @@ def test_compute_sync_reduces_over_ranks_and_sync_false_does_not(monkeypatch):
         assert reductions == {"total": "sum", "count": "sum"}
         return {k: torch.as_tensor(values[k], dtype=torch.float64) + other_rank[k] for k in values}
 
-    monkeypatch.setattr(metric_base.distributed, "get_world_size", lambda: 2)
+    monkeypatch.setattr(metric_base.distributed, "is_distributed", lambda: True)
     monkeypatch.setattr(metric_base.distributed, "all_reduce_states", fake_all_reduce_states)
     m = Loss()
     m.update(torch.tensor(1.0), torch.zeros(2))  # this rank: total 2 over 2 samples
@@ -593,3 +593,19 @@ def test_an_unknown_device_is_a_value_error_naming_device(device):
         Loss(device=device)
     with pytest.raises(ValueError, match="device must be a torch device"):
         Loss().to(device)
+
+
+def test_compute_does_not_reduce_under_torchrun_variables_before_the_process_group_exists(monkeypatch):
+    """torchrun's WORLD_SIZE makes get_world_size() 2 before fit starts the group: a metric
+    computed then (a script's own evaluation before fit) is this process's, with no collective."""
+    monkeypatch.setenv("WORLD_SIZE", "2")
+    monkeypatch.setenv("RANK", "1")
+
+    def no_collective(*args, **kwargs):
+        raise AssertionError("no process group: nothing to reduce over")
+
+    monkeypatch.setattr(metric_base.distributed, "all_reduce_states", no_collective)
+    assert metric_base.distributed.get_world_size() == 2
+    m = Loss()
+    m.update(torch.tensor(1.0), torch.zeros(2))
+    assert m.compute() == 1.0

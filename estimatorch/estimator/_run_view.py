@@ -1,0 +1,95 @@
+"""What handlers (and a checkpoint store) read of the fit in progress, or the last one: where it
+stands, whether it validated, stopped for a signal or resumes, and ``at_boundary``. A base class of
+:class:`~estimatorch.estimator.Estimator`, which holds the run (``_run``) these read."""
+
+from __future__ import annotations
+
+import dataclasses
+from typing import Any, Callable, Optional
+
+from ..event_handlers._dispatch import Dispatch
+from ._state import Position, Run, resume_plan
+
+__all__ = ["RunView"]
+
+
+class RunView:
+    """The current (or last) fit as handlers see it; :class:`Estimator` sets the attributes."""
+
+    _run: Optional[Run]
+    _fitting: bool
+    _dispatch: Dispatch
+
+    def at_boundary(self, action: Callable[[], None]) -> None:
+        """Run ``action()`` once the current event has reached every handler.
+
+        A handler that must see the state *between* events (a checkpoint, say) registers its
+        work here from ``batch_end`` or ``epoch_end``.
+        """
+        self._current_run("at_boundary").boundary_actions.append(action)
+
+    # -- state: snapshots, resume -----------------------------------------------------------
+    @property
+    def batches_per_epoch(self) -> Optional[int]:
+        """Batches an epoch of the current (or last) fit trains (its data's, capped by
+        ``fit(batches_per_epoch=...)``), when known."""
+        return self._run.counts.per_epoch if self._run is not None else None
+
+    @property
+    def handlers(self) -> tuple[Any, ...]:
+        """The current fit's handlers, in the order events reach them (empty outside fit)."""
+        return tuple(self._dispatch.handlers)
+
+    @property
+    def boundary_actions_pending(self) -> bool:
+        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
+        for the current event to reach every handler; False outside ``fit``."""
+        run = self._active
+        return run is not None and bool(run.boundary_actions)
+
+    @property
+    def validated(self) -> bool:
+        """True when ``evaluate`` ran during the current epoch of ``fit`` (until that epoch's
+        ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""
+        run = self._active
+        return run is not None and run.evaluated
+
+    @property
+    def interruption(self) -> Optional[str]:
+        """``"SIGINT"`` or ``"SIGTERM"`` when the current (or last) fit ends because of that
+        signal at a step boundary, so that its state is exactly resumable (``CheckpointHandler``
+        saves it in ``train_end``); None otherwise (also after a second Ctrl-C, mid-step)."""
+        return self._run.signals.stopped if self._run is not None else None
+
+    @property
+    def position(self) -> Position:
+        """A copy of where the current (or last) fit stands."""
+        return dataclasses.replace(self._run.pos) if self._run is not None else Position()
+
+    def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
+        """Resume the current fit from ``snapshot`` (a CheckpointHandler calls this in
+        ``train_begin``). Validated at once; applied when the loop reaches the saved position."""
+        run = self._current_run("request_resume")
+        run.pending = resume_plan(run, snapshot, source)
+
+    @property
+    def resume_pending(self) -> bool:
+        """True when the current fit will resume from a snapshot."""
+        run = self._active
+        return run is not None and run.pending is not None
+
+    @property
+    def resume_step(self) -> Optional[int]:
+        """The step (batches trained) the current fit resumes from, while a resume is pending."""
+        run = self._active
+        return run.pending["position"]["step"] if run is not None and run.pending is not None else None
+
+    @property
+    def _active(self) -> Optional[Run]:
+        """The run of the fit in progress, None outside fit."""
+        return self._run if self._fitting else None
+
+    def _current_run(self, method: str) -> Run:
+        if not self._fitting or self._run is None:
+            raise RuntimeError(f"{method}() is only available during fit")
+        return self._run
