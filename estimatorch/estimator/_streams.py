@@ -14,6 +14,7 @@ from __future__ import annotations
 
 import inspect
 import itertools
+import operator
 import warnings
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Callable, Optional, cast
@@ -31,7 +32,7 @@ from torch.utils.data import (
     TensorDataset,
     get_worker_info,
 )
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import distributed, rng
 from ..samplers._index_shuffle import order_fingerprint
@@ -46,6 +47,7 @@ from ._interrupts import IgnoreStopSignals
 __all__ = ["TrainStream", "make_train_stream"]
 
 _LOADER_SALT = 0x10AD
+_SAMPLER_SALT = 0x5A3D
 
 
 class TrainStream:
@@ -101,6 +103,16 @@ def _draws_no_randomness(dataset: Any) -> bool:
     return False
 
 
+def _as_index(key: Any) -> Optional[int]:
+    """``key`` as an int when it is one index (python, numpy or a one-element tensor), else None."""
+    if isinstance(key, bool):
+        return None
+    try:
+        return operator.index(key)
+    except TypeError:
+        return None
+
+
 class _SeededFetch(torch.utils.data.Dataset):
     """Fetch and collate one batch of ``(epoch, indices)``; every sample's random draws (torch,
     python ``random``, :func:`estimatorch.rng.default_numpy_rng`) are seeded from
@@ -120,26 +132,34 @@ class _SeededFetch(torch.utils.data.Dataset):
     def _collate(self, samples: list) -> Any:
         return self.collate_fn(samples) if self.auto_collate else self.collate_fn(samples[0])
 
-    def __getitem__(self, key: tuple[int, list[int]]) -> Any:
-        epoch, indices = key
+    def __getitem__(self, key: tuple[int, int, list[Any]]) -> Any:
+        epoch, position, keys = key
         dataset = self.dataset
         if not self.seeding:
             getitems = getattr(dataset, "__getitems__", None)
-            samples = getitems(indices) if getitems and self.auto_collate else [dataset[i] for i in indices]
+            samples = getitems(keys) if getitems and self.auto_collate else [dataset[k] for k in keys]
             return self._collate(samples)
         # In the main process (num_workers=0) the caller's generators are restored afterwards,
         # so loading data never shifts the model's random stream (dropout).
         with rng.sample_seeding(self.seed, epoch, restore=get_worker_info() is None) as seed_sample:
             samples = []
-            for index in indices:
-                seed_sample(index)
-                samples.append(dataset[index])
-            seed_sample(indices[0], salt=1)  # the collate function's draws
+            for k in keys:
+                index = _as_index(k)
+                if index is None:  # a key that is not one index (a list of them: a BatchSampler as sampler)
+                    seed_sample(position, salt=2)
+                else:
+                    seed_sample(index)
+                samples.append(dataset[k])
+            first = _as_index(keys[0])
+            if first is None:
+                seed_sample(position, salt=3)  # the collate function's draws
+            else:
+                seed_sample(first, salt=1)
             return self._collate(samples)
 
 
 class _KeyBatches:
-    """The rebuilt loader's sampler: yields ``(epoch, [indices])`` per batch, from ``start``."""
+    """The rebuilt loader's sampler: yields ``(epoch, position, [keys])`` per batch, from ``start``."""
 
     def __init__(self, index_batches: Callable[[int, int], Iterator[list[int]]],
                  length: Optional[int]):
@@ -148,10 +168,10 @@ class _KeyBatches:
         self.epoch = 0
         self.start = 0
 
-    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+    def __iter__(self) -> Iterator[tuple[int, int, list[Any]]]:
         epoch = self.epoch
-        for indices in self._index_batches(epoch, self.start):
-            yield epoch, indices
+        for position, keys in enumerate(self._index_batches(epoch, self.start), self.start):
+            yield epoch, position, keys
 
     def __len__(self) -> int:
         if self._length is None:
@@ -197,34 +217,43 @@ class _LoaderStream(TrainStream):
         super().__init__(seed)
         dataset = loader.dataset
         self.dataset_len = len(cast(Sized, dataset))  # map-style: make_train_stream checked
-        self.batch_size = loader.batch_size
-        self.drop_last = loader.drop_last
-        auto_collate = loader.batch_size is not None
-        unit = loader.batch_size or 1
+        # As DataLoader decides: with a batch sampler (built from batch_size, or the user's own)
+        # each of its index lists is one batch of samples to collate; without one, each item the
+        # sampler yields is one key of the dataset (a BatchSampler given as sampler yields lists).
+        batch_sampler = loader.batch_sampler
+        auto_collate = batch_sampler is not None
+        plain_batches = type(batch_sampler) is BatchSampler
+        unit = cast(BatchSampler, batch_sampler).batch_size if plain_batches else 1
+        self.batch_size = unit if auto_collate else None
+        self.drop_last = cast(BatchSampler, batch_sampler).drop_last if plain_batches else loader.drop_last
         length: Optional[int]
         self._user_batches: Any = None
-        self.sampler = self._resumable_sampler(loader, unit)
-        if self.sampler is not None and (not auto_collate or type(loader.batch_sampler) is BatchSampler):
+        self.sampler = None
+        if not auto_collate or plain_batches:
+            inner = cast(BatchSampler, batch_sampler).sampler if plain_batches else loader.sampler
+            self.sampler = self._resumable_sampler(inner, unit)
+        if self.sampler is not None:
             per_epoch = self.sampler.num_samples
             length = per_epoch // unit if self.drop_last and auto_collate else -(-per_epoch // unit)
             index_batches = self._sampler_batches
             self.sampler_name = type(self.sampler).__name__
         else:
-            self.sampler = None
-            self._user_batches = loader.batch_sampler if auto_collate else loader.sampler
+            self._user_batches = batch_sampler if auto_collate else loader.sampler
             length = len(self._user_batches) if isinstance(self._user_batches, Sized) else None
             index_batches = self._replayed_batches
             self.sampler_name = type(self._user_batches).__name__
+            order = cast(BatchSampler, batch_sampler).sampler if plain_batches else self._user_batches
             warnings.warn(
-                f"train_data's {self.sampler_name} is not one estimatorch knows how to position: "
-                "a resume replays its indices (no data is loaded for skipped batches) and is "
-                "exact only if its order is a function of set_epoch(). Use a "
-                "estimatorch.samplers.ResumableSampler for a guaranteed resume.",
+                f"train_data's {type(order).__name__} is not a sampler estimatorch knows how to position: "
+                "its order is what trains, and a resume replays its indices (no data is loaded for "
+                "skipped batches), which is exact only if its order is a function of set_epoch() "
+                "(torch's global generator, if it draws from it, is seeded from the epoch for it). "
+                "Use a estimatorch.samplers.ResumableSampler for a guaranteed resume.",
                 stacklevel=4,
             )
         self.batches_per_epoch = length
         collate = loader.collate_fn
-        seeding = not (_draws_no_randomness(dataset) and collate is default_collate)
+        seeding = not (_draws_no_randomness(dataset) and collate in (default_collate, default_convert))
         self._keys = _KeyBatches(index_batches, length)
         self._generator = torch.Generator()
         self.loader: Optional[DataLoader] = DataLoader(
@@ -236,16 +265,18 @@ class _LoaderStream(TrainStream):
             **_loader_kwargs(loader),
         )
 
-    def _resumable_sampler(self, loader: DataLoader, unit: int) -> Optional[ResumableSampler]:
-        sampler, n, seed = loader.sampler, self.dataset_len, self.seed
+    def _resumable_sampler(self, sampler: Any, unit: int) -> Optional[ResumableSampler]:
+        """The resumable sampler that gives ``sampler``'s order, or None when it is not one of the
+        exact classes whose order estimatorch knows (a subclass keeps its own order: replayed)."""
+        n, seed = self.dataset_len, self.seed
         if isinstance(sampler, ResumableSampler):
             return sampler
-        if isinstance(sampler, DistributedSampler):
+        if type(sampler) is DistributedSampler:
             return ResumableDistributedSampler(n, sampler.num_replicas, sampler.rank, sampler.shuffle,
                                                seed, sampler.drop_last, unit)
-        plain_random = (isinstance(sampler, RandomSampler) and not sampler.replacement
+        plain_random = (type(sampler) is RandomSampler and not sampler.replacement
                         and sampler._num_samples is None)
-        if not plain_random and not isinstance(sampler, SequentialSampler):
+        if not plain_random and type(sampler) is not SequentialSampler:
             return None
         if distributed.get_world_size() > 1:
             return ResumableDistributedSampler(n, shuffle=plain_random, seed=seed, batch_size=unit)
@@ -266,14 +297,17 @@ class _LoaderStream(TrainStream):
                 return
             yield batch
 
-    def _replayed_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
+    def _replayed_batches(self, epoch: int, start: int) -> Iterator[list[Any]]:
         source = self._user_batches
         if hasattr(source, "set_epoch"):
             source.set_epoch(epoch)
         elif hasattr(getattr(source, "sampler", None), "set_epoch"):
             source.sampler.set_epoch(epoch)
-        for batch in itertools.islice(iter(source), start, None):
-            yield batch if isinstance(batch, list) else [batch]
+        auto_collate = self.batch_size is not None
+        # its draws from the global generators are a function of (seed, epoch), and shift nothing
+        order = rng.separate_draws(source, rng.derive_seed(self.seed, epoch, _SAMPLER_SALT))
+        for batch in itertools.islice(order, start, None):
+            yield list(batch) if auto_collate else [batch]  # without a batch sampler: one key
 
     def use_layout(self, layout: Any) -> None:
         """Take this rank's batches from an ``_elastic.ElasticLayout`` instead of the sampler's shard."""
