@@ -12,7 +12,6 @@ in :mod:`estimatorch._batches`).
 
 from __future__ import annotations
 
-import inspect
 import itertools
 import operator
 import warnings
@@ -42,64 +41,25 @@ from ..samplers.resumable import (
     ResumableSampler,
     ResumableSequentialSampler,
 )
-from ._interrupts import IgnoreStopSignals
+from ._iterable_streams import StatefulIterableStream
+from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
 
-__all__ = ["TrainStream", "make_train_stream"]
+__all__ = ["TrainStream", "draws_no_randomness", "make_train_stream"]
 
-_LOADER_SALT = 0x10AD
 _SAMPLER_SALT = 0x5A3D
+_REPLAY_SALT = 0x4E9A
 
 
-class TrainStream:
-    """Per-epoch iterators over the training data that can start at any batch."""
-
-    #: batches in a full epoch, when known.
-    batches_per_epoch: Optional[int] = None
-    #: True when resuming positions the data without loading skipped batches.
-    exact: bool = True
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What shapes the data stream; a resume with a different fingerprint is refused."""
-        return {"world_size": distributed.get_world_size(), "seed": self.seed}
-
-    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output before the next :meth:`epoch_iter`."""
-
-    def close(self) -> None:
-        """Release what the stream holds once ``fit`` is over (worker processes)."""
-
-
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-def _length(data: Any) -> Optional[int]:
-    """``len(data)``, or None when it has none (a DataLoader over an IterableDataset raises)."""
-    try:
-        return len(data)
-    except TypeError:
-        return None
-
-
-def _draws_no_randomness(dataset: Any) -> bool:
+def draws_no_randomness(dataset: Any) -> bool:
     flag = getattr(dataset, "estimatorch_sample_seeding", None)
     if flag is not None:
         return not flag
     if isinstance(dataset, TensorDataset):
         return True
     if isinstance(dataset, Subset):
-        return _draws_no_randomness(dataset.dataset)
+        return draws_no_randomness(dataset.dataset)
     if isinstance(dataset, ConcatDataset):
-        return all(_draws_no_randomness(d) for d in dataset.datasets)
+        return all(draws_no_randomness(d) for d in dataset.datasets)
     return False
 
 
@@ -179,34 +139,6 @@ class _KeyBatches:
         return max(self._length - self.start, 0)
 
 
-def _quiet_workers(loader: DataLoader) -> Optional[Callable[[int], Any]]:
-    """``loader``'s ``worker_init_fn``, wrapped so that its workers ignore Ctrl-C and SIGTERM."""
-    fn = loader.worker_init_fn
-    if loader.num_workers == 0 or isinstance(fn, IgnoreStopSignals):
-        return fn
-    return IgnoreStopSignals(fn)
-
-
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
-    """The settings of ``loader`` that a rebuilt loader keeps."""
-    kwargs: dict[str, Any] = dict(
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=_quiet_workers(loader),
-        multiprocessing_context=loader.multiprocessing_context,
-        persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    params = inspect.signature(DataLoader.__init__).parameters
-    if "in_order" in params:
-        kwargs["in_order"] = getattr(loader, "in_order", True)
-    if getattr(loader, "pin_memory_device", ""):
-        kwargs["pin_memory_device"] = loader.pin_memory_device
-    return kwargs
-
-
 class _LoaderStream(TrainStream):
     """A map-style DataLoader rebuilt so that any (epoch, batch) is reachable in O(1)."""
 
@@ -253,16 +185,16 @@ class _LoaderStream(TrainStream):
             )
         self.batches_per_epoch = length
         collate = loader.collate_fn
-        seeding = not (_draws_no_randomness(dataset) and collate in (default_collate, default_convert))
+        seeding = not (draws_no_randomness(dataset) and collate in (default_collate, default_convert))
         self._keys = _KeyBatches(index_batches, length)
         self._generator = torch.Generator()
         self.loader: Optional[DataLoader] = DataLoader(
             _SeededFetch(dataset, collate, seed, seeding, auto_collate),
             batch_size=None,
             sampler=self._keys,
-            collate_fn=_identity,
+            collate_fn=identity,
             generator=self._generator,
-            **_loader_kwargs(loader),
+            **loader_kwargs(loader),
         )
 
     def _resumable_sampler(self, sampler: Any, unit: int) -> Optional[ResumableSampler]:
@@ -329,7 +261,7 @@ class _LoaderStream(TrainStream):
         if self.batches_per_epoch is not None and start >= self.batches_per_epoch:
             return iter(())
         self._keys.epoch, self._keys.start = epoch, start
-        self._generator.manual_seed(rng.derive_seed(self.seed, epoch, _LOADER_SALT))
+        self._generator.manual_seed(rng.derive_seed(self.seed, epoch, LOADER_SALT))
         loader = self.loader
         if loader is None:
             raise RuntimeError("this training stream was closed: fit builds a new one")
@@ -353,28 +285,6 @@ class _SequenceStream(TrainStream):
         return itertools.islice(self.batches, start, None)
 
 
-class _StatefulIterableStream(TrainStream):
-    """An IterableDataset (or a 0-worker loader over one) that saves its own position."""
-
-    def __init__(self, data: Iterable[Any], dataset: Any, seed: int):
-        super().__init__(seed)
-        self.data = data
-        self.dataset = dataset
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "dataset": type(self.dataset).__name__}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"dataset": self.dataset.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state["dataset"])
-
-    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
-        # The dataset's own state holds the position: after load_state_dict it resumes there.
-        return iter(self.data)
-
-
 class _ReplayStream(TrainStream):
     """Any other iterable: re-iterated each epoch, skipped batches are loaded and discarded."""
 
@@ -383,7 +293,7 @@ class _ReplayStream(TrainStream):
     def __init__(self, data: Iterable[Any], seed: int):
         super().__init__(seed)
         self.data = data
-        self.batches_per_epoch = _length(data)
+        self.batches_per_epoch = length_of(data)
 
     def fingerprint(self) -> dict[str, Any]:
         fp = {**super().fingerprint(), "data": type(self.data).__name__}
@@ -395,11 +305,15 @@ class _ReplayStream(TrainStream):
         if start:
             warnings.warn(
                 f"resuming a {type(self.data).__name__} without state_dict(): replaying {start} "
-                "batches (loaded and discarded) to reach the saved position; random draws made "
-                "while loading them are not restored",
+                "batches (loaded and discarded) to reach the saved position; exact only if it "
+                "yields the same batches each time it is iterated",
                 stacklevel=3,
             )
-        return itertools.islice(iter(self.data), start, None)
+        # Its draws from the global generators (a DataLoader's base seed for its workers, a
+        # dataset's augmentation in the training process) are a function of (seed, epoch), and
+        # iterating it shifts nothing of the model's random stream.
+        order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
+        return itertools.islice(order, start, None)
 
 
 def make_train_stream(train_data: Any, seed: int) -> TrainStream:
@@ -412,9 +326,8 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
     if isinstance(train_data, DataLoader):
         dataset = train_data.dataset
         if isinstance(dataset, IterableDataset):
-            stateful = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
-            if stateful and train_data.num_workers == 0:
-                return _StatefulIterableStream(train_data, dataset, seed)
+            if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
+                return StatefulIterableStream(dataset, train_data, seed)
             return _ReplayStream(train_data, seed)
         if len(cast(Sized, dataset)) == 0:
             raise ValueError("train_data is empty: its dataset has length 0")
@@ -427,11 +340,11 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         return stream
     if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
             and hasattr(train_data, "load_state_dict"):
-        return _StatefulIterableStream(train_data, train_data, seed)
+        return StatefulIterableStream(train_data, None, seed)
     if isinstance(train_data, Sequence):
         if len(train_data) == 0:
             raise ValueError("train_data is empty: a sequence of length 0")
         return _SequenceStream(train_data, seed)
-    if _length(train_data) == 0:
+    if length_of(train_data) == 0:
         raise ValueError(f"train_data is empty: a {type(train_data).__name__} of length 0")
     return _ReplayStream(train_data, seed)

@@ -290,9 +290,9 @@ class Estimator:
         resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
         if not stream.exact and resumes:
             warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
-                          "(load and discard) the batches before the saved position, and random draws made while "
-                          "loading are not restored. Use a map-style DataLoader, or give the IterableDataset "
-                          "state_dict()/load_state_dict() (with num_workers=0).", stacklevel=4)
+                          "(load and discard) the batches before the saved position, which is exact only if it "
+                          "yields the same batches each time it is iterated. Use a map-style DataLoader, or give the "
+                          "IterableDataset state_dict()/load_state_dict().", stacklevel=4)
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger))
         if resume and self._last is not None:  # checked above: a resume has a fit to continue
