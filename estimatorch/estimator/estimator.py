@@ -305,7 +305,7 @@ class Estimator:
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed = False
         try:
-            with torch_flags(self.deterministic, self.cudnn_benchmark), run.signals:
+            with torch_flags(self.deterministic, self.cudnn_benchmark, self.device.type == "cpu"), run.signals:
                 try:
                     if distributed.is_distributed() and self._ddp is None:
                         ids = [self.device.index] if self.device.type == "cuda" else None
