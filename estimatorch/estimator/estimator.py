@@ -75,7 +75,7 @@ class Estimator:
         precision: ``"32"``, ``"16-mixed"`` (autocast + gradient scaling) or ``"bf16-mixed"``;
             the aliases ``"bf16"`` (``"bf16-mixed"``), ``"fp16"`` and ``"16"`` (``"16-mixed"``)
             are accepted and ``est.precision`` holds the canonical name. Defaults to ``"32"``.
-        deterministic: use deterministic algorithms only during ``fit``. Defaults to False.
+        deterministic: deterministic algorithms (and one thread for a CPU net) during ``fit``. Defaults to False.
         cudnn_benchmark: let cuDNN pick kernels by timing during ``fit``. Defaults to False.
 
     Example:
@@ -290,9 +290,9 @@ class Estimator:
         resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
         if not stream.exact and resumes:
             warnings.warn(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay "
-                          "(load and discard) the batches before the saved position, which is exact only if it "
-                          "yields the same batches each time it is iterated. Use a map-style DataLoader, or give the "
-                          "IterableDataset state_dict()/load_state_dict().", stacklevel=4)
+                          "(load and discard) the batches before the saved position, exact only if it yields the same "
+                          "batches each time. Use a map-style DataLoader, or give the IterableDataset state_dict()/"
+                          "load_state_dict().", stacklevel=4)
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger))
         if resume and self._last is not None:  # checked above: a resume has a fit to continue
