@@ -172,6 +172,10 @@ class StatefulIterableStream(TrainStream):
             fp["num_workers"] = self.workers
         return fp
 
+    def refuse(self, fingerprint: dict[str, Any], source: str) -> None:
+        if "dataset" in fingerprint:  # written by a stream of this kind
+            check_num_workers(fingerprint.get("num_workers"), self.workers or None, source)
+
     def state_dict(self) -> dict[str, Any]:
         if not self.workers:
             state = {"dataset": self.dataset.state_dict()}

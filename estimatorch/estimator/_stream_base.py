@@ -36,6 +36,10 @@ class TrainStream:
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:  # pragma: no cover - abstract
         raise NotImplementedError
 
+    def refuse(self, fingerprint: dict[str, Any], source: str) -> None:
+        """Raise a ``ValueError`` when a checkpoint of this ``fingerprint`` can never resume this
+        stream (not merely an invalid file, which the store skips for an older one)."""
+
     def state_dict(self) -> dict[str, Any]:
         return {}
 

@@ -110,3 +110,13 @@ def test_an_iterable_dataset_given_to_fit_directly_resumes_exactly():
     dropout_estimator().fit(Batches(6, noise=True), epochs=2, event_handlers=[rec])
     assert len(full) == 12
     resumable(lambda: Batches(6, noise=True), [2, 6, 7])
+
+
+@pytest.mark.parametrize("saved, now", [(0, 2), (2, 0)])
+def test_a_stateful_dataset_between_the_training_process_and_workers_is_refused(tmp_path, saved, now):
+    dropout_estimator().fit(loader_of(30, num_workers=saved)(), batches=3,
+                            event_handlers=[CheckpointHandler(tmp_path, batch_period=1, epoch_period=None)])
+    with pytest.raises(ValueError, match=rf"ran in {saved} DataLoader worker\(s\) and this DataLoader has "
+                                         rf"num_workers={now}.*Resume with num_workers={saved}"):
+        dropout_estimator().fit(loader_of(30, num_workers=now)(), epochs=1, event_handlers=[
+            CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
