@@ -42,6 +42,7 @@ __all__ = [
     "seed_position",
     "seeded_state",
     "seed_worker",
+    "separate_draws",
     "set_state",
 ]
 
@@ -280,6 +281,52 @@ def seeded_state(seed: int, cuda: Optional[bool] = None) -> dict[str, Any]:
     with keep_random_state():
         seed_everything(seed)
         return get_state(cuda=cuda)
+
+
+def _cpu_states() -> tuple:
+    return (torch.get_rng_state(), random.getstate(), _NUMPY_RNG.bit_generator.state, np.random.get_state())
+
+
+def _set_cpu_states(states: tuple) -> None:
+    torch.set_rng_state(states[0])
+    random.setstate(states[1])
+    _NUMPY_RNG.bit_generator.state = states[2]
+    np.random.set_state(states[3])
+
+
+def separate_draws(iterable: Any, seed: int) -> Iterator[Any]:
+    """Iterate ``iterable`` on CPU generators of its own, seeded from ``seed``.
+
+    Every step of the iteration (``iter()`` and each ``next()``) draws from torch's CPU generator,
+    python ``random``, numpy's legacy global one and :func:`default_numpy_rng` as seeded from
+    ``seed`` and left by the previous step; the caller's states are put back after each step. A
+    sampler that draws its order from torch's global generator (``RandomSampler`` without a
+    ``generator``) then gives an order that is a function of ``seed``, and iterating it never
+    shifts the model's random stream.
+
+    Example:
+        >>> a = list(separate_draws(torch.utils.data.RandomSampler(range(5)), seed=3))
+        >>> a == list(separate_draws(torch.utils.data.RandomSampler(range(5)), seed=3))
+        True
+    """
+    caller = _cpu_states()
+    _reseed_fast(seed)
+    try:
+        it = iter(iterable)
+    finally:
+        own = _cpu_states()
+        _set_cpu_states(caller)
+    while True:
+        caller = _cpu_states()
+        _set_cpu_states(own)
+        try:
+            item = next(it)
+        except StopIteration:
+            return
+        finally:
+            own = _cpu_states()
+            _set_cpu_states(caller)
+        yield item
 
 
 @contextlib.contextmanager

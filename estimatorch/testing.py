@@ -136,7 +136,11 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
         batches_per_epoch: passed to ``fit``. Defaults to None.
 
     Raises:
-        AssertionError: naming the stop step and the first step (or state) that differs.
+        AssertionError: naming the stop step and the first step (or state) that differs. When a
+            resumed run differs, a second uninterrupted run is trained to tell the two causes
+            apart: the message starts with ``resume differs:`` when the two uninterrupted runs
+            agree, and with ``setup not deterministic:`` when they do not (then the setup itself
+            does not give the same bits twice, resumed or not).
     """
     def data() -> Any:
         return train_data() if callable(train_data) and not hasattr(train_data, "__iter__") else train_data
@@ -153,13 +157,17 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
     level = logger.level
     if quiet:
         logger.setLevel(logging.WARNING)
+
+    def uninterrupted() -> tuple[_Trace, Any, tuple]:
+        trace = _Trace()
+        est = make_estimator()
+        est.fit(data(), val_data=val_data, event_handlers=[*extra(), trace], **plan)
+        return trace, est, (est.net.state_dict(), est.optimizer.state_dict())
+
     try:
         with tempfile.TemporaryDirectory() if workdir is None else contextlib.nullcontext(workdir) as root:
-            reference = _Trace()
-            est = make_estimator()
-            est.fit(data(), val_data=val_data, event_handlers=[*extra(), reference], **plan)
+            reference, est, final = uninterrupted()
             total = len(reference.losses)
-            final = (est.net.state_dict(), est.optimizer.state_dict())
             stops = sorted(set(stop_at)) if stop_at is not None else _default_stops(est.batches_per_epoch, total)
             for k in stops:
                 if not 1 <= k <= total:
@@ -177,25 +185,41 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
                 resumed.fit(data(), val_data=val_data, **plan, event_handlers=[
                     *extra(), CheckpointHandler(directory, batch_period=k, epoch_period=None, max_checkpoints=1,
                                                 resume_from_checkpoint=True), resumed_trace])
-                _compare(k, reference, resumed_trace, final, (resumed.net.state_dict(), resumed.optimizer.state_dict()))
+                got = (resumed.net.state_dict(), resumed.optimizer.state_dict())
+                try:
+                    _compare(k, reference, resumed_trace, final, got)
+                except AssertionError as err:
+                    # Is the setup deterministic by itself? A second uninterrupted run tells.
+                    again, _, again_final = uninterrupted()
+                    try:
+                        _compare(0, reference, again, final, again_final, who="a second uninterrupted run")
+                    except AssertionError as differs:
+                        raise AssertionError(
+                            f"setup not deterministic: {differs}, so no resume can be judged. Make the run "
+                            "reproducible first (seed the net in make_estimator; Estimator(deterministic=True); "
+                            "see docs/resume.md, 'What cannot be bitwise')") from None
+                    raise AssertionError(f"resume differs: {err} (two uninterrupted runs agree)") from None
     finally:
         logger.setLevel(level)
 
 
-def _compare(k: int, reference: _Trace, resumed: _Trace, final: tuple, got: tuple) -> None:
-    """Raise at the first step (loss, then parameters after it) or final state that differs."""
+def _compare(k: int, reference: _Trace, resumed: _Trace, final: tuple, got: tuple,
+             who: Optional[str] = None) -> None:
+    """Raise at the first step after ``k`` (loss, then parameters after it) or final state that
+    differs; the message starts with ``who`` (default: the run resumed after step ``k``)."""
+    who = f"resumed after step {k}" if who is None else who
     expected = list(zip(reference.losses[k:], reference.digests[k:]))
     for i, ((want_loss, want_params), (loss, params)) in enumerate(zip(expected, zip(resumed.losses, resumed.digests))):
         step = k + i + 1
         if loss != want_loss:
-            raise AssertionError(f"resumed after step {k}: the loss of step {step} differs "
+            raise AssertionError(f"{who}: the loss of step {step} differs "
                                  f"({float.fromhex(loss)!r} vs {float.fromhex(want_loss)!r} uninterrupted)")
         if params != want_params:
-            raise AssertionError(f"resumed after step {k}: the parameters after step {step} differ")
+            raise AssertionError(f"{who}: the parameters after step {step} differ")
     if len(resumed.losses) != len(expected):
-        raise AssertionError(f"resumed after step {k}: it trained {len(resumed.losses)} steps, "
+        raise AssertionError(f"{who}: it trained {len(resumed.losses)} steps, "
                              f"the uninterrupted run {len(expected)} more")
     for name, want, have in (("parameters", final[0], got[0]), ("optimizer state", final[1], got[1])):
         where = _tensors_equal(want, have, name)
         if where:
-            raise AssertionError(f"resumed after step {k}: the final {where} differ")
+            raise AssertionError(f"{who}: the final {where} differ")

@@ -70,8 +70,25 @@ def test_a_handler_that_does_not_save_its_counter_is_caught():
 
 
 def test_data_drawn_from_a_generator_that_is_not_restored_is_caught():
-    with pytest.raises(AssertionError, match=r"resumed after step 2: the loss of step 3 differs"):
+    # a fresh dataset per fit: two uninterrupted runs agree, the resumed one does not
+    with pytest.raises(AssertionError, match=r"^resume differs: resumed after step 2: the loss of step 3 differs"
+                                             r".*two uninterrupted runs agree"):
+        assert_resumable(make, lambda: loader(own_generator=True), epochs=2, stop_at=[2], quiet=True)
+
+
+def test_a_setup_that_is_not_deterministic_by_itself_is_told_apart_from_a_resume_that_differs():
+    # one dataset for every fit, with a generator of its own that goes on from run to run: two
+    # uninterrupted runs already differ
+    with pytest.raises(AssertionError, match=r"^setup not deterministic: a second uninterrupted run: the loss "
+                                             r"of step 1 differs"):
         assert_resumable(make, loader(own_generator=True), epochs=2, stop_at=[2], quiet=True)
+
+    def unseeded():
+        net = nn.Linear(4, 3)  # initial weights from wherever torch's generator stands
+        return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+
+    with pytest.raises(AssertionError, match=r"^setup not deterministic"):
+        assert_resumable(unseeded, loader(), epochs=1, stop_at=[2], quiet=True)
 
 
 def test_stop_points_outside_the_run_are_refused():

@@ -54,6 +54,7 @@ from .. import distributed, rng
 from ..event_handlers import GradientUpdateHandler
 from ..samplers._index_shuffle import check_permutation, order_fingerprint
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
+from ._iterable_streams import check_num_workers
 from ._streams import _LoaderStream
 
 __all__ = ["ElasticLayout", "check_fingerprint", "configure_elastic", "is_elastic", "slot_positions"]
@@ -212,6 +213,8 @@ def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], source: str) -
         raise ValueError(f"cannot resume from {source}: it was written by a fit with CheckpointHandler(..., "
                          "elastic=True) (its samples are laid out in global steps): resume with elastic=True")
     check_permutation(saved.get("permutation"), now.get("permutation"), source)
+    if "dataset" in saved and "dataset" in now:  # a stateful IterableDataset: one state per worker
+        check_num_workers(saved.get("num_workers"), now.get("num_workers"), source)
     if is_elastic(now) and saved.get("batch_size") != now.get("batch_size"):
         raise ValueError(f"cannot resume from {source}: batch_size would change (saved {saved.get('batch_size')!r}, "
                          f"now {now.get('batch_size')!r}). Elastic resume keeps every micro-batch's samples: keep "

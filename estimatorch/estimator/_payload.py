@@ -37,7 +37,10 @@ def check_payload(estimator: Any, run: Run, payload: dict[str, Any], source: str
         check_positions(payload["ranks"])
         if rank >= len(payload["ranks"]):
             raise CheckpointError(f"it holds {len(payload['ranks'])} rank snapshots, none for rank {rank}")
-        check_snapshot(estimator, run, checkpoint.rank_snapshot(payload, rank))
+        snapshot = checkpoint.rank_snapshot(payload, rank)
+        if isinstance(snapshot.get("fingerprint"), dict):  # a stream's refusals come before any other check
+            run.stream.refuse(snapshot["fingerprint"], source)
+        check_snapshot(estimator, run, snapshot)
     except CheckpointError as err:
         raise CheckpointError(f"{source}: {err}") from None
     return payload

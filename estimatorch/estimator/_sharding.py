@@ -38,7 +38,7 @@ from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, Itera
 from .. import distributed
 from ..samplers import composable
 from ..samplers.resumable import ResumableDistributedSampler
-from ._streams import _loader_kwargs
+from ._stream_base import loader_kwargs as _loader_kwargs
 
 __all__ = ["InferenceData", "for_inference"]
 

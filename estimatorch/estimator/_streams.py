@@ -12,8 +12,8 @@ in :mod:`estimatorch._batches`).
 
 from __future__ import annotations
 
-import inspect
 import itertools
+import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Callable, Optional, cast
 
@@ -30,7 +30,7 @@ from torch.utils.data import (
     TensorDataset,
     get_worker_info,
 )
-from torch.utils.data._utils.collate import default_collate
+from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import distributed, rng
 from .._checks import warn_user
@@ -41,64 +41,36 @@ from ..samplers.resumable import (
     ResumableSampler,
     ResumableSequentialSampler,
 )
-from ._interrupts import IgnoreStopSignals
+from ._iterable_streams import StatefulIterableStream
+from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
 
-__all__ = ["TrainStream", "make_train_stream"]
+__all__ = ["TrainStream", "draws_no_randomness", "make_train_stream"]
 
-_LOADER_SALT = 0x10AD
-
-
-class TrainStream:
-    """Per-epoch iterators over the training data that can start at any batch."""
-
-    #: batches in a full epoch, when known.
-    batches_per_epoch: Optional[int] = None
-    #: True when resuming positions the data without loading skipped batches.
-    exact: bool = True
-
-    def __init__(self, seed: int):
-        self.seed = seed
-
-    def fingerprint(self) -> dict[str, Any]:
-        """What shapes the data stream; a resume with a different fingerprint is refused."""
-        return {"world_size": distributed.get_world_size(), "seed": self.seed}
-
-    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:  # pragma: no cover - abstract
-        raise NotImplementedError
-
-    def state_dict(self) -> dict[str, Any]:
-        return {}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        """Restore :meth:`state_dict`'s output before the next :meth:`epoch_iter`."""
-
-    def close(self) -> None:
-        """Release what the stream holds once ``fit`` is over (worker processes)."""
+_SAMPLER_SALT = 0x5A3D
+_REPLAY_SALT = 0x4E9A
 
 
-def _identity(batch: Any) -> Any:
-    return batch
-
-
-def _length(data: Any) -> Optional[int]:
-    """``len(data)``, or None when it has none (a DataLoader over an IterableDataset raises)."""
-    try:
-        return len(data)
-    except TypeError:
-        return None
-
-
-def _draws_no_randomness(dataset: Any) -> bool:
+def draws_no_randomness(dataset: Any) -> bool:
     flag = getattr(dataset, "estimatorch_sample_seeding", None)
     if flag is not None:
         return not flag
     if isinstance(dataset, TensorDataset):
         return True
     if isinstance(dataset, Subset):
-        return _draws_no_randomness(dataset.dataset)
+        return draws_no_randomness(dataset.dataset)
     if isinstance(dataset, ConcatDataset):
-        return all(_draws_no_randomness(d) for d in dataset.datasets)
+        return all(draws_no_randomness(d) for d in dataset.datasets)
     return False
+
+
+def _as_index(key: Any) -> Optional[int]:
+    """``key`` as an int when it is one index (python, numpy or a one-element tensor), else None."""
+    if isinstance(key, bool):
+        return None
+    try:
+        return operator.index(key)
+    except TypeError:
+        return None
 
 
 class _SeededFetch(torch.utils.data.Dataset):
@@ -120,26 +92,34 @@ class _SeededFetch(torch.utils.data.Dataset):
     def _collate(self, samples: list) -> Any:
         return self.collate_fn(samples) if self.auto_collate else self.collate_fn(samples[0])
 
-    def __getitem__(self, key: tuple[int, list[int]]) -> Any:
-        epoch, indices = key
+    def __getitem__(self, key: tuple[int, int, list[Any]]) -> Any:
+        epoch, position, keys = key
         dataset = self.dataset
         if not self.seeding:
             getitems = getattr(dataset, "__getitems__", None)
-            samples = getitems(indices) if getitems and self.auto_collate else [dataset[i] for i in indices]
+            samples = getitems(keys) if getitems and self.auto_collate else [dataset[k] for k in keys]
             return self._collate(samples)
         # In the main process (num_workers=0) the caller's generators are restored afterwards,
         # so loading data never shifts the model's random stream (dropout).
         with rng.sample_seeding(self.seed, epoch, restore=get_worker_info() is None) as seed_sample:
             samples = []
-            for index in indices:
-                seed_sample(index)
-                samples.append(dataset[index])
-            seed_sample(indices[0], salt=1)  # the collate function's draws
+            for k in keys:
+                index = _as_index(k)
+                if index is None:  # a key that is not one index (a list of them: a BatchSampler as sampler)
+                    seed_sample(position, salt=2)
+                else:
+                    seed_sample(index)
+                samples.append(dataset[k])
+            first = _as_index(keys[0])
+            if first is None:
+                seed_sample(position, salt=3)  # the collate function's draws
+            else:
+                seed_sample(first, salt=1)
             return self._collate(samples)
 
 
 class _KeyBatches:
-    """The rebuilt loader's sampler: yields ``(epoch, [indices])`` per batch, from ``start``."""
+    """The rebuilt loader's sampler: yields ``(epoch, position, [keys])`` per batch, from ``start``."""
 
     def __init__(self, index_batches: Callable[[int, int], Iterator[list[int]]],
                  length: Optional[int]):
@@ -148,43 +128,15 @@ class _KeyBatches:
         self.epoch = 0
         self.start = 0
 
-    def __iter__(self) -> Iterator[tuple[int, list[int]]]:
+    def __iter__(self) -> Iterator[tuple[int, int, list[Any]]]:
         epoch = self.epoch
-        for indices in self._index_batches(epoch, self.start):
-            yield epoch, indices
+        for position, keys in enumerate(self._index_batches(epoch, self.start), self.start):
+            yield epoch, position, keys
 
     def __len__(self) -> int:
         if self._length is None:
             raise TypeError("this sampler has no length")
         return max(self._length - self.start, 0)
-
-
-def _quiet_workers(loader: DataLoader) -> Optional[Callable[[int], Any]]:
-    """``loader``'s ``worker_init_fn``, wrapped so that its workers ignore Ctrl-C and SIGTERM."""
-    fn = loader.worker_init_fn
-    if loader.num_workers == 0 or isinstance(fn, IgnoreStopSignals):
-        return fn
-    return IgnoreStopSignals(fn)
-
-
-def _loader_kwargs(loader: DataLoader) -> dict[str, Any]:
-    """The settings of ``loader`` that a rebuilt loader keeps."""
-    kwargs: dict[str, Any] = dict(
-        num_workers=loader.num_workers,
-        pin_memory=loader.pin_memory,
-        timeout=loader.timeout,
-        worker_init_fn=_quiet_workers(loader),
-        multiprocessing_context=loader.multiprocessing_context,
-        persistent_workers=loader.persistent_workers,
-    )
-    if loader.num_workers > 0:
-        kwargs["prefetch_factor"] = loader.prefetch_factor
-    params = inspect.signature(DataLoader.__init__).parameters
-    if "in_order" in params:
-        kwargs["in_order"] = getattr(loader, "in_order", True)
-    if getattr(loader, "pin_memory_device", ""):
-        kwargs["pin_memory_device"] = loader.pin_memory_device
-    return kwargs
 
 
 class _LoaderStream(TrainStream):
@@ -197,53 +149,64 @@ class _LoaderStream(TrainStream):
         super().__init__(seed)
         dataset = loader.dataset
         self.dataset_len = len(cast(Sized, dataset))  # map-style: make_train_stream checked
-        self.batch_size = loader.batch_size
-        self.drop_last = loader.drop_last
-        auto_collate = loader.batch_size is not None
-        unit = loader.batch_size or 1
+        # As DataLoader decides: with a batch sampler (built from batch_size, or the user's own)
+        # each of its index lists is one batch of samples to collate; without one, each item the
+        # sampler yields is one key of the dataset (a BatchSampler given as sampler yields lists).
+        batch_sampler = loader.batch_sampler
+        auto_collate = batch_sampler is not None
+        plain_batches = type(batch_sampler) is BatchSampler
+        unit = cast(BatchSampler, batch_sampler).batch_size if plain_batches else 1
+        self.batch_size = unit if auto_collate else None
+        self.drop_last = cast(BatchSampler, batch_sampler).drop_last if plain_batches else loader.drop_last
         length: Optional[int]
         self._user_batches: Any = None
-        self.sampler = self._resumable_sampler(loader, unit)
-        if self.sampler is not None and (not auto_collate or type(loader.batch_sampler) is BatchSampler):
+        self.sampler = None
+        if not auto_collate or plain_batches:
+            inner = cast(BatchSampler, batch_sampler).sampler if plain_batches else loader.sampler
+            self.sampler = self._resumable_sampler(inner, unit)
+        if self.sampler is not None:
             per_epoch = self.sampler.num_samples
             length = per_epoch // unit if self.drop_last and auto_collate else -(-per_epoch // unit)
             index_batches = self._sampler_batches
             self.sampler_name = type(self.sampler).__name__
         else:
-            self.sampler = None
-            self._user_batches = loader.batch_sampler if auto_collate else loader.sampler
+            self._user_batches = batch_sampler if auto_collate else loader.sampler
             length = len(self._user_batches) if isinstance(self._user_batches, Sized) else None
             index_batches = self._replayed_batches
             self.sampler_name = type(self._user_batches).__name__
+            order = cast(BatchSampler, batch_sampler).sampler if plain_batches else self._user_batches
             warn_user(
-                f"train_data's {self.sampler_name} is not one estimatorch knows how to position: "
-                "a resume replays its indices (no data is loaded for skipped batches) and is "
-                "exact only if its order is a function of set_epoch(). Use a "
-                "estimatorch.samplers.ResumableSampler for a guaranteed resume.")
+                f"train_data's {type(order).__name__} is not a sampler estimatorch knows how to position: "
+                "its order is what trains, and a resume replays its indices (no data is loaded for "
+                "skipped batches), which is exact only if its order is a function of set_epoch() "
+                "(torch's global generator, if it draws from it, is seeded from the epoch for it). "
+                "Use a estimatorch.samplers.ResumableSampler for a guaranteed resume.")
         self.batches_per_epoch = length
         collate = loader.collate_fn
-        seeding = not (_draws_no_randomness(dataset) and collate is default_collate)
+        seeding = not (draws_no_randomness(dataset) and collate in (default_collate, default_convert))
         self._keys = _KeyBatches(index_batches, length)
         self._generator = torch.Generator()
         self.loader: Optional[DataLoader] = DataLoader(
             _SeededFetch(dataset, collate, seed, seeding, auto_collate),
             batch_size=None,
             sampler=self._keys,
-            collate_fn=_identity,
+            collate_fn=identity,
             generator=self._generator,
-            **_loader_kwargs(loader),
+            **loader_kwargs(loader),
         )
 
-    def _resumable_sampler(self, loader: DataLoader, unit: int) -> Optional[ResumableSampler]:
-        sampler, n, seed = loader.sampler, self.dataset_len, self.seed
+    def _resumable_sampler(self, sampler: Any, unit: int) -> Optional[ResumableSampler]:
+        """The resumable sampler that gives ``sampler``'s order, or None when it is not one of the
+        exact classes whose order estimatorch knows (a subclass keeps its own order: replayed)."""
+        n, seed = self.dataset_len, self.seed
         if isinstance(sampler, ResumableSampler):
             return sampler
-        if isinstance(sampler, DistributedSampler):
+        if type(sampler) is DistributedSampler:
             return ResumableDistributedSampler(n, sampler.num_replicas, sampler.rank, sampler.shuffle,
                                                seed, sampler.drop_last, unit)
-        plain_random = (isinstance(sampler, RandomSampler) and not sampler.replacement
+        plain_random = (type(sampler) is RandomSampler and not sampler.replacement
                         and sampler._num_samples is None)
-        if not plain_random and not isinstance(sampler, SequentialSampler):
+        if not plain_random and type(sampler) is not SequentialSampler:
             return None
         if distributed.get_world_size() > 1:
             return ResumableDistributedSampler(n, shuffle=plain_random, seed=seed, batch_size=unit)
@@ -264,14 +227,17 @@ class _LoaderStream(TrainStream):
                 return
             yield batch
 
-    def _replayed_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
+    def _replayed_batches(self, epoch: int, start: int) -> Iterator[list[Any]]:
         source = self._user_batches
         if hasattr(source, "set_epoch"):
             source.set_epoch(epoch)
         elif hasattr(getattr(source, "sampler", None), "set_epoch"):
             source.sampler.set_epoch(epoch)
-        for batch in itertools.islice(iter(source), start, None):
-            yield batch if isinstance(batch, list) else [batch]
+        auto_collate = self.batch_size is not None
+        # its draws from the global generators are a function of (seed, epoch), and shift nothing
+        order = rng.separate_draws(source, rng.derive_seed(self.seed, epoch, _SAMPLER_SALT))
+        for batch in itertools.islice(order, start, None):
+            yield list(batch) if auto_collate else [batch]  # without a batch sampler: one key
 
     def use_layout(self, layout: Any) -> None:
         """Take this rank's batches from an ``_elastic.ElasticLayout`` instead of the sampler's shard."""
@@ -293,7 +259,7 @@ class _LoaderStream(TrainStream):
         if self.batches_per_epoch is not None and start >= self.batches_per_epoch:
             return iter(())
         self._keys.epoch, self._keys.start = epoch, start
-        self._generator.manual_seed(rng.derive_seed(self.seed, epoch, _LOADER_SALT))
+        self._generator.manual_seed(rng.derive_seed(self.seed, epoch, LOADER_SALT))
         loader = self.loader
         if loader is None:
             raise RuntimeError("this training stream was closed: fit builds a new one")
@@ -317,28 +283,6 @@ class _SequenceStream(TrainStream):
         return itertools.islice(self.batches, start, None)
 
 
-class _StatefulIterableStream(TrainStream):
-    """An IterableDataset (or a 0-worker loader over one) that saves its own position."""
-
-    def __init__(self, data: Iterable[Any], dataset: Any, seed: int):
-        super().__init__(seed)
-        self.data = data
-        self.dataset = dataset
-
-    def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "dataset": type(self.dataset).__name__}
-
-    def state_dict(self) -> dict[str, Any]:
-        return {"dataset": self.dataset.state_dict()}
-
-    def load_state_dict(self, state: dict[str, Any]) -> None:
-        self.dataset.load_state_dict(state["dataset"])
-
-    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
-        # The dataset's own state holds the position: after load_state_dict it resumes there.
-        return iter(self.data)
-
-
 class _ReplayStream(TrainStream):
     """Any other iterable: re-iterated each epoch, skipped batches are loaded and discarded."""
 
@@ -347,7 +291,7 @@ class _ReplayStream(TrainStream):
     def __init__(self, data: Iterable[Any], seed: int):
         super().__init__(seed)
         self.data = data
-        self.batches_per_epoch = _length(data)
+        self.batches_per_epoch = length_of(data)
 
     def fingerprint(self) -> dict[str, Any]:
         fp = {**super().fingerprint(), "data": type(self.data).__name__}
@@ -359,10 +303,13 @@ class _ReplayStream(TrainStream):
         if start:
             warn_user(
                 f"resuming a {type(self.data).__name__} without state_dict(): replaying {start} "
-                "batches (loaded and discarded) to reach the saved position; random draws made "
-                "while loading them are not restored. Give it state_dict()/load_state_dict(), or use a "
-                "map-style DataLoader, for an exact resume")
-        return itertools.islice(iter(self.data), start, None)
+                "batches (loaded and discarded) to reach the saved position; exact only if it "
+                "yields the same batches each time it is iterated")
+        # Its draws from the global generators (a DataLoader's base seed for its workers, a
+        # dataset's augmentation in the training process) are a function of (seed, epoch), and
+        # iterating it shifts nothing of the model's random stream.
+        order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
+        return itertools.islice(order, start, None)
 
 
 def make_train_stream(train_data: Any, seed: int) -> TrainStream:
@@ -375,9 +322,8 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
     if isinstance(train_data, DataLoader):
         dataset = train_data.dataset
         if isinstance(dataset, IterableDataset):
-            stateful = hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict")
-            if stateful and train_data.num_workers == 0:
-                return _StatefulIterableStream(train_data, dataset, seed)
+            if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
+                return StatefulIterableStream(dataset, train_data, seed)
             return _ReplayStream(train_data, seed)
         if len(cast(Sized, dataset)) == 0:
             raise ValueError("train_data is empty: its dataset has length 0")
@@ -390,11 +336,11 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         return stream
     if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
             and hasattr(train_data, "load_state_dict"):
-        return _StatefulIterableStream(train_data, train_data, seed)
+        return StatefulIterableStream(train_data, None, seed)
     if isinstance(train_data, Sequence):
         if len(train_data) == 0:
             raise ValueError("train_data is empty: a sequence of length 0")
         return _SequenceStream(train_data, seed)
-    if _length(train_data) == 0:
+    if length_of(train_data) == 0:
         raise ValueError(f"train_data is empty: a {type(train_data).__name__} of length 0")
     return _ReplayStream(train_data, seed)

@@ -92,7 +92,7 @@ class Estimator(RunView):
         precision: ``"32"``, ``"16-mixed"`` (autocast + gradient scaling) or ``"bf16-mixed"``;
             the aliases ``"bf16"`` (``"bf16-mixed"``), ``"fp16"`` and ``"16"`` (``"16-mixed"``)
             are accepted and ``est.precision`` holds the canonical name. Defaults to ``"32"``.
-        deterministic: use deterministic algorithms only during ``fit``. Defaults to False.
+        deterministic: deterministic algorithms (and one thread for a CPU net) during ``fit``. Defaults to False.
         cudnn_benchmark: let cuDNN pick kernels by timing during ``fit``. Defaults to False.
         strategy: how ``fit`` spreads the net over the ranks of a process group: ``"ddp"`` (a
             copy per rank, wrapped in DDP) or ``"fsdp"`` (FSDP2: ``fully_shard`` on each
@@ -326,9 +326,9 @@ class Estimator(RunView):
         resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
         if not stream.exact and resumes:
             warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
-                      "and discard) the batches before the saved position, and random draws made while loading are "
-                      "not restored. Use a map-style DataLoader, or give the IterableDataset "
-                      "state_dict()/load_state_dict() (with num_workers=0).")
+                      "and discard) the batches before the saved position, exact only if it yields the same batches "
+                      "each time. Use a map-style DataLoader, or give the IterableDataset state_dict()/"
+                      "load_state_dict().")
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger), limits)
         run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
@@ -343,7 +343,7 @@ class Estimator(RunView):
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed, stopping = False, BaseException()
         try:
-            with torch_flags(self.deterministic, self.cudnn_benchmark), run.signals:
+            with torch_flags(self.deterministic, self.cudnn_benchmark, self.device.type == "cpu"), run.signals:
                 try:
                     if distributed.is_distributed() and self._ddp is None:
                         self._ddp = train_wrapper(self)  # None for a sharded net

@@ -3,15 +3,16 @@ ranks for data each rank holds, companions shown this rank's batches (ranks simu
 
 from __future__ import annotations
 
+import numpy as np
 import pytest
 import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from estimatorch import distributed
+from estimatorch import CheckpointHandler, distributed
 from estimatorch.estimator._evaluation import run_batches
 from estimatorch.event_handlers import BatchEnd, EpochBegin, EpochEnd
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import CrashAt, make_batches, make_estimator
 
 
 class Events(EpochBegin, BatchEnd, EpochEnd):
@@ -120,3 +121,32 @@ def test_evaluate_values_are_unchanged_in_one_process():
     assert scores["val_loss"] == pytest.approx(float(nn.CrossEntropyLoss()(logits, y)), rel=1e-6)
     assert scores["val_accuracy"] == float((logits.argmax(1) == y).double().mean())
     assert events.events == ["epoch_begin"] + ["batch_end"] * 3 + ["epoch_end"]
+
+
+class NoisyValidation(torch.utils.data.Dataset):
+    """Validation samples with noise drawn from numpy's legacy global generator."""
+
+    def __len__(self):
+        return 16
+
+    def __getitem__(self, i):
+        return torch.full((4,), float(i % 5)) + torch.from_numpy(np.random.rand(4)).float(), i % 3
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_validation_drawing_from_np_random_gives_the_same_val_loss_after_a_resume(tmp_path, num_workers):
+    x = torch.randn(16, 4, generator=torch.Generator().manual_seed(0))
+    train = DataLoader(TensorDataset(x, torch.arange(16) % 3), batch_size=4, shuffle=True)
+    val = DataLoader(NoisyValidation(), batch_size=8, num_workers=num_workers)
+    np.random.seed(1)
+    full = make_estimator().fit(train, val_data=val, epochs=3)
+    with pytest.raises(RuntimeError, match="crash at batch 7"):
+        make_estimator().fit(train, val_data=val, epochs=3, event_handlers=[
+            CheckpointHandler(tmp_path, batch_period=1, epoch_period=None), CrashAt(7)])
+    np.random.seed(2)  # another process: numpy's global state is whatever it is
+    resumed = make_estimator().fit(train, val_data=val, epochs=3, event_handlers=[
+        CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
+    assert resumed["val_loss"] == full["val_loss"]
+    assert resumed["train_loss"] == full["train_loss"]
+    scores = [make_estimator().evaluate(val)["val_loss"] for _ in range(2)]
+    assert scores[0] == scores[1]  # evaluating is a function of the samples, not of when it runs
