@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import errno
 import logging
 import math
 import os
@@ -13,7 +14,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimatorch import Estimator
+from estimatorch import Estimator, checkpoint
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd, LambdaHandler
 
 
@@ -212,3 +213,16 @@ def free_port() -> int:
     with socket.socket() as s:
         s.bind(("127.0.0.1", 0))
         return s.getsockname()[1]
+
+
+def fill_disk_at(name: str) -> None:
+    """In this process, from now on, ``checkpoint.atomic_save`` of the file called ``name`` fails
+    as on a full disk (ENOSPC, naming the file); other files are written."""
+    real = checkpoint.atomic_save
+
+    def full_disk(obj, path, **kwargs):
+        if os.path.basename(path) == name:
+            raise OSError(errno.ENOSPC, f"cannot write {path!r}: No space left on device")
+        real(obj, path, **kwargs)
+
+    checkpoint.atomic_save = full_disk

@@ -16,7 +16,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint, distributed
 from estimatorch.event_handlers import BatchBegin, BatchEnd
-from tests.conftest import CrashAt, assert_tree_equal
+from tests.conftest import CrashAt, assert_tree_equal, fill_disk_at
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -81,14 +81,7 @@ def _fit(model_dir, async_save, resume=False, crash=0, scribble=False, fail_on=N
         if scribble:
             Held.install()
         if fail_on is not None:
-            real = checkpoint.atomic_save
-
-            def full_disk(obj, path, **kwargs):
-                if os.path.basename(path) == fail_on:
-                    raise OSError(errno.ENOSPC, f"cannot write {path!r}: No space left on device")
-                real(obj, path, **kwargs)
-
-            checkpoint.atomic_save = full_disk
+            fill_disk_at(fail_on)
     net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.Adam(net.parameters(), lr=0.05), seed=5)
     g = torch.Generator().manual_seed(1)

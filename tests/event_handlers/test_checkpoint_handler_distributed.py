@@ -12,7 +12,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint, distributed
-from tests.conftest import CrashAt
+from tests.conftest import CrashAt, fill_disk_at
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow,
               pytest.mark.filterwarnings("ignore:.*has no saved state:UserWarning")]
@@ -84,17 +84,8 @@ def test_replacing_another_runs_export_fails_on_every_rank_alike(tmp_path):
 
 def _fit_with_a_full_disk(model_dir, fail_on):
     """One rank: on rank 0 the write of the file named ``fail_on`` fails as on a full disk."""
-    import errno
-
     if distributed.get_rank() == 0:
-        real = checkpoint.atomic_save
-
-        def full_disk(obj, path, **kwargs):
-            if os.path.basename(path) == fail_on:
-                raise OSError(errno.ENOSPC, f"cannot write {path!r}: No space left on device")
-            real(obj, path, **kwargs)
-
-        checkpoint.atomic_save = full_disk
+        fill_disk_at(fail_on)
     return _fit(model_dir, False, False, 0)
 
 
