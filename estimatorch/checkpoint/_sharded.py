@@ -41,7 +41,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from .. import distributed
 from .._saved import CheckpointError
 from .._version import __version__
-from ._files import PathLike, _fsync_dir, _write_error, atomic_save
+from ._files import PathLike, _fsync_dir, _write_error, _write_text, atomic_save
+from ._format import _read as read_file
 
 __all__ = [
     "MARKER",
@@ -182,8 +183,7 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
                 _fsync_file(os.path.join(tmp, entry))
             marker = {"estimatorch_sharded": SHARDED_FORMAT, "world_size": world,
                       "estimatorch_version": __version__, "torch_version": torch.__version__}
-            atomic_save(json.dumps(marker, indent=1) + "\n", os.path.join(tmp, MARKER),
-                        writer=lambda text, f: f.write(text.encode("utf-8")))
+            atomic_save(json.dumps(marker, indent=1) + "\n", os.path.join(tmp, MARKER), writer=_write_text)
             _fsync_dir(tmp)
             if os.path.exists(path):
                 raise FileExistsError(f"sharded checkpoint {path!r} appeared while it was written")
@@ -354,11 +354,9 @@ def read_rank_state(path: PathLike, rank: int) -> Any:
 
 def _read(file: str) -> Any:
     try:
-        return torch.load(file, map_location="cpu", weights_only=True)
+        return read_file(file)
     except FileNotFoundError:
         raise CheckpointError(f"{file!r} is missing") from None
-    except Exception as err:  # noqa: BLE001 - any unreadable file is a damaged checkpoint
-        raise CheckpointError(f"{file!r} cannot be read: {type(err).__name__}: {err}") from None
 
 
 def sharded_tensors(path: PathLike, key: str = "model") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:

@@ -127,7 +127,7 @@ def test_a_directory_without_its_marker_is_not_a_checkpoint(tmp_path):
     (lambda p: os.unlink(p / "__0_0.distcp"), "missing its shard '__0_0.distcp'"),
     (lambda p: os.unlink(p / "rank-0.pt"), "missing 'rank-0.pt'"),
     (lambda p: os.unlink(p / ".metadata"), "has no .metadata file"),
-    (lambda p: (p / "rank-0.pt").write_bytes(b"garbage"), "rank-0.pt' cannot be read"),
+    (lambda p: (p / "rank-0.pt").write_bytes(b"garbage"), "rank-0.pt': it is not a file torch.save wrote"),
 ])
 def test_a_damaged_directory_is_named_with_the_reason(tmp_path, damage, words):
     path = tmp_path / "model-epoch0batch2.dcp"
