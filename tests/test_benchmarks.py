@@ -94,3 +94,15 @@ def test_gpu_resnet_compares_fit_with_a_hand_written_loop():
     assert list(out["ratio_median"]) == ["raw", "fit-default", "fit-default+bar"]
     assert out["ratio_median"]["raw"] == 1.0 and all(_positive(v) for v in out["ms_per_step"].values())
     assert out["syncs_in_one_epoch_of_fit_default"] is None  # counted on CUDA only
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_sharded_checkpoint_compares_memory_and_checkpoint_time_with_ddp():
+    out = json.loads(_run("sharded_checkpoint.py", "--small", "--repeats", "1", "--json"))
+    ddp, fsdp = out["ddp"], out["fsdp"]
+    assert len(ddp["held_bytes_per_rank"]) == len(fsdp["held_bytes_per_rank"]) == 2
+    # Adam: parameters and two moments, 4 bytes each; under FSDP2 each rank holds half (256 rows split evenly)
+    assert ddp["held_bytes_per_rank"] == [3 * 4 * out["parameters"]] * 2
+    assert fsdp["held_bytes_per_rank"] == [3 * 4 * out["parameters"] // 2] * 2
+    assert all(ddp[k] > 0 and fsdp[k] > 0 for k in ("save_s", "load_s", "size_bytes"))

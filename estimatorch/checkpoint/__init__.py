@@ -27,7 +27,9 @@ the model's state dict alone (plain module keys, CPU tensors), which plain PyTor
 checkpoint, export, pointer or directory.
 
 A model sharded across ranks (FSDP2) is stored as a directory ``{prefix}-epoch{E}batch{B}.dcp``
-written by every rank (``_sharded.py``); :func:`load_weights` and ``inspect`` read one.
+written by every rank (``_sharded.py``, ``_sharded_run.py``) with the same guarantees (written
+aside, marked complete last, renamed; validated before restore; found, agreed on, pruned and
+pointed at like a file); :func:`load_weights` and ``inspect`` read one.
 
 Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 
@@ -48,7 +50,9 @@ from ._files import (
     list_weights,
     prune,
     read_latest,
+    remove_checkpoint,
     remove_orphan_temporaries,
+    sharded_checkpoint_name,
     weights_name,
     write_latest,
 )
@@ -69,6 +73,7 @@ from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
+from ._sharded_run import read_checkpoint, save_fit_checkpoint
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
 
@@ -98,7 +103,11 @@ __all__ = [
     "migrate",
     "model_state",
     "rank_snapshot",
+    "read_checkpoint",
+    "remove_checkpoint",
     "restore_training_state",
+    "save_fit_checkpoint",
+    "sharded_checkpoint_name",
     "validate",
     "weights_name",
     "weights_state",

@@ -19,6 +19,7 @@ from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
 from ._locate import Located, locate
 from ._lock import DirectoryLock, DirectoryLockedError
 from ._sharded import sharded_tensors
+from ._sharded_run import read_sharded_payload
 from ._weights import is_weights
 
 __all__ = ["main"]
@@ -84,6 +85,12 @@ def _inspect(path: str) -> int:
         dtypes = ", ".join(sorted({str(dtype).replace("torch.", "") for _, dtype in tensors.values()}))
         print(f"model {len(tensors)} tensors, {sum(math.prod(shape) for shape, _ in tensors.values())} values "
               f"({dtypes or 'no dtype'}), in shards of {marker['world_size']} ranks")
+        try:  # a fit's (the storage layer alone writes other per-rank states)
+            payload = read_sharded_payload(found.path)
+        except CheckpointError:
+            return 0
+        _print_run(payload)
+        print(f"optimizer {payload.get('optimizer_class', 'of unknown class')}")
         return 0
     if found.kind == "weights":
         keys = list(found.content)
@@ -91,17 +98,20 @@ def _inspect(path: str) -> int:
         print(f"keys {keys[:8]}{' ...' if len(keys) > 8 else ''}")
         return 0
     payload = found.content
-    first = payload["ranks"][0]
     print(f"{found.path}: checkpoint, format {payload['format_version']}, "
           f"estimatorch {payload['estimatorch_version']}, torch {payload['torch_version']}, "
           f"world size {payload['world_size']}")
-    # the run's part of rank 0's snapshot, as saved (the store checks only its envelope)
-    missing = "(missing)"
+    _print_run(payload)
+    print(f"model {_size(payload['model'])}; optimizer {payload.get('optimizer_class', 'of unknown class')}")
+    return 0
+
+
+def _print_run(payload: dict[str, Any]) -> None:
+    """The run's part of rank 0's snapshot, as saved (the store checks only its envelope)."""
+    first, missing = payload["ranks"][0], "(missing)"
     print(f"position {first.get('position', missing)}, plan {first.get('plan', missing)}")
     print(f"fingerprint {first.get('fingerprint', missing)}")
     print(f"handlers {sorted(first['handlers'])}")
-    print(f"model {_size(payload['model'])}; optimizer {payload.get('optimizer_class', 'of unknown class')}")
-    return 0
 
 
 def _parser() -> argparse.ArgumentParser:

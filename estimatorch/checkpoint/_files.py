@@ -1,10 +1,10 @@
 """The files of a checkpoint directory: names, atomic writes, the latest pointer and orphaned
 temporaries.
 
-A directory holds, per prefix: periodic checkpoints ``{prefix}-epoch{E}batch{B}.pt``, the best
-checkpoint ``{prefix}-best.pt``, the pointer ``{prefix}-latest``, and weights exports (the
-model's state dict alone) ``{prefix}-epoch{E}batch{B}.weights.pt`` and
-``{prefix}-best.weights.pt``.
+A directory holds, per prefix: periodic checkpoints ``{prefix}-epoch{E}batch{B}.pt`` (or, for a
+net sharded across ranks, directories ``{prefix}-epoch{E}batch{B}.dcp``), the best checkpoint
+``{prefix}-best.pt``, the pointer ``{prefix}-latest``, and weights exports (the model's state
+dict alone) ``{prefix}-epoch{E}batch{B}.weights.pt`` and ``{prefix}-best.weights.pt``.
 """
 
 from __future__ import annotations
@@ -14,6 +14,7 @@ import logging
 import os
 import re
 import secrets
+import shutil
 from typing import Any, Callable, Optional, Union
 
 import torch
@@ -28,7 +29,9 @@ __all__ = [
     "list_weights",
     "prune",
     "read_latest",
+    "remove_checkpoint",
     "remove_orphan_temporaries",
+    "sharded_checkpoint_name",
     "weights_name",
     "write_latest",
 ]
@@ -38,8 +41,9 @@ PathLike = Union[str, "os.PathLike[str]"]
 
 #: ``.{target}.{12 hex digits}.tmp``: the temporary file :func:`atomic_save` writes first.
 _TEMPORARY = re.compile(r"\.(?P<target>.+)\.[0-9a-f]{12}\.tmp")
-#: the targets estimatorch writes (any prefix): periodic, best and pointer files, and weights exports.
-_TARGET = re.compile(r".+-(?:epoch\d+batch\d+(?:\.weights)?\.pt|best(?:\.weights)?\.pt|latest)")
+#: the targets estimatorch writes (any prefix): periodic, best and pointer files, weights exports, and
+#: sharded checkpoint directories.
+_TARGET = re.compile(r".+-(?:epoch\d+batch\d+(?:(?:\.weights)?\.pt|\.dcp)|best(?:\.weights)?\.pt|latest)")
 #: temporaries this process is writing right now (never orphans).
 _IN_FLIGHT: set[str] = set()
 #: errors of a directory fsync that mean "not supported here", not "failed".
@@ -50,6 +54,12 @@ _NO_DIR_FSYNC = {errno.EINVAL, errno.EBADF, errno.EACCES, getattr(errno, "ENOTSU
 def checkpoint_name(prefix: str, epoch: int, batch: int) -> str:
     """``{prefix}-epoch{E}batch{B}.pt``: E epochs completed and B batches trained when written."""
     return f"{prefix}-epoch{epoch}batch{batch}.pt"
+
+
+def sharded_checkpoint_name(prefix: str, epoch: int, batch: int) -> str:
+    """``{prefix}-epoch{E}batch{B}.dcp``: the directory of a sharded checkpoint (FSDP2), E epochs
+    completed and B batches trained when written."""
+    return f"{prefix}-epoch{epoch}batch{batch}.dcp"
 
 
 def best_name(prefix: str) -> str:
@@ -74,14 +84,16 @@ def best_weights_name(prefix: str) -> str:
 
 
 def _pattern(prefix: str, weights: bool = False) -> re.Pattern:
-    suffix = r"\.weights\.pt" if weights else r"\.pt"
+    suffix = r"\.weights\.pt" if weights else r"\.(?:pt|dcp)"
     return re.compile(re.escape(prefix) + r"-epoch(\d+)batch(\d+)" + suffix)
 
 
 def list_checkpoints(model_dir: PathLike, prefix: str) -> list[tuple[int, int, str]]:
-    """The periodic checkpoints of ``prefix`` in ``model_dir``, oldest first, as
-    ``(epoch, batch, path)``. Names must match exactly: ``model-epoch1batch10x.pt``, a weights
-    export or another prefix's files are never listed (so never deleted by retention)."""
+    """The periodic checkpoints of ``prefix`` in ``model_dir``, files and sharded checkpoint
+    directories, oldest first, as ``(epoch, batch, path)``. Names must match exactly:
+    ``model-epoch1batch10x.pt``, a weights export or another prefix's files are never listed (so
+    never deleted by retention); a ``.dcp`` name is listed only for a directory (complete or
+    not: reading it says)."""
     return _list(model_dir, _pattern(prefix))
 
 
@@ -98,7 +110,7 @@ def _list(model_dir: PathLike, pattern: re.Pattern) -> list[tuple[int, int, str]
     found = []
     for name in os.listdir(model_dir):
         match = pattern.fullmatch(name)
-        if match:
+        if match and (not name.endswith(".dcp") or os.path.isdir(os.path.join(model_dir, name))):
             found.append((int(match.group(1)), int(match.group(2)), os.path.join(model_dir, name)))
     return sorted(found)
 
@@ -234,6 +246,25 @@ def read_latest(model_dir: PathLike, prefix: str) -> Optional[str]:
     return name or None
 
 
+def remove_checkpoint(path: PathLike) -> None:
+    """Delete a checkpoint file, or a sharded checkpoint directory: renamed first to a temporary
+    name (atomically, so that no half-deleted directory is ever taken for a checkpoint), then
+    removed; a kill in between leaves a temporary that :func:`remove_orphan_temporaries` clears.
+    Nothing happens when it is gone already."""
+    path = os.fspath(path)
+    try:
+        if not os.path.isdir(path) or os.path.islink(path):
+            os.remove(path)
+            return
+        parent, name = os.path.split(os.path.abspath(path))
+        doomed = os.path.join(parent, f".{name}.{secrets.token_hex(6)}.tmp")
+        os.rename(path, doomed)
+    except FileNotFoundError:
+        return
+    _fsync_dir(parent)
+    shutil.rmtree(doomed, ignore_errors=True)
+
+
 def prune(saved: list[str], limit: Optional[int], keep: str) -> None:
     """Retention: delete the oldest of ``saved`` (paths, oldest first; the list is updated)
     beyond ``limit`` (None keeps all), never ``keep`` (the file the pointer names)."""
@@ -242,18 +273,16 @@ def prune(saved: list[str], limit: Optional[int], keep: str) -> None:
     while len(saved) > limit:
         old = next(path for path in saved if path != keep)
         saved.remove(old)
-        try:
-            os.remove(old)
-        except FileNotFoundError:  # already gone: nothing to do
-            continue
+        remove_checkpoint(old)
 
 
 def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
-    """Delete the temporary files of writers that are gone; return their names.
+    """Delete the temporary files of writers that are gone (and the temporary directories of
+    sharded checkpoints); return their names.
 
     Only estimatorch's own pattern (``.{prefix}-epoch{E}batch{B}.pt.<hex>.tmp``, and the same
-    for ``-best.pt`` and ``-latest``) is touched, never a temporary this process is writing. The
-    caller holds the directory's lock, so no other live process writes here.
+    for ``.dcp``, ``-best.pt`` and ``-latest``) is touched, never a temporary this process is
+    writing. The caller holds the directory's lock, so no other live process writes here.
     """
     model_dir = os.fspath(model_dir)
     try:
@@ -267,7 +296,10 @@ def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
         if match is None or not _TARGET.fullmatch(match.group("target")) or path in _IN_FLIGHT:
             continue
         try:
-            os.remove(path)
+            if os.path.isdir(path) and not os.path.islink(path):
+                shutil.rmtree(path)
+            else:
+                os.remove(path)
         except FileNotFoundError:
             continue
         removed.append(name)

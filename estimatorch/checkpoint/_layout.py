@@ -12,6 +12,7 @@ from ._files import (
     latest_name,
     list_checkpoints,
     list_weights,
+    sharded_checkpoint_name,
     weights_name,
 )
 
@@ -21,7 +22,8 @@ __all__ = ["Layout"]
 @dataclasses.dataclass(frozen=True)
 class Layout:
     """The files of one handler: training checkpoints or weights exports (``weights``), periodic
-    ones or not (``periodic``), and the best one or not (``best``), named by ``prefix``.
+    ones or not (``periodic``), and the best one or not (``best``), named by ``prefix``; the
+    periodic checkpoints of a sharded net are directories (``sharded``).
 
     Example:
         >>> layout = Layout("runs", "model", weights=True, periodic=False, best=True)
@@ -36,6 +38,7 @@ class Layout:
     weights: bool
     periodic: bool
     best: bool
+    sharded: bool = False
 
     @property
     def resumable(self) -> bool:
@@ -43,7 +46,9 @@ class Layout:
         return self.periodic and not self.weights
 
     def periodic_name(self, epoch: int, batch: int) -> str:
-        return (weights_name if self.weights else checkpoint_name)(self.prefix, epoch, batch)
+        if self.weights:
+            return weights_name(self.prefix, epoch, batch)
+        return (sharded_checkpoint_name if self.sharded else checkpoint_name)(self.prefix, epoch, batch)
 
     def best_name(self) -> str:
         return (best_weights_name if self.weights else best_name)(self.prefix)

@@ -14,15 +14,8 @@ from typing import Any, Callable, Optional
 
 from .. import distributed
 from ._files import PathLike, best_name, list_checkpoints
-from ._format import (
-    FORMAT_VERSION,
-    CheckpointError,
-    NewerFormatError,
-    file_digest,
-    load,
-    newer_format_error,
-    read_format_version,
-)
+from ._format import FORMAT_VERSION, CheckpointError, NewerFormatError, newer_format_error
+from ._sharded_run import digest_of, read_checkpoint, version_of
 from ._validate import check_against_fit
 
 __all__ = ["agree_on_checkpoint", "choose_checkpoint", "find_latest", "format_versions", "refuse_newer"]
@@ -36,7 +29,7 @@ def _newest_valid(model_dir: PathLike, prefix: str, check: Optional[Callable[[st
     """The newest file that passes ``check`` (which may return the payload as the fit reads it)."""
     for _, _, path in reversed(list_checkpoints(model_dir, prefix)):
         try:
-            payload = load(path)
+            payload = read_checkpoint(path)
             if check is not None:
                 checked = check(path, payload)
                 payload = payload if checked is None else checked
@@ -68,13 +61,14 @@ def find_latest(model_dir: PathLike, prefix: str,
 
 
 def format_versions(model_dir: PathLike, prefix: str) -> dict[str, Optional[int]]:
-    """The format version of each checkpoint of ``prefix`` in ``model_dir`` (periodic files,
-    oldest first, then the best file), None for a file that cannot be read as a checkpoint."""
+    """The format version of each checkpoint of ``prefix`` in ``model_dir`` (periodic files and
+    sharded directories, oldest first, then the best file), None for one that cannot be read as a
+    checkpoint."""
     paths = [path for _, _, path in list_checkpoints(model_dir, prefix)]
     best = os.path.join(os.fspath(model_dir), best_name(prefix))
     if os.path.isfile(best):
         paths.append(best)
-    return {path: read_format_version(path) for path in paths}
+    return {path: version_of(path) for path in paths}
 
 
 def refuse_newer(versions: dict[str, Optional[int]]) -> None:
@@ -113,13 +107,17 @@ def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, r
     path = os.path.join(os.fspath(model_dir), name)
     hint = ("every rank must see the checkpoints rank 0 writes: use a model_dir on a filesystem shared by "
             "all nodes, or copy the files to each node's model_dir before resuming")
-    if not os.path.isfile(path):
+    if not os.path.exists(path):
         raise CheckpointError(f"rank {rank} has no {name} in its model_dir {os.fspath(model_dir)!r}, the "
                               f"checkpoint rank 0 resumes from; {hint}")
-    if file_digest(path) != digest:
+    try:
+        same = digest_of(path) == digest
+    except OSError as err:
+        raise CheckpointError(f"rank {rank} cannot read {path}: {err}; {hint}") from None
+    if not same:
         raise CheckpointError(f"rank {rank} reads other bytes in {path} than rank 0 (another file of the same "
                               f"name, or a copy still being written); {hint}")
-    return path, check_against_fit(estimator, load(path), rank, repr(path))
+    return path, check_against_fit(estimator, read_checkpoint(path), rank, repr(path))
 
 
 def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Found],
@@ -137,7 +135,7 @@ def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Fou
     """
     rank, multi = distributed.get_rank(), distributed.is_distributed()
     if multi:
-        sent = (os.path.basename(found[0]), file_digest(found[0])) if rank == 0 and found is not None else None
+        sent = (os.path.basename(found[0]), digest_of(found[0])) if rank == 0 and found is not None else None
         chosen = distributed.broadcast_object(sent)
     error: Optional[BaseException] = None
     try:

@@ -25,6 +25,7 @@ DCP's metadata classes only, and DCP's data holds tensors only (no pickled objec
 
 from __future__ import annotations
 
+import hashlib
 import json
 import os
 import pickle
@@ -41,7 +42,8 @@ from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorS
 from .. import distributed
 from .._saved import CheckpointError
 from .._version import __version__
-from ._files import PathLike, _fsync_dir, _write_error, _write_text, atomic_save
+from ._files import _IN_FLIGHT, PathLike, _fsync_dir, _write_error, _write_text, atomic_save
+from ._format import NewerFormatError
 from ._format import _read as read_file
 
 __all__ = [
@@ -51,6 +53,7 @@ __all__ = [
     "load_sharded",
     "read_sharded_weights",
     "save_sharded",
+    "sharded_digest",
     "sharded_marker",
     "sharded_tensors",
 ]
@@ -155,9 +158,11 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
         if os.path.exists(path):
             raise FileExistsError(f"sharded checkpoint {path!r} already exists; a checkpoint is never overwritten")
         tmp = os.path.join(parent, f".{name}.{secrets.token_hex(6)}.tmp")
+        _IN_FLIGHT.add(tmp)  # never an orphan for this process's cleanup
         try:
             os.mkdir(tmp)
         except OSError as err:
+            _IN_FLIGHT.discard(tmp)
             raise _write_error(tmp, err) from err
         return tmp
 
@@ -182,7 +187,8 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
             for entry in os.listdir(tmp):  # DCP fsyncs its data; a shared filesystem: fsync all
                 _fsync_file(os.path.join(tmp, entry))
             marker = {"estimatorch_sharded": SHARDED_FORMAT, "world_size": world,
-                      "estimatorch_version": __version__, "torch_version": torch.__version__}
+                      "estimatorch_version": __version__, "torch_version": torch.__version__,
+                      "id": secrets.token_hex(8)}  # tells two writes of one name apart (digest)
             atomic_save(json.dumps(marker, indent=1) + "\n", os.path.join(tmp, MARKER), writer=_write_text)
             _fsync_dir(tmp)
             if os.path.exists(path):
@@ -195,6 +201,8 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
         if rank == 0:
             shutil.rmtree(tmp, ignore_errors=True)
         raise
+    finally:
+        _IN_FLIGHT.discard(tmp)
     return path
 
 
@@ -224,7 +232,7 @@ def sharded_marker(path: PathLike) -> dict[str, Any]:
             or not isinstance(marker.get("world_size"), int) or marker["world_size"] < 1:
         raise CheckpointError(f"{marker_path!r} is not an estimatorch sharded checkpoint marker")
     if marker["estimatorch_sharded"] > SHARDED_FORMAT:
-        raise CheckpointError(f"{path!r} was written by a newer estimatorch ({marker.get('estimatorch_version')}, "
+        raise NewerFormatError(f"{path!r} was written by a newer estimatorch ({marker.get('estimatorch_version')}, "
                               f"sharded format {marker['estimatorch_sharded']}); upgrade estimatorch to read it")
     return marker
 
@@ -261,6 +269,16 @@ class _SafeReader(dcp.FileSystemReader):
         storage_meta.load_id = self.load_id
         metadata.storage_meta = storage_meta
         return metadata
+
+
+def sharded_digest(path: PathLike) -> str:
+    """A SHA-256 of the marker and DCP's metadata of the sharded checkpoint at ``path``: ranks
+    compare it to know they read the same checkpoint (the marker holds a random id per write)."""
+    h = hashlib.sha256()
+    for name in (MARKER, _METADATA):
+        with open(os.path.join(os.fspath(path), name), "rb") as f:
+            h.update(f.read())
+    return h.hexdigest()
 
 
 def _metadata(path: str) -> Metadata:

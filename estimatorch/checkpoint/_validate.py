@@ -1,6 +1,11 @@
 """Check a checkpoint against the fit that would resume from it, before anything is restored, and
 restore the training state (model, optimizer, LR scheduler, grad scaler).
 
+A sharded checkpoint's payload (``payload["sharded"]`` names its directory) holds no model or
+optimizer tensors: they are checked against the directory's metadata (every name, global shape
+and dtype; each parameter group's parameter names) and restored through DCP, on any number of
+ranks.
+
 The store checks the training state itself: every model tensor's shape and dtype, the
 optimizer's groups and state, the LR scheduler and grad scaler. Everything else a resume reads
 (position, plan, history, data, handler and metric states, generators, and the mapping of an
@@ -14,9 +19,11 @@ from __future__ import annotations
 from typing import Any
 
 import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .._saved import MISSING, CheckpointError, check_dict, check_keys, check_like, kind, show
-from ._model import load_model_state, model_state
+from ._model import is_sharded_module, load_model_state, model_state, plain_module
+from ._sharded import check_sharded, load_sharded, sharded_tensors
 
 __all__ = ["check_against_fit", "check_training_state", "restore_training_state"]
 
@@ -102,6 +109,48 @@ def _check_optional(target: Any, saved: Any, attr: str, same_torch: bool) -> Non
             check_like(saved[key], value, f"the {attr} state[{key!r}]")
 
 
+def _check_kind(net: torch.nn.Module, payload: dict[str, Any]) -> bool:
+    """Whether ``payload`` is a sharded checkpoint's, refused where the net is not of its kind."""
+    sharded = payload.get("sharded") is not None
+    if sharded != is_sharded_module(net):
+        raise CheckpointError(
+            "it was written by a fit of a net sharded across ranks (FSDP2) and this net is not sharded: resume it "
+            "with the same strategy ('fsdp'), or read its weights with estimatorch.checkpoint.load_weights"
+            if sharded else
+            "it was written by a fit of a net that was not sharded and this net is sharded (FSDP2): resume it "
+            "with strategy='ddp', or start the sharded run in another model_dir")
+    return sharded
+
+
+def _check_sharded_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer, payload: dict[str, Any]) -> None:
+    """A sharded checkpoint's model and optimizer tensors (from its metadata) against ``net`` and
+    ``optimizer``: every name, global shape and dtype, and each group's parameter names."""
+    path = payload["sharded"]
+    check_sharded(path, {"model": dict(model_state(net))})
+    names = {id(p): name for name, p in plain_module(net).named_parameters()}
+    saved = check_dict(payload["optimizer"], "the optimizer state")
+    groups = saved.get("param_groups")
+    if not isinstance(groups, (list, tuple)) or len(groups) != len(optimizer.param_groups):
+        have = len(groups) if isinstance(groups, (list, tuple)) else "no"
+        raise CheckpointError(f"the optimizer state has {have} parameter groups; this optimizer has "
+                              f"{len(optimizer.param_groups)}")
+    shapes: dict[str, tuple[int, ...]] = {}
+    for i, (group, current) in enumerate(zip(groups, optimizer.param_groups)):
+        wanted = [names.get(id(p), "?") for p in current["params"]]
+        saved_names = group.get("params") if isinstance(group, dict) else None
+        if not isinstance(saved_names, (list, tuple)) or list(saved_names) != wanted:
+            listed = list(saved_names[:5]) if isinstance(saved_names, (list, tuple)) else show(group)
+            raise CheckpointError(f"optimizer parameter group {i} holds the parameters {listed}; this "
+                                  f"optimizer's holds {wanted[:5]}{' ...' if len(wanted) > 5 else ''}")
+        shapes.update((names[id(p)], tuple(p.shape)) for p in current["params"] if id(p) in names)
+    for key, (shape, _) in sharded_tensors(path, "optimizer").items():
+        parts = key.split(".")  # state.{parameter name}.{entry}
+        name, entry = ".".join(parts[1:-1]), parts[-1]
+        if parts[0] == "state" and entry in _ELEMENTWISE and name in shapes and shape != shapes[name]:
+            raise CheckpointError(f"optimizer state of {name}[{entry!r}] has shape {list(shape)}; its parameter "
+                                  f"has shape {list(shapes[name])}")
+
+
 def check_training_state(estimator: Any, payload: dict[str, Any]) -> None:
     """Check model, optimizer, LR scheduler and grad scaler states against ``estimator``.
 
@@ -109,6 +158,15 @@ def check_training_state(estimator: Any, payload: dict[str, Any]) -> None:
         CheckpointError: saying what does not fit, in words.
     """
     same_torch = payload.get("torch_version") == str(torch.__version__)
+    if _check_kind(estimator.net, payload):
+        _check_sharded_state(estimator.net, estimator.optimizer, payload)
+        if isinstance(payload.get("optimizer_class"), str) \
+                and payload["optimizer_class"] != type(estimator.optimizer).__name__:
+            raise CheckpointError(f"the optimizer state is of a {payload['optimizer_class']}; this fit's "
+                                  f"optimizer is a {type(estimator.optimizer).__name__}")
+        _check_optional(estimator.lr_scheduler, payload["lr_scheduler"], "lr_scheduler", same_torch)
+        _check_optional(estimator.grad_scaler, payload["grad_scaler"], "grad_scaler", same_torch)
+        return
     _check_model(estimator.net, payload["model"])
     _check_optional(estimator.lr_scheduler, payload["lr_scheduler"], "lr_scheduler", same_torch)
     _check_optional(estimator.grad_scaler, payload["grad_scaler"], "grad_scaler", same_torch)
@@ -143,8 +201,14 @@ def restore_training_state(estimator: Any, payload: dict[str, Any]) -> None:
         CheckpointError: a state does not fit ``estimator``.
     """
     check_training_state(estimator, payload)
-    load_model_state(estimator.net, payload["model"])
-    estimator.optimizer.load_state_dict(payload["optimizer"])
+    if payload.get("sharded") is not None:  # a collective: every rank loads its slices
+        model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
+        state, _ = load_sharded(payload["sharded"], {"model": model, "optimizer": optimizer})
+        set_state_dict(estimator.net, estimator.optimizer, model_state_dict=state["model"],
+                       optim_state_dict=state["optimizer"])
+    else:
+        load_model_state(estimator.net, payload["model"])
+        estimator.optimizer.load_state_dict(payload["optimizer"])
     for attr in ("lr_scheduler", "grad_scaler"):
         target = getattr(estimator, attr)
         if target is not None:

@@ -14,10 +14,12 @@ from typing import Any
 
 import torch
 from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
+from .. import distributed
 from ._files import PathLike
 from ._format import CheckpointError, _read, migrate, validate
-from ._model import model_state
+from ._model import is_sharded_module, model_state
 
 __all__ = ["is_weights", "read_saved", "weights_state"]
 
@@ -29,12 +31,19 @@ def weights_state(net: nn.Module) -> Any:
     """``net``'s state dict under the plain module's keys, every tensor detached and on the CPU
     (tensors already there are not copied); the module versions (``_metadata``) are kept.
 
+    For a net sharded across ranks (FSDP2) it is a collective: every rank calls it, the full
+    tensors are gathered onto global rank 0's CPU (one parameter at a time) and the other
+    ranks get None.
+
     Example:
         >>> import torch
         >>> net = torch.nn.Linear(2, 1)
         >>> sorted(weights_state(torch.nn.DataParallel(net)))
         ['bias', 'weight']
     """
+    if is_sharded_module(net):
+        full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+        return OrderedDict(full) if distributed.is_main_process() else None
     state = model_state(net)
     out: Any = OrderedDict((k, v.detach().cpu() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
     metadata = getattr(state, "_metadata", None)

@@ -14,18 +14,28 @@ from ._state import Run, check_positions, check_snapshot, take_snapshot
 __all__ = ["check_payload", "payload_of", "snapshot_to_resume"]
 
 
-def payload_of(estimator: Any, run: Run) -> Optional[dict[str, Any]]:
-    """Every rank's snapshot gathered on global rank 0 with the training state (None elsewhere)."""
-    ranks = distributed.gather_to_main(take_snapshot(estimator, run))
+def payload_of(estimator: Any, run: Run, gather: bool = True) -> Optional[dict[str, Any]]:
+    """Every rank's snapshot gathered on global rank 0 with the training state (None elsewhere);
+    or, without ``gather``, this rank's part on every rank: its ``snapshot``, ``rank``,
+    ``world_size`` and the training state but ``model`` and ``optimizer`` (a sharded store
+    writes those through DCP)."""
+    snapshot = take_snapshot(estimator, run)
+    rest = {
+        "optimizer_class": type(estimator.optimizer).__name__,
+        "lr_scheduler": estimator.lr_scheduler.state_dict() if estimator.lr_scheduler is not None else None,
+        "grad_scaler": estimator.grad_scaler.state_dict() if estimator.grad_scaler is not None else None,
+    }
+    if not gather:
+        return {"world_size": distributed.get_world_size(), "rank": distributed.get_rank(), **rest,
+                "snapshot": snapshot}
+    ranks = distributed.gather_to_main(snapshot)
     if ranks is None:  # not rank 0: its snapshot went there
         return None
     return {
         "world_size": len(ranks),
         "model": checkpoint.model_state(estimator.net),
         "optimizer": estimator.optimizer.state_dict(),
-        "optimizer_class": type(estimator.optimizer).__name__,
-        "lr_scheduler": estimator.lr_scheduler.state_dict() if estimator.lr_scheduler is not None else None,
-        "grad_scaler": estimator.grad_scaler.state_dict() if estimator.grad_scaler is not None else None,
+        **rest,
         "ranks": ranks,
     }
 

@@ -5,7 +5,9 @@ A net whose parameters are already ``DTensor``s (the user called ``fully_shard``
 it is. ``strategy="fsdp"`` shards a plain net when ``fit`` starts: each top-level child that has
 parameters, then the root, as the FSDP2 examples do, and the optimizer built over the plain
 parameters is pointed at the sharded ones (same names, same groups and hyper-parameters; it must
-not have stepped yet). Without a process group both strategies train the net as it is.
+not have stepped yet). Without a process group both strategies train the net as it is; in a
+process group of one process (``torchrun --nproc_per_node 1``) ``"fsdp"`` shards over that one
+rank, so that its checkpoints are sharded directories that resume on more ranks.
 """
 
 from __future__ import annotations
@@ -20,7 +22,7 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 from .. import distributed
 from ..checkpoint import is_sharded_module
 
-__all__ = ["STRATEGIES", "check_strategy", "train_wrapper"]
+__all__ = ["STRATEGIES", "check_strategy", "train_wrapper", "wraps"]
 
 #: what ``Estimator(strategy=...)`` accepts (None: "fsdp" for a sharded net, else "ddp").
 STRATEGIES = ("ddp", "fsdp")
@@ -40,6 +42,13 @@ def check_strategy(strategy: Any, net: nn.Module, optimizer: Optional[torch.opti
                          "parameters, but this optimizer has already stepped (it holds state of the plain ones): "
                          "build the optimizer afresh, or shard the net yourself with fully_shard first")
     return strategy
+
+
+def wraps(est: Any) -> bool:
+    """Whether ``fit`` calls :func:`train_wrapper`: under a process group of several processes,
+    or of any size for ``strategy="fsdp"``."""
+    return distributed.is_distributed() or (
+        est.strategy == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
 def train_wrapper(est: Any) -> Optional[nn.Module]:

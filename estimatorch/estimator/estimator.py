@@ -51,7 +51,7 @@ from ._state import (
     resume_plan,
     take_snapshot,
 )
-from ._strategy import check_strategy, train_wrapper
+from ._strategy import check_strategy, train_wrapper, wraps
 from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
 from .history import History
@@ -345,7 +345,7 @@ class Estimator(RunView):
         try:
             with torch_flags(self.deterministic, self.cudnn_benchmark, self.device.type == "cpu"), run.signals:
                 try:
-                    if distributed.is_distributed() and self._ddp is None:
+                    if self._ddp is None and wraps(self):
                         self._ddp = train_wrapper(self)  # None for a sharded net
                     rng.seed_everything(self.seed if distributed.get_world_size() == 1
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
@@ -477,14 +477,16 @@ class Estimator(RunView):
             action()
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
-    def state_payload(self) -> Optional[dict[str, Any]]:
+    def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:
         """Everything needed to resume the current fit, for a checkpoint store to write: the
         training state (``model`` under the plain module's keys whatever wraps it, ``optimizer``,
         ``optimizer_class``, ``lr_scheduler``, ``grad_scaler``), ``world_size`` and ``ranks``,
         every rank's snapshot (``estimator/_state.py`` declares what one holds). A collective
         under torch.distributed: every rank must call it; global rank 0 gets the payload, the
-        other ranks None."""
-        return payload_of(self, self._current_run("state_payload"))
+        other ranks None. With ``gather=False`` (a store where every rank writes its own part,
+        as for a sharded net) no collective: every rank gets ``rank``, ``world_size``, its own
+        ``snapshot`` and the training state but ``model`` and ``optimizer``."""
+        return payload_of(self, self._current_run("state_payload"), gather)
 
     def check_payload(self, payload: dict[str, Any], source: str, *, rank: Optional[int] = None) -> dict[str, Any]:
         """Check the run's state in a payload a store read (from ``source``) against the current

@@ -2,7 +2,6 @@
 
 from __future__ import annotations
 
-import contextlib
 import logging
 import math
 import os
@@ -15,8 +14,8 @@ from .._checks import check_bool, check_file_prefix, check_positive_int, check_s
 from .._schedule import EventFilter
 from ..metrics.base import metric_name
 from ._base import StatefulHandler
+from ._checkpoint_directory import DirectoryChecks
 from ._monitor import check_monitor, check_threshold, improved, resolve_mode
-from ._paths import check_output_dir
 from ._subscribe import periodic_events, with_events
 from .mixins import TrainBegin, TrainEnd
 
@@ -25,7 +24,7 @@ __all__ = ["CheckpointHandler"]
 logger = logging.getLogger("estimatorch")
 
 
-class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
+class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
@@ -35,6 +34,14 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
     every handler, so its state is the same whatever the handlers' priorities, to
     ``{model_prefix}-epoch{E}batch{B}.pt`` (E epochs completed and B batches trained). Only
     global rank 0 writes. At ``fit`` start it logs the directory and the files it writes there.
+
+    **A net sharded across ranks** (FSDP2: ``strategy="fsdp"``, or a net sharded with
+    ``fully_shard``) is checkpointed as a directory ``{model_prefix}-epoch{E}batch{B}.dcp``
+    that every rank writes its part of, with the guarantees below (written aside, marked
+    complete, renamed, then pointer and retention; checked before restore, falling back past a
+    damaged one; resharded under ``elastic=True``). ``async_save`` and the best checkpoint
+    (``save_best``, ``save_best_only``) are refused there; weights exports gather the full
+    weights into one plain file.
 
     **Writing.** Each save writes a temporary file, fsyncs it, renames it into place and fsyncs
     the directory; then (when it improved) ``{model_prefix}-best.pt`` the same way; then the
@@ -293,49 +300,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         if self._fitting() is not None:
             self._foreign = frozenset()  # this run's exports: the resumed state knows their best
 
-    # -- checks ----------------------------------------------------------------------------
-    def _refuse_existing(self, names: list[str], why: str = "") -> None:
-        kind = "weights exports" if self.save_weights_only else "checkpoints"
-        remedy = ("resume the run that wrote them (fit(..., resume=True), or a CheckpointHandler with "
-                  "resume_from_checkpoint=True in the fit)" if not self._layout.resumable
-                  else "pass resume_from_checkpoint=True to continue that run")
-        raise FileExistsError(
-            f"model_dir {self.model_dir!r} already holds {kind} of prefix {self.model_prefix!r} "
-            f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}){why}; {remedy}, or choose another "
-            "model_dir or model_prefix (nothing was changed)")
-
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
-        """Before any work: ``model_dir`` is usable, no other fit writes there, and nothing saved
-        would be overwritten (``fit(..., resume=True)`` continues this estimator's own run, which
-        may have written those files) or is of a newer format. (An export's files are checked in
-        ``train_begin``, which sees whether another handler resumes.) ``fit`` agrees on the
-        outcome of every rank's start checks, so an error raised here on rank 0 only stops every
-        rank."""
-        if checkpoint.is_sharded_module(estimator.net) or (
-                getattr(estimator, "strategy", None) == "fsdp" and distributed.get_world_size() > 1):
-            raise ValueError("CheckpointHandler cannot checkpoint a net sharded across ranks (FSDP2) yet: its "
-                             "sharded checkpoints are not written by fit. Train it without CheckpointHandler, or use "
-                             "strategy='ddp' where the model fits on one device")
-        if distributed.is_main_process():
-            check_output_dir(self.model_dir, "model_dir")
-            checkpoint.DirectoryLock(self.model_dir).check()
-            if self._layout.resumable and not (self.resume_from_checkpoint or resume):
-                names = self._layout.existing()
-                if names:
-                    self._refuse_existing(names)
-            if not self.save_weights_only:
-                checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
-        elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
-            # the other ranks only read (their model_dir may be node-local, or not there yet)
-            raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
-
-    def _check_siblings(self, estimator: Any) -> None:
-        for other in estimator.handlers:
-            if other is not self and isinstance(other, CheckpointHandler) \
-                    and self._layout.shares_files_with(other._layout):
-                raise ValueError(f"two CheckpointHandlers of this fit write the same files ({self._layout.describe()} "
-                                 f"in {self.model_dir!r}): give one of them another model_prefix")
-
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         if self._writer is not None:
@@ -359,46 +323,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
         self._step_file = (estimator.resume_step, found[0])
         # that boundary is saved already: a signal before the first step saves nothing again
         self._resumed_step = estimator.resume_step
-
-    def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
-        """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
-        refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
-        files retention owns."""
-        os.makedirs(self.model_dir, exist_ok=True)
-        self._lock = checkpoint.DirectoryLock(self.model_dir)
-        self._lock.acquire()
-        names = self._layout.existing()  # again, under the lock: a fit may have written them since _check_fit
-        resuming = self.resume_from_checkpoint or estimator.resume_pending
-        if names and not self._layout.resumable:
-            if not (estimator.resume_pending or any(getattr(h, "resume_from_checkpoint", False) is True
-                                                    and isinstance(h, CheckpointHandler) for h in estimator.handlers)):
-                self._refuse_existing(names, " and this fit resumes no run")
-            self._foreign = frozenset(names)
-        elif names and not resuming:
-            self._refuse_existing(names)
-        removed = checkpoint.remove_orphan_temporaries(self.model_dir)
-        if removed:
-            logger.info("Removed %d temporary file(s) of interrupted writes from %s", len(removed), self.model_dir)
-        found: Optional[tuple[str, dict[str, Any]]] = None
-        if not self.save_weights_only:
-            versions = checkpoint.format_versions(self.model_dir, self.model_prefix)
-            checkpoint.refuse_newer(versions)
-            skipped: list[str] = []
-            if self.resume_from_checkpoint and not estimator.resume_pending:
-                found, skipped = checkpoint.choose_checkpoint(estimator, self.model_dir, self.model_prefix)
-                best = checkpoint.best_name(self.model_prefix)
-                if found is None and self.save_best and best in names:
-                    self._refuse_existing([best], " but no periodic checkpoint to resume from")
-            best_path = os.path.join(self.model_dir, checkpoint.best_name(self.model_prefix))
-            # Files from before a resume count towards max_checkpoints; unreadable or skipped ones are not ours.
-            self.saved = [path for path, version in versions.items()
-                          if self._layout.resumable and version is not None and path != best_path
-                          and path not in skipped]
-            if found is not None:  # finish a prune a killed writer left undone (after its pointer)
-                checkpoint.prune(self.saved, self.max_checkpoints, keep=found[0])
-        estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(),
-                              os.path.abspath(self.model_dir))
-        return found
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
         try:
@@ -494,11 +418,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             self.best = value  # before the payload: the checkpoint holds it
         if self._layout.resumable:
             self._saved_step = pos.step
-        if self.save_weights_only:
-            state = checkpoint.weights_state(estimator.net) if distributed.is_main_process() else None
+        best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
+        if self._layout.sharded and not self.save_weights_only:  # every rank writes its part
+            self._save_sharded(estimator, names, step)
+            return
+        if self.save_weights_only:  # a sharded net's weights are gathered: a collective
+            sharded = self._layout.sharded
+            state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
         else:
             state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
         writer = self._writer if background else None
         if writer is None:  # a full disk on rank 0 stops every rank, never a hang
             distributed.run_on_main(lambda: self._write(estimator, state, names, best, step),
@@ -508,11 +436,23 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
                                                                                             names, best, step)),
                                     "CheckpointHandler writing a checkpoint")
 
-    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float], step_now: int) -> None:
-        """On rank 0: the files of one save (at step ``step_now``), the periodic one first, then
-        the best one; then the pointer, retention and orphaned temporaries."""
+    def _save_sharded(self, estimator: Any, names: list[str], step: int) -> None:
+        """A sharded net's checkpoint directory, written by every rank (a collective), then rank
+        0's pointer and retention. A directory of the same name (one the resume skipped as
+        unusable, as a file of that name would be replaced) is removed first."""
+        path = os.path.join(self.model_dir, names[0])
+        distributed.run_on_main(lambda: checkpoint.remove_checkpoint(path), "CheckpointHandler clearing " + path)
+        checkpoint.save_fit_checkpoint(estimator, path)
+        distributed.run_on_main(lambda: self._write(estimator, None, names, None, step, written=True),
+                                "CheckpointHandler moving the pointer")
+
+    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float], step_now: int,
+               written: bool = False) -> None:
+        """On rank 0: the files of one save (at step ``step_now``; already ``written`` for a
+        sharded checkpoint), the periodic one first, then the best one; then the pointer,
+        retention and orphaned temporaries."""
         paths = [os.path.join(self.model_dir, name) for name in names]
-        for path in paths:
+        for path in paths if not written else ():
             checkpoint.atomic_save(state, path)
         if self._layout.resumable:
             if paths[0] in self.saved:
@@ -523,8 +463,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd):
             self._step_file = (step_now, paths[0])
             if step == step_now and earlier != paths[0]:  # one file per step: an epoch end
                 self.saved = [path for path in self.saved if path != earlier]  # replaces its batch save
-                with contextlib.suppress(FileNotFoundError):
-                    os.remove(earlier)
+                checkpoint.remove_checkpoint(earlier)
             checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         if self.verbose:

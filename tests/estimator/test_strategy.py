@@ -80,22 +80,6 @@ def test_a_sharded_net_trains_what_ddp_trains(clip, accumulation, precision):
     assert fsdp[0]["history"]["train_loss"][-1] < fsdp[0]["history"]["train_loss"][0]
 
 
-def _refused(kind: str):
-    net = make_net()
-    if kind == "checkpoint":
-        est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                        device="cpu", strategy="fsdp")
-        est.fit(loaders()[0], epochs=1, event_handlers=[CheckpointHandler(f"/tmp/unused-{kind}")])
-    return "trained"
-
-
-@pytest.mark.distributed
-@pytest.mark.slow
-def test_checkpointing_a_sharded_net_is_refused_before_any_step():
-    with pytest.raises(distributed.RankFailedError, match="cannot checkpoint a net sharded across ranks"):
-        distributed.spawn(_refused, 2, "checkpoint", backend="gloo")
-
-
 # -- one process: the argument ------------------------------------------------------------------
 def test_strategy_is_checked_when_the_estimator_is_built():
     net = make_net()

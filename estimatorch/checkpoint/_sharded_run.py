@@ -1,0 +1,132 @@
+"""A fit's checkpoints of a net sharded across ranks (FSDP2): what every rank writes into a sharded
+checkpoint directory (``_sharded.py``), and the run's part of one read back as a payload the
+resume checks like a file's.
+
+Written by every rank at a save (a collective):
+
+- through DCP, the model's and the optimizer's state dicts from
+  ``torch.distributed.checkpoint.state_dict.get_state_dict`` (each rank its slices, keyed by
+  parameter name, so they load on another number of ranks);
+- ``common.pt``: their non-tensor parts (optimizer hyper-parameters, each group's parameter
+  names), the format version and the optimizer's class;
+- ``rank-{r}.pt``: rank ``r``'s snapshot of the run (``Estimator.state_payload(gather=False)``),
+  with the LR scheduler's and grad scaler's states (the same on every rank).
+
+Read back (:func:`read_checkpoint`) as a payload of the single file's layout, whose ``model``
+and ``optimizer`` are left out (``None`` and the tensor-less structure) and whose ``sharded``
+entry names the directory: the estimator checks the run's part as for a file; the training
+state is checked against the directory's metadata and restored with DCP
+(``_validate.py``).
+"""
+
+from __future__ import annotations
+
+import os
+from typing import Any, Optional
+
+import torch
+from torch.distributed.checkpoint.state_dict import get_state_dict
+
+from .._saved import CheckpointError
+from .._version import __version__
+from ._files import PathLike
+from ._format import (
+    FORMAT_VERSION,
+    NewerFormatError,
+    _check_safe,
+    file_digest,
+    load,
+    read_format_version,
+    validate,
+)
+from ._sharded import _COMMON, check_sharded, read_rank_state, save_sharded, sharded_digest, sharded_marker
+from ._sharded import _read as read_part
+
+__all__ = ["SHARDED", "digest_of", "read_checkpoint", "save_fit_checkpoint", "version_of"]
+
+#: the payload entry naming the directory a sharded checkpoint was read from (absent for a file).
+SHARDED = "sharded"
+
+
+def save_fit_checkpoint(estimator: Any, path: PathLike) -> None:
+    """Write the current fit of ``estimator`` (its net sharded) as a sharded checkpoint directory
+    at ``path``: a collective, every rank calls it.
+
+    Raises:
+        FileExistsError: ``path`` exists (on every rank).
+        OSError: a write failed on some rank (on every rank); nothing is left at ``path``.
+    """
+    part = estimator.state_payload(gather=False)
+    model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
+    header = {"format_version": FORMAT_VERSION, "estimatorch_version": __version__,
+              "torch_version": str(torch.__version__)}
+    state = {**header, "model": model, "optimizer": optimizer, "optimizer_class": part["optimizer_class"]}
+    rank_state = {**header, "lr_scheduler": part["lr_scheduler"], "grad_scaler": part["grad_scaler"],
+                  "snapshot": part["snapshot"]}
+    _check_safe(rank_state, "payload")
+    save_sharded(state, rank_state, path)
+
+
+def _checked_version(part: Any, source: str) -> dict[str, Any]:
+    if not isinstance(part, dict):
+        raise CheckpointError(f"{source} is not part of an estimatorch checkpoint")
+    version = part.get("format_version")
+    if version != FORMAT_VERSION:
+        raise CheckpointError(f"{source} has format version {version!r}; this estimatorch reads sharded "
+                              f"checkpoints of format {FORMAT_VERSION}")
+    return part
+
+
+def read_sharded_payload(path: PathLike) -> dict[str, Any]:
+    """The run's part of the sharded checkpoint at ``path`` as a payload (no tensor is read).
+
+    Raises:
+        CheckpointError: the directory is incomplete or damaged, naming it and the reason.
+    """
+    path = os.path.abspath(os.fspath(path))
+    marker = check_sharded(path)
+    common = _checked_version(read_part(os.path.join(path, _COMMON)), repr(os.path.join(path, _COMMON)))
+    ranks = [_checked_version(read_rank_state(path, rank), f"rank {rank}'s file in {path!r}")
+             for rank in range(marker["world_size"])]
+    payload = {
+        "format_version": FORMAT_VERSION,
+        "estimatorch_version": marker.get("estimatorch_version"),
+        "torch_version": marker.get("torch_version"),
+        "world_size": marker["world_size"],
+        "model": None,  # in DCP's files: checked against the metadata, loaded by restore
+        "optimizer": common.get("optimizer"),  # its tensors are None here
+        "optimizer_class": common.get("optimizer_class"),
+        "lr_scheduler": ranks[0].get("lr_scheduler"),
+        "grad_scaler": ranks[0].get("grad_scaler"),
+        "ranks": [part.get("snapshot") for part in ranks],
+        SHARDED: path,
+    }
+    validate(payload, source=repr(path))
+    return payload
+
+
+def read_checkpoint(path: PathLike) -> dict[str, Any]:
+    """A checkpoint's payload: a file loaded (:func:`~estimatorch.checkpoint.load`), or a sharded
+    checkpoint directory's run part (:func:`read_sharded_payload`)."""
+    return read_sharded_payload(path) if os.path.isdir(os.fspath(path)) else load(path)
+
+
+def digest_of(path: PathLike) -> str:
+    """What ranks compare to know they read the same checkpoint: a file's bytes, or a sharded
+    directory's marker and metadata."""
+    return sharded_digest(path) if os.path.isdir(os.fspath(path)) else file_digest(path)
+
+
+def version_of(path: PathLike) -> Optional[int]:
+    """The format version of a checkpoint file or sharded directory; None when unreadable (a
+    directory without its marker included). A sharded layout newer than this library's reads
+    as a newer format."""
+    if not os.path.isdir(os.fspath(path)):
+        return read_format_version(path)
+    try:
+        sharded_marker(path)
+    except NewerFormatError:
+        return FORMAT_VERSION + 1
+    except CheckpointError:
+        return None
+    return FORMAT_VERSION

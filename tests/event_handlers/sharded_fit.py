@@ -1,0 +1,149 @@
+"""One rank of a sharded (FSDP2) fit with a CheckpointHandler, for the tests of sharded checkpoints:
+dropout and a random augmentation, AdamW, checkpoints every ``period`` batches; it may SIGKILL
+itself (``kill_at``: right after that step's boundary, its checkpoint included, or ``kill_in``:
+at the n-th call of a stage of the sharded write) or raise a signal (``signal_at``: {rank: step})."""
+
+from __future__ import annotations
+
+import logging
+import os
+import signal
+from typing import Any
+
+import torch
+from torch import nn
+from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+
+from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, StoppingHandler, distributed
+from estimatorch.event_handlers import BatchEnd
+
+N, BATCH, WIDTH = 48, 4, 17  # 17 rows: the shards of two ranks are uneven
+
+
+class Augmented(torch.utils.data.Dataset):
+    """Fixed points with noise drawn at every access (a random augmentation)."""
+
+    def __init__(self):
+        g = torch.Generator().manual_seed(5)
+        self.x, self.y = torch.randn(N, 4, generator=g), torch.arange(N) % 3
+
+    def __len__(self):
+        return N
+
+    def __getitem__(self, i):
+        return self.x[i] + 0.1 * torch.randn(4), self.y[i]
+
+
+class Record(BatchEnd):
+    """Every step's loss (as hex: exact); kills or signals this process where asked."""
+
+    priority = float("inf")  # after the CheckpointHandler: its boundary save comes first
+
+    def __init__(self, kill_at=None, signal_at=None):
+        self.losses, self.kill_at, self.signal_at = [], kill_at, signal_at or {}
+
+    def batch_end(self, est, *, loss, **kw):
+        self.losses.append(float(loss.detach()).hex())
+        step = est.position.step + 1
+        if step == self.kill_at:
+            est.at_boundary(lambda: os.kill(os.getpid(), signal.SIGKILL))
+        if step == self.signal_at.get(distributed.get_rank()):
+            signal.raise_signal(signal.SIGTERM)
+
+
+class Lines(logging.Handler):
+    def __init__(self):
+        super().__init__(logging.INFO)
+        self.messages = []
+
+    def emit(self, record):
+        self.messages.append(record.getMessage())
+
+
+def full_state(est) -> dict[str, Any]:
+    """The model's and optimizer's state in full (gathered: a collective)."""
+    model, optim = get_state_dict(est.net, est.optimizer, options=StateDictOptions(full_state_dict=True))
+    return {"model": {k: v.clone() for k, v in model.items()}, "optimizer": optim}
+
+
+def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
+    """One rank of the fit; ``options``: resume, batches, accumulation, elastic, period,
+    max_checkpoints, kill_at, signal_at, kill_in (stage, n), strategy, handler (extra kwargs)."""
+    torch.manual_seed(0)
+    torch.set_num_threads(1)
+    if options.get("kill_in"):
+        arm(*options["kill_in"])
+    net = nn.Sequential(nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=11,
+                    strategy=options.get("strategy", "fsdp"))
+    lines = Lines()
+    est.logger.addHandler(lines)
+    loader = torch.utils.data.DataLoader(Augmented(), batch_size=BATCH, shuffle=True)
+    accumulation = options.get("accumulation", 1)
+    record = Record(options.get("kill_at"), options.get("signal_at"))
+    handlers = [record, StoppingHandler(), GradientUpdateHandler(accumulation_steps=accumulation)]
+    if ckpt_dir:
+        handlers.append(CheckpointHandler(
+            ckpt_dir, batch_period=options.get("period", accumulation), epoch_period=None,
+            max_checkpoints=options.get("max_checkpoints"), resume_from_checkpoint=options.get("resume", False),
+            elastic=options.get("elastic", False), **options.get("handler", {})))
+    try:
+        est.fit(loader, batches=options.get("batches", 10), event_handlers=handlers)
+        outcome = "returned"
+    except SystemExit as exit:
+        outcome = f"SystemExit({exit.code})"
+    return {"outcome": outcome, "step": est.position.step, "losses": record.losses, **full_state(est),
+            "log": lines.messages, "files": sorted(os.listdir(ckpt_dir)) if ckpt_dir else []}
+
+
+# -- kills inside the write sequence ---------------------------------------------------------------
+def arm(stage: str, n: int) -> None:
+    """SIGKILL this process at the ``n``-th time it reaches ``stage`` of a sharded checkpoint's
+    write (rank 0 only: the other ranks are left waiting and the launcher ends them):
+
+    - ``"shards"``: DCP has written this rank's shard files, not its metadata;
+    - ``"rank-file"``: before this rank's own file is written;
+    - ``"marker"``: every file but the marker is written;
+    - ``"rename"``: the directory is complete under its temporary name;
+    - ``"pointer"``: the directory has its name, the pointer still names the previous one;
+    - ``"prune"``: retention has renamed an old directory away, not yet removed it.
+    """
+    if distributed.get_rank() != 0:
+        return
+    import shutil
+
+    import torch.distributed.checkpoint as dcp
+
+    from estimatorch.checkpoint import _files, _sharded
+
+    count = {"n": 0}
+
+    def hit() -> None:
+        count["n"] += 1
+        if count["n"] == n:
+            os.kill(os.getpid(), signal.SIGKILL)
+
+    def wrap(owner, name, when):
+        original = getattr(owner, name)
+
+        def patched(*args, **kwargs):
+            if when(*args, **kwargs):
+                hit()
+            return original(*args, **kwargs)
+
+        setattr(owner, name, patched)
+
+    if stage == "shards":
+        wrap(dcp.FileSystemWriter, "finish", lambda *a, **k: True)
+    elif stage == "rank-file":
+        wrap(_sharded, "atomic_save", lambda obj, path, **k: os.path.basename(path) == "rank-0.pt")
+    elif stage == "marker":
+        wrap(_sharded, "atomic_save", lambda obj, path, **k: os.path.basename(path) == _sharded.MARKER)
+    elif stage == "rename":
+        wrap(_sharded.os, "rename", lambda src, dst: str(dst).endswith(".dcp"))
+    elif stage == "pointer":
+        wrap(_files, "atomic_save", lambda obj, path, **k: str(path).endswith("-latest"))
+    elif stage == "prune":
+        wrap(shutil, "rmtree", lambda path, *a, **k: str(path).endswith(".tmp") and ".dcp." in str(path))
+    else:
+        raise ValueError(f"unknown stage {stage!r}")
