@@ -16,7 +16,10 @@ rank reports:
 - the load time of what a resume reads and restores: every rank reads the file (DDP) or the
   directory's run part (FSDP2) and restores the model and optimizer
   (``checkpoint.restore_training_state``; DCP reads each rank's slices); loads read from the page cache;
-- the checkpoint's size on disk.
+- the checkpoint's size on disk;
+- under FSDP2, the same save with ``async_save`` (``save_fit_checkpoint(..., writer=...)``): how
+  long it holds the training thread (every rank copies its shards into staging buffers) and the
+  time until the directory is durable (the writer threads done).
 
 Usage::
 
@@ -104,9 +107,23 @@ def _measure(est, directory: str, repeats: int) -> dict:
         saves.append(_timed(functools.partial(_save, est, path)))
         loads.append(_timed(functools.partial(_load, est, path)))
         size = _size(path)
-    return {"param_bytes": params, "optimizer_bytes": state, "save_s": statistics.median(saves),
-            "load_s": statistics.median(loads), "size_bytes": size,
-            "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024}
+    out = {"param_bytes": params, "optimizer_bytes": state, "save_s": statistics.median(saves),
+           "load_s": statistics.median(loads), "size_bytes": size}
+    if est.strategy == "fsdp":  # async_save: how long the save holds the step, and until durable
+        writer, stalls, durable = checkpoint.BackgroundWriter(), [], []
+        for i in range(repeats):
+            path = os.path.join(directory, f"model-epoch1batch{i}.dcp")
+            os.sync()
+            distributed.barrier()
+            start = time.perf_counter()
+            checkpoint.save_fit_checkpoint(est, path, writer=writer)
+            stalls.append(time.perf_counter() - start)
+            writer.wait()
+            distributed.barrier()
+            durable.append(time.perf_counter() - start)
+        out.update(async_stall_s=statistics.median(stalls), async_durable_s=statistics.median(durable))
+    out["peak_rss_bytes"] = resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024
+    return out
 
 
 def _rank(strategy: str, width: int, depth: int, steps: int, repeats: int, directory: str) -> dict:
@@ -144,6 +161,9 @@ def main(argv=None) -> dict:
                 "peak_rss_bytes_per_rank": [r["peak_rss_bytes"] for r in ranks],
                 "save_s": max(r["save_s"] for r in ranks), "load_s": max(r["load_s"] for r in ranks),
                 "size_bytes": ranks[0]["size_bytes"]}
+            if strategy == "fsdp":
+                for key in ("async_stall_s", "async_durable_s"):
+                    results[strategy][key] = max(r[key] for r in ranks)
     finally:
         shutil.rmtree(root, ignore_errors=True)
     results["held_ratio_fsdp_to_ddp"] = max(results["fsdp"]["held_bytes_per_rank"]) / max(
@@ -160,6 +180,9 @@ def main(argv=None) -> dict:
                   f"{max(r['peak_rss_bytes_per_rank']) / mib:13.1f} {r['save_s']:8.3f} {r['load_s']:8.3f} "
                   f"{r['size_bytes'] / mib:9.1f}")
         print(f"held per rank, fsdp / ddp: {results['held_ratio_fsdp_to_ddp']:.3f}")
+        fsdp = results["fsdp"]
+        print(f"fsdp async_save: the save holds the step {fsdp['async_stall_s']:.3f} s, durable after "
+              f"{fsdp['async_durable_s']:.3f} s (synchronous: {fsdp['save_s']:.3f} s)")
     return results
 
 

@@ -13,8 +13,10 @@ Launching:
 
 from __future__ import annotations
 
+import contextlib
 import os
-from collections.abc import Mapping, Sequence
+import threading
+from collections.abc import Iterator, Mapping, Sequence
 from typing import Any, Callable, Optional, TypeVar, Union
 
 import torch
@@ -41,12 +43,14 @@ __all__ = [
     "is_distributed",
     "is_main_process",
     "NullWriter",
+    "on_group",
     "PendingMax",
     "RankFailedError",
     "raise_on_every_rank",
     "rank_zero_writer",
     "run_on_main",
     "share_outcome",
+    "side_group",
     "spawn",
     "torchrun_env",
 ]
@@ -240,9 +244,43 @@ def all_reduce_states(values: Mapping[str, Any], reductions: Mapping[str, str],
 _FLAG_GROUP: Any = None
 
 
+_THREAD = threading.local()  # .group: the group this thread's collectives use (see on_group)
+_SIDE_GROUPS: dict[int, Any] = {}  # id of the default group -> its side group
+
+
+def side_group() -> Any:
+    """A gloo group of every rank for work on a background thread (a checkpoint written while
+    the steps go on): its collectives never interleave with those of the training thread, which
+    use the default group. Created at the first call (a collective: every rank calls it at the
+    same point), then reused; None without a process group."""
+    if not _initialized():
+        return None
+    key = id(dist.group.WORLD)
+    if key not in _SIDE_GROUPS:
+        _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
+    return _SIDE_GROUPS[key]
+
+
+@contextlib.contextmanager
+def on_group(group: Any) -> Iterator[None]:
+    """Within the block, this thread's agreement collectives (:func:`run_on_main`,
+    :func:`raise_on_every_rank`, :func:`broadcast_object`, :func:`barrier`...) run over
+    ``group`` (e.g. :func:`side_group` on a writer thread); None leaves them as they are."""
+    before = getattr(_THREAD, "group", None)
+    _THREAD.group = group if group is not None else before
+    try:
+        yield
+    finally:
+        _THREAD.group = before
+
+
 def _flag_group() -> Any:
-    """A gloo group for host-side flags, so deciding a stop never touches the GPU."""
+    """A gloo group for host-side flags, so deciding a stop never touches the GPU (or this
+    thread's group, see :func:`on_group`)."""
     global _FLAG_GROUP
+    override = getattr(_THREAD, "group", None)
+    if override is not None:
+        return override
     if dist.get_backend() == "gloo":
         return None
     if _FLAG_GROUP is None:

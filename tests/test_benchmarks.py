@@ -106,3 +106,4 @@ def test_sharded_checkpoint_compares_memory_and_checkpoint_time_with_ddp():
     assert ddp["held_bytes_per_rank"] == [3 * 4 * out["parameters"]] * 2
     assert fsdp["held_bytes_per_rank"] == [3 * 4 * out["parameters"] // 2] * 2
     assert all(ddp[k] > 0 and fsdp[k] > 0 for k in ("save_s", "load_s", "size_bytes"))
+    assert 0 < fsdp["async_stall_s"] <= fsdp["async_durable_s"]

@@ -159,9 +159,9 @@ class BackgroundWriter:
         if error is not None:
             raise error
 
-    def submit(self, payload: Any, write: Callable[[Any], None]) -> None:
-        """Copy ``payload``'s tensors into the staging buffers and call ``write(copy)`` on the
-        writer thread. Waits first for the previous write (raising its error, if it failed)."""
+    def finish_previous(self) -> None:
+        """Wait for the write in flight (logged once per fit, counted in :attr:`waits`) and raise
+        its error, if it failed."""
         if self.busy:
             start = time.perf_counter()
             if not self._logged:
@@ -172,6 +172,11 @@ class BackgroundWriter:
             self.waits += 1
             self.waited_seconds += time.perf_counter() - start
         self.wait()
+
+    def submit(self, payload: Any, write: Callable[[Any], None]) -> None:
+        """Copy ``payload``'s tensors into the staging buffers and call ``write(copy)`` on the
+        writer thread. Waits first for the previous write (raising its error, if it failed)."""
+        self.finish_previous()
         staged, ready = self.staging.stage(payload)
         self._thread = threading.Thread(target=self._run, args=(write, staged, ready),
                                         name="estimatorch-checkpoint-writer")

@@ -128,10 +128,13 @@ def _agree(error: Optional[BaseException], what: str) -> None:
     distributed.raise_on_every_rank(error, what)
 
 
-def _dcp(fn: Any, state: dict[str, Any], **kwargs: Any) -> None:
-    """``dcp.save``/``dcp.load`` of ``state``, in one process without its warning that it
-    assumes one process (that is what estimatorch asks for there)."""
+def _dcp(fn: Any, state: dict[str, Any], process_group: Any = None, **kwargs: Any) -> None:
+    """``dcp.save``/``dcp.load`` of ``state`` (over ``process_group``, by default the default
+    group), in one process without its warning that it assumes one process (that is what
+    estimatorch asks for there)."""
     single = not distributed.is_distributed()
+    if process_group is not None and not single:
+        kwargs["process_group"] = process_group
     with warnings.catch_warnings():
         if single:
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
@@ -151,8 +154,18 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
             errno); no directory is left at ``path``.
     """
     path = os.path.abspath(os.fspath(path))
+    return write_sharded(state, rank_state, path, begin_sharded(path))
+
+
+def begin_sharded(path: PathLike) -> str:
+    """The first part of :func:`save_sharded` (a collective): rank 0 creates the temporary
+    directory every rank writes into; every rank gets its path.
+
+    Raises:
+        FileExistsError: ``path`` exists (on every rank).
+    """
+    path = os.path.abspath(os.fspath(path))
     parent, name = os.path.split(path)
-    rank, world = distributed.get_rank(), distributed.get_world_size()
 
     def create() -> str:
         if os.path.exists(path):
@@ -166,43 +179,55 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
             raise _write_error(tmp, err) from err
         return tmp
 
-    tmp = distributed.broadcast_object(distributed.run_on_main(create, "creating a sharded checkpoint"))
+    return distributed.broadcast_object(distributed.run_on_main(create, "creating a sharded checkpoint"))
+
+
+def write_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike, tmp: str, group: Any = None) -> str:
+    """The rest of :func:`save_sharded` (a collective over ``group``, by default the ranks'
+    own): every rank writes its part into ``tmp`` (from :func:`begin_sharded`), then rank 0
+    marks the directory complete and renames it to ``path``. With :func:`distributed.side_group
+    <estimatorch.distributed.side_group>` it runs on a background thread while the training
+    thread's collectives go on."""
+    path = os.path.abspath(os.fspath(path))
+    parent = os.path.dirname(path)
+    rank, world = distributed.get_rank(), distributed.get_world_size()
     error: Optional[BaseException] = None
-    try:
+    with distributed.on_group(group):
         try:
-            writer = dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False)
-            _dcp(dcp.save, flatten_tensors(state), storage_writer=writer)
-        except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
-            error = err
-        if error is None:
             try:
-                atomic_save(rank_state, os.path.join(tmp, _rank_file(rank)))
-                if rank == 0:
-                    atomic_save(_without_tensors(state), os.path.join(tmp, _COMMON))
-            except OSError as err:
+                writer = dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False)
+                _dcp(dcp.save, flatten_tensors(state), storage_writer=writer, process_group=group)
+            except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
                 error = err
-        _agree(error, f"writing the sharded checkpoint {path}")
+            if error is None:
+                try:
+                    atomic_save(rank_state, os.path.join(tmp, _rank_file(rank)))
+                    if rank == 0:
+                        atomic_save(_without_tensors(state), os.path.join(tmp, _COMMON))
+                except OSError as err:
+                    error = err
+            _agree(error, f"writing the sharded checkpoint {path}")
 
-        def finish() -> None:
-            for entry in os.listdir(tmp):  # DCP fsyncs its data; a shared filesystem: fsync all
-                _fsync_file(os.path.join(tmp, entry))
-            marker = {"estimatorch_sharded": SHARDED_FORMAT, "world_size": world,
-                      "estimatorch_version": __version__, "torch_version": torch.__version__,
-                      "id": secrets.token_hex(8)}  # tells two writes of one name apart (digest)
-            atomic_save(json.dumps(marker, indent=1) + "\n", os.path.join(tmp, MARKER), writer=_write_text)
-            _fsync_dir(tmp)
-            if os.path.exists(path):
-                raise FileExistsError(f"sharded checkpoint {path!r} appeared while it was written")
-            os.rename(tmp, path)
-            _fsync_dir(parent)
+            def finish() -> None:
+                for entry in os.listdir(tmp):  # DCP fsyncs its data; a shared filesystem: fsync all
+                    _fsync_file(os.path.join(tmp, entry))
+                marker = {"estimatorch_sharded": SHARDED_FORMAT, "world_size": world,
+                          "estimatorch_version": __version__, "torch_version": torch.__version__,
+                          "id": secrets.token_hex(8)}  # tells two writes of one name apart (digest)
+                atomic_save(json.dumps(marker, indent=1) + "\n", os.path.join(tmp, MARKER), writer=_write_text)
+                _fsync_dir(tmp)
+                if os.path.exists(path):
+                    raise FileExistsError(f"sharded checkpoint {path!r} appeared while it was written")
+                os.rename(tmp, path)
+                _fsync_dir(parent)
 
-        distributed.run_on_main(finish, f"completing the sharded checkpoint {path}")
-    except BaseException:
-        if rank == 0:
-            shutil.rmtree(tmp, ignore_errors=True)
-        raise
-    finally:
-        _IN_FLIGHT.discard(tmp)
+            distributed.run_on_main(finish, f"completing the sharded checkpoint {path}")
+        except BaseException:
+            if rank == 0:
+                shutil.rmtree(tmp, ignore_errors=True)
+            raise
+        finally:
+            _IN_FLIGHT.discard(tmp)
     return path
 
 

@@ -22,13 +22,16 @@ state is checked against the directory's metadata and restored with DCP
 from __future__ import annotations
 
 import os
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.distributed.checkpoint.state_dict import get_state_dict
+from torch.distributed.tensor import DTensor
 
+from .. import distributed
 from .._saved import CheckpointError
 from .._version import __version__
+from ._async import BackgroundWriter
 from ._files import PathLike
 from ._format import (
     FORMAT_VERSION,
@@ -39,7 +42,16 @@ from ._format import (
     read_format_version,
     validate,
 )
-from ._sharded import _COMMON, check_sharded, read_rank_state, save_sharded, sharded_digest, sharded_marker
+from ._sharded import (
+    _COMMON,
+    begin_sharded,
+    check_sharded,
+    read_rank_state,
+    save_sharded,
+    sharded_digest,
+    sharded_marker,
+    write_sharded,
+)
 from ._sharded import _read as read_part
 
 __all__ = ["SHARDED", "digest_of", "read_checkpoint", "save_fit_checkpoint", "version_of"]
@@ -48,9 +60,16 @@ __all__ = ["SHARDED", "digest_of", "read_checkpoint", "save_fit_checkpoint", "ve
 SHARDED = "sharded"
 
 
-def save_fit_checkpoint(estimator: Any, path: PathLike) -> None:
+def save_fit_checkpoint(estimator: Any, path: PathLike, *, writer: Optional[BackgroundWriter] = None,
+                        then: Optional[Callable[[], None]] = None) -> None:
     """Write the current fit of ``estimator`` (its net sharded) as a sharded checkpoint directory
     at ``path``: a collective, every rank calls it.
+
+    With ``writer`` (this rank's :class:`~estimatorch.checkpoint.BackgroundWriter`) it returns
+    once this rank's part is copied into the writer's staging buffers: the writer thread writes
+    it and completes the directory over :func:`estimatorch.distributed.side_group`, then calls
+    ``then()`` (under that group: e.g. rank 0's pointer and retention through ``run_on_main``).
+    A background write that failed is raised first, on every rank.
 
     Raises:
         FileExistsError: ``path`` exists (on every rank).
@@ -64,7 +83,68 @@ def save_fit_checkpoint(estimator: Any, path: PathLike) -> None:
     rank_state = {**header, "lr_scheduler": part["lr_scheduler"], "grad_scaler": part["grad_scaler"],
                   "snapshot": part["snapshot"]}
     _check_safe(rank_state, "payload")
-    save_sharded(state, rank_state, path)
+    if writer is None:
+        save_sharded(state, rank_state, path)
+        if then is not None:
+            then()
+        return
+    error: Optional[BaseException] = None
+    try:
+        writer.finish_previous()
+    except Exception as err:  # noqa: BLE001 - every rank raises it (they agreed on it in the writer)
+        error = err
+    distributed.raise_on_every_rank(error, "CheckpointHandler writing a checkpoint in the background")
+    group = distributed.side_group()  # (created at the first save: every rank is here)
+    path = os.path.abspath(os.fspath(path))
+    tmp = begin_sharded(path)
+    local, specs = _local_shards(state)
+
+    def write(staged: Any) -> None:
+        write_sharded(_sharded_again(staged[0], specs), staged[1], path, tmp, group)
+        if then is not None:
+            with distributed.on_group(group):
+                then()
+
+    writer.submit((local, rank_state), write)
+
+
+def _local_shards(state: Any, path: tuple = ()) -> tuple[Any, dict[tuple, DTensor]]:
+    """``state`` with every DTensor replaced by its local shard (a view, no copy), and the
+    DTensors by where they were (their layout, to rebuild them around the staged copies)."""
+    specs: dict[tuple, DTensor] = {}
+
+    def walk(value: Any, where: tuple) -> Any:
+        if isinstance(value, DTensor):
+            specs[where] = value
+            return value.to_local().detach()
+        if isinstance(value, dict):
+            return {k: walk(v, (*where, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, (*where, i)) for i, v in enumerate(value))
+        return value
+
+    return walk(state, path), specs
+
+
+def _sharded_again(staged: Any, specs: dict[tuple, DTensor]) -> Any:
+    """The staged local shards wrapped as the DTensors they were (global shape, placements, mesh),
+    with no communication: what DCP plans and writes from."""
+
+    def walk(value: Any, where: tuple) -> Any:
+        if where in specs:
+            live = specs[where]
+            if live.device_mesh.device_type == value.device.type:
+                return DTensor.from_local(value, live.device_mesh, live.placements, run_check=False,
+                                          shape=live.shape, stride=live.stride())
+            # a GPU mesh: from_local would copy the staged shard back to the GPU
+            return DTensor(value, live._spec, requires_grad=False)
+        if isinstance(value, dict):
+            return {k: walk(v, (*where, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, (*where, i)) for i, v in enumerate(value))
+        return value
+
+    return walk(staged, ())
 
 
 def _checked_version(part: Any, source: str) -> dict[str, Any]:

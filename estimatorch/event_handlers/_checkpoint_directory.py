@@ -56,13 +56,13 @@ class DirectoryChecks:
             getattr(estimator, "strategy", None) == "fsdp" and torch.distributed.is_available()
             and torch.distributed.is_initialized())  # fit shards it
         if sharded and not self.save_weights_only:
-            for arg in ("async_save", "save_best", "save_best_only"):
+            for arg in ("save_best", "save_best_only"):
                 if getattr(self, arg):
                     raise ValueError(f"CheckpointHandler({arg}=True) is not available for a net sharded across "
                                      "ranks (FSDP2) yet: its checkpoints are directories written by every rank. "
-                                     "Drop it" + (", and export the best weights as one plain file with a second "
-                                                  "CheckpointHandler(model_dir, monitor=..., save_best_only=True, "
-                                                  "save_weights_only=True)" if arg != "async_save" else ""))
+                                     "Drop it, and export the best weights as one plain file with a second "
+                                     "CheckpointHandler(model_dir, monitor=..., save_best_only=True, "
+                                     "save_weights_only=True)")
         self._layout = dataclasses.replace(self._layout, sharded=sharded)
         if distributed.is_main_process():
             check_output_dir(self.model_dir, "model_dir")

@@ -39,9 +39,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     ``fully_shard``) is checkpointed as a directory ``{model_prefix}-epoch{E}batch{B}.dcp``
     that every rank writes its part of, with the guarantees below (written aside, marked
     complete, renamed, then pointer and retention; checked before restore, falling back past a
-    damaged one; resharded under ``elastic=True``). ``async_save`` and the best checkpoint
-    (``save_best``, ``save_best_only``) are refused there; weights exports gather the full
-    weights into one plain file.
+    damaged one; resharded under ``elastic=True``). With ``async_save`` each rank copies its
+    shards into its staging buffers and its writer thread writes them, the ranks agreeing over
+    a process group of their own. The best checkpoint (``save_best``, ``save_best_only``) is
+    refused there; weights exports gather the full weights into one plain file.
 
     **Writing.** Each save writes a temporary file, fsyncs it, renames it into place and fsyncs
     the directory; then (when it improved) ``{model_prefix}-best.pt`` the same way; then the
@@ -221,7 +222,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         self.save_weights_only = save_weights_only
         self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
         self.async_save = async_save
-        self._writer = checkpoint.BackgroundWriter() if async_save else None  # rank 0 only writes
+        self._writer = checkpoint.BackgroundWriter() if async_save else None  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
                                             periodic=not save_best_only, best=save_best or save_best_only)
@@ -338,11 +339,24 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     def _finish_writes(self, estimator: Any) -> None:
         """Wait for the background write in flight and raise its failure: on every rank where
         every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
-        no error on its way), else (an error, maybe on this rank only: no collective) on rank 0."""
+        no error on its way), else (an error, maybe on this rank only: no collective) where it
+        was met. (For a sharded net every rank has a writer of its own part.)"""
         if self._writer is None:
             return
-        if estimator.interruption is not None or (estimator.position.stop and sys.exc_info()[1] is None):
-            distributed.run_on_main(self._writer.wait, "CheckpointHandler writing a checkpoint in the background")
+        together = estimator.interruption is not None or (estimator.position.stop and sys.exc_info()[1] is None)
+        what = "CheckpointHandler writing a checkpoint in the background"
+        if self._layout.sharded:
+            error: Optional[BaseException] = None
+            try:
+                self._writer.wait()
+            except Exception as err:  # noqa: BLE001 - every rank raises it, or this one where ranks part
+                error = err
+            if together:
+                distributed.raise_on_every_rank(error, what)
+            elif error is not None:
+                raise error
+        elif together:
+            distributed.run_on_main(self._writer.wait, what)
         elif distributed.is_main_process():
             self._writer.wait()
 
@@ -420,7 +434,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
             self._saved_step = pos.step
         best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
         if self._layout.sharded and not self.save_weights_only:  # every rank writes its part
-            self._save_sharded(estimator, names, step)
+            self._save_sharded(estimator, names, step, background)
             return
         if self.save_weights_only:  # a sharded net's weights are gathered: a collective
             sharded = self._layout.sharded
@@ -436,15 +450,19 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
                                                                                             names, best, step)),
                                     "CheckpointHandler writing a checkpoint")
 
-    def _save_sharded(self, estimator: Any, names: list[str], step: int) -> None:
-        """A sharded net's checkpoint directory, written by every rank (a collective), then rank
-        0's pointer and retention. A directory of the same name (one the resume skipped as
-        unusable, as a file of that name would be replaced) is removed first."""
+    def _save_sharded(self, estimator: Any, names: list[str], step: int, background: bool) -> None:
+        """A sharded net's checkpoint directory, written by every rank (a collective; with
+        ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
+        and retention. A directory of the same name (one the resume skipped as unusable, as a
+        file of that name would be replaced) is removed first."""
         path = os.path.join(self.model_dir, names[0])
         distributed.run_on_main(lambda: checkpoint.remove_checkpoint(path), "CheckpointHandler clearing " + path)
-        checkpoint.save_fit_checkpoint(estimator, path)
-        distributed.run_on_main(lambda: self._write(estimator, None, names, None, step, written=True),
-                                "CheckpointHandler moving the pointer")
+
+        def settle() -> None:
+            distributed.run_on_main(lambda: self._write(estimator, None, names, None, step, written=True),
+                                    "CheckpointHandler moving the pointer")
+
+        checkpoint.save_fit_checkpoint(estimator, path, writer=self._writer if background else None, then=settle)
 
     def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float], step_now: int,
                written: bool = False) -> None:

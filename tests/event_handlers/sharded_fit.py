@@ -5,9 +5,12 @@ at the n-th call of a stage of the sharded write) or raise a signal (``signal_at
 
 from __future__ import annotations
 
+import errno
 import logging
 import os
 import signal
+import threading
+import time
 from typing import Any
 
 import torch
@@ -15,7 +18,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
 
 from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, StoppingHandler, distributed
-from estimatorch.event_handlers import BatchEnd
+from estimatorch.event_handlers import BatchBegin, BatchEnd
 
 N, BATCH, WIDTH = 48, 4, 17  # 17 rows: the shards of two ranks are uneven
 
@@ -68,11 +71,18 @@ def full_state(est) -> dict[str, Any]:
 
 def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     """One rank of the fit; ``options``: resume, batches, accumulation, elastic, period,
-    max_checkpoints, kill_at, signal_at, kill_in (stage, n), strategy, handler (extra kwargs)."""
+    max_checkpoints, kill_at, signal_at, kill_in (stage, n), strategy, handler (extra kwargs),
+    scribble (background writes held until the next step has scribbled over the parameters),
+    slow_write (seconds each background write waits first), full_disk (rank 0's own file of the
+    n-th save fails as on a full disk)."""
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if options.get("kill_in"):
         arm(*options["kill_in"])
+    if options.get("scribble") or options.get("slow_write"):
+        hold_writes(options.get("slow_write"), options.get("batches", 10))
+    if options.get("full_disk"):
+        fill_rank_file_at(options["full_disk"])
     net = nn.Sequential(nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=11,
                     strategy=options.get("strategy", "fsdp"))
@@ -87,13 +97,92 @@ def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
             ckpt_dir, batch_period=options.get("period", accumulation), epoch_period=None,
             max_checkpoints=options.get("max_checkpoints"), resume_from_checkpoint=options.get("resume", False),
             elastic=options.get("elastic", False), **options.get("handler", {})))
+    scribble = Scribble(handlers[-1]) if options.get("scribble") else None
     try:
-        est.fit(loader, batches=options.get("batches", 10), event_handlers=handlers)
+        est.fit(loader, batches=options.get("batches", 10), event_handlers=handlers + ([scribble] if scribble else []))
         outcome = "returned"
     except SystemExit as exit:
         outcome = f"SystemExit({exit.code})"
+    except OSError as err:
+        return {"outcome": "OSError", "errno": err.errno, "message": str(err), "step": est.position.step,
+                "files": sorted(os.listdir(ckpt_dir))}
     return {"outcome": outcome, "step": est.position.step, "losses": record.losses, **full_state(est),
-            "log": lines.messages, "files": sorted(os.listdir(ckpt_dir)) if ckpt_dir else []}
+            "log": lines.messages, "files": sorted(os.listdir(ckpt_dir)) if ckpt_dir else [],
+            "states": scribble.states if scribble else None, "scribbled": scribble.scribbled if scribble else 0}
+
+
+# -- background writes ----------------------------------------------------------------------------
+_GO = threading.Event()
+
+
+def hold_writes(seconds=None, last=None) -> None:
+    """Background writes of sharded checkpoints wait first: ``seconds``, or (None) until the next
+    step's :class:`Scribble` lets them go (but the write of step ``last``, with no step after it)."""
+    from estimatorch.checkpoint import _sharded
+
+    real = _sharded.write_sharded
+
+    def held(state, rank_state, path, *args, **kwargs):
+        if threading.current_thread() is not threading.main_thread() \
+                and not os.fspath(path).endswith(f"batch{last}.dcp"):
+            if seconds is not None:
+                time.sleep(seconds)
+            else:
+                assert _GO.wait(60), "never released"
+                _GO.clear()
+        return real(state, rank_state, path, *args, **kwargs)
+
+    _sharded.write_sharded = held
+    from estimatorch.checkpoint import _sharded_run
+
+    _sharded_run.write_sharded = held
+
+
+class Scribble(BatchBegin, BatchEnd):
+    """Every rank: the full model at every step's end (what its boundary's checkpoint must hold);
+    at the start of a step while a background write is held, this rank's shards set to 1234.5
+    in place, the write let go and waited for, then the shards put back."""
+
+    priority = float("inf")
+
+    def __init__(self, handler):
+        self.handler, self.states, self.scribbled = handler, {}, 0
+
+    def batch_end(self, est, **kw):
+        self.states[est.position.step + 1] = {k: v.full_tensor().clone() for k, v in est.net.state_dict().items()}
+
+    def batch_begin(self, est, **kw):
+        writer = self.handler._writer
+        if not writer.busy:
+            return
+        saved = [(p, p.detach().to_local().clone()) for p in est.net.parameters()]
+        with torch.no_grad():
+            for p, _ in saved:
+                p.to_local().fill_(1234.5)
+        _GO.set()
+        writer.join()
+        self.scribbled += 1
+        with torch.no_grad():
+            for p, value in saved:
+                p.to_local().copy_(value)
+
+
+def fill_rank_file_at(n: int) -> None:
+    """On rank 0, its own file of the ``n``-th sharded save fails as on a full disk."""
+    if distributed.get_rank() != 0:
+        return
+    from estimatorch.checkpoint import _sharded
+
+    real, count = _sharded.atomic_save, {"n": 0}
+
+    def full_disk(obj, path, **kwargs):
+        if os.path.basename(path) == "rank-0.pt":
+            count["n"] += 1
+            if count["n"] == n:
+                raise OSError(errno.ENOSPC, f"cannot write {path!r}: No space left on device")
+        real(obj, path, **kwargs)
+
+    _sharded.atomic_save = full_disk
 
 
 # -- kills inside the write sequence ---------------------------------------------------------------

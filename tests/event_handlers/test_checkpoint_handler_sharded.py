@@ -133,11 +133,10 @@ def test_a_weights_export_of_a_sharded_run_is_one_plain_file(reference, tmp_path
     assert_tree_equal(dict(weights), full[0]["model"], "weights")
 
 
-@pytest.mark.parametrize("option", ["async_save", "save_best"])
-def test_options_sharded_checkpoints_lack_are_refused_before_any_step(tmp_path, option):
-    extra = {option: True, "monitor": "train_loss"} if option == "save_best" else {option: True}
+@pytest.mark.parametrize("option", ["save_best", "save_best_only"])
+def test_a_best_checkpoint_of_a_sharded_net_is_refused_before_any_step(tmp_path, option):
     with pytest.raises(RankFailedError) as info:
-        _spawn(1, tmp_path, batches=2, handler=extra)
+        _spawn(1, tmp_path, batches=2, handler={option: True, "monitor": "train_loss"})
     assert f"CheckpointHandler({option}=True) is not available for a net sharded" in str(info.value)
     assert not any(name.endswith(".dcp") for name in os.listdir(tmp_path))
 

@@ -3,7 +3,9 @@ and rank 0 is SIGKILLed at each stage of a sharded write in turn (DCP's shards w
 its metadata; before a rank's own file; before the marker; before the rename; before the
 pointer; inside retention). Each launch resumes the previous one's directory. After every kill
 the pointer names a directory that is there, every ``.dcp`` directory is complete; the last
-launch ends bit-identical to an uninterrupted run, leaving no temporary behind."""
+launch ends bit-identical to an uninterrupted run, leaving no temporary behind. The chain runs
+with synchronous saves and with ``async_save=True`` (the kills then land in the writer thread,
+while the steps go on)."""
 
 from __future__ import annotations
 
@@ -28,8 +30,8 @@ KILLS = [("shards", 2, "shards without metadata"), ("rank-file", 2, "before the 
 
 
 def _spawn(ckpt_dir, **options):
-    return distributed.spawn(fit, 2, str(ckpt_dir), dict(batches=BATCHES, period=1, max_checkpoints=2, **options),
-                             backend="gloo")
+    options = dict(batches=BATCHES, period=1, max_checkpoints=2, **options)
+    return distributed.spawn(fit, 2, str(ckpt_dir), options, backend="gloo")
 
 
 def _where(directory):
@@ -65,19 +67,21 @@ def _check_left(directory):
     return max((step for _, step, _ in checkpoint.list_checkpoints(directory, "model")), default=0)
 
 
-def test_kills_at_every_stage_of_a_sharded_write_resume_from_the_newest_complete_one(tmp_path):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+def test_kills_at_every_stage_of_a_sharded_write_resume_from_the_newest_complete_one(tmp_path, async_save):
     reference = _spawn(tmp_path / "reference")
     ckpt = tmp_path / "ckpt"
+    handler = {"async_save": async_save}
     newest = 0
     for stage, n, left in KILLS:
         with pytest.raises(RankFailedError):
-            _spawn(ckpt, resume=True, kill_in=(stage, n))
+            _spawn(ckpt, resume=True, kill_in=(stage, n), handler=handler)
         assert _where(ckpt) == left, stage
         step = _check_left(ckpt)
         assert step >= newest, f"after a kill {stage}: the newest checkpoint went back from {newest} to {step}"
         newest = step
     assert newest < BATCHES
-    final = _spawn(ckpt, resume=True)
+    final = _spawn(ckpt, resume=True, handler=handler)
     for got, want in zip(final, reference):
         assert got["outcome"] == "returned" and got["step"] == BATCHES
         assert got["losses"] == want["losses"][BATCHES - len(got["losses"]):]
