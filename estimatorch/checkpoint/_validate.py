@@ -4,7 +4,8 @@ restore the training state (model, optimizer, LR scheduler, grad scaler).
 A sharded checkpoint's payload (``payload["sharded"]`` names its directory) holds no model or
 optimizer tensors: they are checked against the directory's metadata (every name, global shape
 and dtype; each parameter group's parameter names) and restored through DCP, on any number of
-ranks.
+ranks, into a sharded net or a plain one (each reads the slices it holds, or the whole
+tensors); a single file is never restored into a sharded net.
 
 The store checks the training state itself: every model tensor's shape and dtype, the
 optimizer's groups and state, the LR scheduler and grad scaler. Everything else a resume reads
@@ -110,15 +111,12 @@ def _check_optional(target: Any, saved: Any, attr: str, same_torch: bool) -> Non
 
 
 def _check_kind(net: torch.nn.Module, payload: dict[str, Any]) -> bool:
-    """Whether ``payload`` is a sharded checkpoint's, refused where the net is not of its kind."""
+    """Whether ``payload`` is a sharded checkpoint's (a directory: any net loads one, sharded or
+    not); a file is refused for a sharded net."""
     sharded = payload.get("sharded") is not None
-    if sharded != is_sharded_module(net):
-        raise CheckpointError(
-            "it was written by a fit of a net sharded across ranks (FSDP2) and this net is not sharded: resume it "
-            "with the same strategy ('fsdp'), or read its weights with estimatorch.checkpoint.load_weights"
-            if sharded else
-            "it was written by a fit of a net that was not sharded and this net is sharded (FSDP2): resume it "
-            "with strategy='ddp', or start the sharded run in another model_dir")
+    if not sharded and is_sharded_module(net):
+        raise CheckpointError("it was written by a fit of a net that was not sharded and this net is sharded "
+                              "(FSDP2): resume it with strategy='ddp', or start the sharded run in another model_dir")
     return sharded
 
 

@@ -34,6 +34,7 @@ class DirectoryChecks:
     save_best: bool
     resume_from_checkpoint: bool
     max_checkpoints: Optional[int]
+    sharded: Optional[bool]
 
     def _refuse_existing(self, names: list[str], why: str = "") -> None:
         kind = "weights exports" if self.save_weights_only else "checkpoints"
@@ -52,9 +53,13 @@ class DirectoryChecks:
         ``train_begin``, which sees whether another handler resumes.) ``fit`` agrees on the
         outcome of every rank's start checks, so an error raised here on rank 0 only stops every
         rank."""
-        sharded = checkpoint.is_sharded_module(estimator.net) or (
+        shards = checkpoint.is_sharded_module(estimator.net) or (
             getattr(estimator, "strategy", None) == "fsdp" and torch.distributed.is_available()
             and torch.distributed.is_initialized())  # fit shards it
+        if shards and self.sharded is False and not self.save_weights_only:
+            raise ValueError("CheckpointHandler(sharded=False) but the net is sharded across ranks (FSDP2): its "
+                             "checkpoints are directories every rank writes its part of; leave sharded=None")
+        sharded = shards or self.sharded is True
         if sharded and not self.save_weights_only:
             for arg in ("save_best", "save_best_only"):
                 if getattr(self, arg):

@@ -43,6 +43,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     shards into its staging buffers and its writer thread writes them, the ranks agreeing over
     a process group of their own. The best checkpoint (``save_best``, ``save_best_only``) is
     refused there; weights exports gather the full weights into one plain file.
+    ``sharded=True`` writes such directories for a plain net too; a directory resumes a fit of
+    a plain net as well as of a sharded one, on any number of ranks.
 
     **Writing.** Each save writes a temporary file, fsyncs it, renames it into place and fsyncs
     the directory; then (when it improved) ``{model_prefix}-best.pt`` the same way; then the
@@ -161,6 +163,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
             run's first fit on, and on every resume. Defaults to False.
         async_save: write checkpoints on a background thread; the step waits only for a copy of
             the state into reused CPU buffers (see above). Defaults to False.
+        sharded: write checkpoints as directories every rank writes its part of (see above):
+            None for a net sharded across ranks only, True also for a plain net (its checkpoints
+            then load on any number of ranks, into a sharded net or a plain one), False never
+            (refused for a sharded net). Defaults to None.
 
     Example:
         >>> import tempfile
@@ -182,7 +188,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
-                 elastic: bool = False, async_save: bool = False):
+                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
@@ -222,6 +228,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         self.save_weights_only = save_weights_only
         self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
         self.async_save = async_save
+        if sharded is not None and not isinstance(sharded, bool):
+            raise TypeError(f"sharded must be None, True or False, got {sharded!r}")
+        self.sharded = sharded
         self._writer = checkpoint.BackgroundWriter() if async_save else None  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,

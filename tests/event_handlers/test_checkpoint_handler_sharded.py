@@ -10,7 +10,7 @@ import shutil
 import pytest
 import torch
 
-from estimatorch import checkpoint, distributed
+from estimatorch import CheckpointHandler, checkpoint, distributed
 from estimatorch.distributed import RankFailedError
 from tests.conftest import assert_tree_equal
 from tests.event_handlers.sharded_fit import fit
@@ -99,13 +99,27 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_with_a_warning(re
     assert resumed and resumed[0].endswith(f"{_name(5)}: 0 epochs and 5 batches done"), again[0]["log"]
 
 
+def _in_process(ckpt_dir, **options):
+    """The fit in this process (no process group: a plain net), the thread count restored."""
+    threads = torch.get_num_threads()
+    try:
+        return fit(str(ckpt_dir), {"strategy": "ddp", **options})
+    finally:
+        torch.set_num_threads(threads)
+
+
 def test_two_ranks_resume_on_one_with_accumulation_two_bit_identically(tmp_path):
     full = _spawn(2, tmp_path / "full", batches=BATCHES, elastic=True)
     resume = _copy(tmp_path / "full", tmp_path, "model-epoch0batch3.dcp")
+    plain = tmp_path / "plain"
+    shutil.copytree(resume, plain)
     (one,) = _spawn(1, resume, batches=2 * BATCHES, accumulation=2, elastic=True, resume=True)
-    assert one["step"] == 2 * BATCHES
-    assert_tree_equal(one["model"], full[0]["model"], "model")
-    assert_tree_equal(one["optimizer"], full[0]["optimizer"], "optimizer")
+    # and into a plain net, in a process without a process group (the directory read whole)
+    alone = _in_process(plain, batches=2 * BATCHES, accumulation=2, elastic=True, resume=True)
+    for run in (one, alone):
+        assert run["step"] == 2 * BATCHES
+        assert_tree_equal(run["model"], full[0]["model"], "model")
+        assert_tree_equal(run["optimizer"], full[0]["optimizer"], "optimizer")
 
 
 def test_one_rank_resumes_on_two_bit_identically(tmp_path):
@@ -141,8 +155,26 @@ def test_a_best_checkpoint_of_a_sharded_net_is_refused_before_any_step(tmp_path,
     assert not any(name.endswith(".dcp") for name in os.listdir(tmp_path))
 
 
-def test_a_sharded_checkpoint_is_skipped_by_a_fit_of_a_plain_net_saying_why(reference, tmp_path):
-    ckpt, _ = reference
+def test_a_plain_net_writes_directories_with_sharded_true_and_resumes_from_them_exactly(tmp_path):
+    full = _in_process(tmp_path / "full", batches=8, period=1, handler={"sharded": True})
+    assert full["files"] == [f"model-epoch0batch{b}.dcp" for b in range(1, 9)] + ["model-latest"]
+    again = _in_process(_copy(tmp_path / "full", tmp_path, "model-epoch0batch3.dcp"), batches=8, period=1,
+                        resume=True, handler={"sharded": True})
+    assert again["losses"] == full["losses"][3:]
+    assert_tree_equal(again["model"], full["model"], "model")
+    assert_tree_equal(again["optimizer"], full["optimizer"], "optimizer")
+
+
+def test_a_file_is_skipped_by_a_fit_of_a_sharded_net_saying_why(tmp_path):
+    _in_process(tmp_path, batches=4, period=2)
+    assert "model-epoch0batch4.pt" in os.listdir(tmp_path)
     with pytest.raises(RankFailedError) as info:
-        _spawn(1, _copy(ckpt, tmp_path, "model-epoch0batch4.dcp"), batches=BATCHES, resume=True, strategy="ddp")
-    assert "written by a fit of a net sharded across ranks (FSDP2) and this net is not sharded" in str(info.value)
+        _spawn(1, tmp_path, batches=BATCHES, resume=True)
+    assert "written by a fit of a net that was not sharded and this net is sharded (FSDP2)" in str(info.value)
+
+
+def test_sharded_false_is_refused_for_a_sharded_net_and_sharded_must_be_a_bool(tmp_path):
+    with pytest.raises(RankFailedError, match=r"CheckpointHandler\(sharded=False\) but the net is sharded"):
+        _spawn(1, tmp_path, batches=2, handler={"sharded": False})
+    with pytest.raises(TypeError, match="sharded"):
+        CheckpointHandler(tmp_path, sharded="yes")
