@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from .. import distributed
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
-           "stop_exception", "stop_message"]
+           "stop_exception", "stop_for", "stop_message"]
 
 #: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
@@ -202,3 +202,10 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
         return head + tail + " fit(..., resume=True) continues from there."
     return head + tail + (" No CheckpointHandler writes resumable checkpoints: the steps trained are lost when this "
                           "process ends; add CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them.")
+
+
+def stop_for(signals: SignalGuard, code: int) -> None:
+    """Leave ``fit``'s loop at this boundary because of signal ``code`` (agreed by every rank)."""
+    signals.stoppable = False
+    signals.stopped = SIGNAL_NAMES[code]
+    raise stop_exception(signals.stopped)
