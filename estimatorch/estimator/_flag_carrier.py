@@ -49,7 +49,8 @@ class FlagCarrier:
         self.lag = lag
         #: flags in the outbox, as a tuple of SLOTS ints (what the next all-reduce sends)
         self.outbox: tuple[int, ...] = (0,) * SLOTS
-        self._constants: dict[tuple[Any, ...], torch.Tensor] = {}  # (outbox, device, dtype) -> tensor
+        self._constants: dict[tuple[int, ...], torch.Tensor] = {}  # outbox -> tensor, on _where
+        self._where: tuple[Any, Any] = (None, None)  # the bucket's device and dtype
         self._sent: Optional[torch.Tensor] = None  # this step's reduced outbox (on lag 1: a host copy)
         self._event: Any = None
         self._unread: Optional[tuple[torch.Tensor, Any]] = None  # lag 1: the previous step's
@@ -70,29 +71,31 @@ class FlagCarrier:
         buffer.div_(self.world_size)  # as DDP's allreduce_hook: divide first, then SUM
         if bucket.index() != 0:
             return dist.all_reduce(buffer, group=group, async_op=True).get_future().then(_first)
-        n = buffer.numel()
-        joined = torch.cat((buffer, self._constant(buffer.device, buffer.dtype)))
+        joined = torch.cat((buffer, self._constant(buffer)))
         fut = dist.all_reduce(joined, group=group, async_op=True).get_future()
+        if not self.lag:  # DDP waits for it before backward returns; it reads only the first
+            self._sent = joined  # numel() elements of the result, by offset: the flags may stay
+            return fut.then(_first)
 
-        def split(done: torch.futures.Future) -> torch.Tensor:
+        def copy_out(done: torch.futures.Future) -> torch.Tensor:
             out = done.value()[0]
-            self._keep(out[n:])
-            return out[:n]
+            self._keep(out[-SLOTS:])  # here the result is ready on the current stream
+            return out
 
-        return fut.then(split)
+        return fut.then(copy_out)
 
-    def _constant(self, device: torch.device, dtype: torch.dtype) -> torch.Tensor:
+    def _constant(self, buffer: torch.Tensor) -> torch.Tensor:
         """The outbox as a tensor on the bucket's device, made once per value (no copy per step)."""
-        key = (self.outbox, device, dtype)
-        tensor = self._constants.get(key)
+        if self._where != (buffer.device, buffer.dtype):
+            self._where, self._constants = (buffer.device, buffer.dtype), {}
+        tensor = self._constants.get(self.outbox)
         if tensor is None:
-            tensor = self._constants[key] = torch.tensor(self.outbox, dtype=dtype, device=device)
+            tensor = self._constants[self.outbox] = torch.tensor(self.outbox, dtype=buffer.dtype,
+                                                                 device=buffer.device)
         return tensor
 
     def _keep(self, flags: torch.Tensor) -> None:
-        if not self.lag:
-            self._sent = flags
-            return
+        """Lag 1: copy the reduced flags to the host behind the all-reduce, without waiting."""
         host = self._host[self._flip]
         self._flip ^= 1
         host.copy_(flags, non_blocking=True)
@@ -110,7 +113,7 @@ class FlagCarrier:
         arrived: Optional[tuple[int, ...]] = None
         if not self.lag:
             if sent is not None:
-                arrived = _decode(sent)
+                arrived = _decode(sent[-SLOTS:])
             return sent is not None, arrived
         if self._unread is not None:
             host, unread_event = self._unread
