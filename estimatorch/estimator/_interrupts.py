@@ -176,13 +176,13 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
         notebook: running in a Jupyter kernel (``fit(..., resume=True)`` is the way back there).
         checkpointing: the fit has a ``CheckpointHandler`` (it saves the boundary).
         resumes: one of them has ``resume_from_checkpoint=True`` (a rerun continues).
-        multi: several processes (they agree on the boundary: this step or the next).
+        multi: several processes (they agree on a boundary a step or two later).
 
     Example:
         >>> stop_message("SIGTERM", notebook=False, checkpointing=False, resumes=False, multi=False)[:46]
         'SIGTERM: stopping at the end of the current st'
     """
-    where = "at the end of this step or the next (all processes stop at the same one)" if multi \
+    where = "within the next steps (all processes stop at the same one)" if multi \
         else "at the end of the current step"
     if name == "SIGTERM":
         head = f"SIGTERM: stopping {where}"

@@ -114,3 +114,29 @@ def test_read_a_step_late_a_stop_in_flight_at_a_checkpoint_resumes_to_the_same_s
         assert (got["step"], got["batches"], got["phase"]) == (4, 1, "epoch_end")
         assert_tree_equal(got["model"], want["model"], "model")
         assert_tree_equal(got["optimizer"], want["optimizer"], "optimizer")
+
+
+def _fits(hooks):
+    """A 2-epoch fit with the flags carried and one with DDP's default all-reduce (no hook)."""
+    from estimatorch.estimator import _strategy
+
+    out = []
+    for hooked in hooks:
+        carried = _strategy.attach_carrier
+        if not hooked:
+            _strategy.attach_carrier = lambda ddp: None
+        try:
+            est, loader = _estimator()
+            est.fit(loader, epochs=2)
+        finally:
+            _strategy.attach_carrier = carried
+        out.append({"model": est.net.state_dict(), "optimizer": est.optimizer.state_dict()})
+    return out
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_fit_trains_the_same_bits_with_and_without_the_hook():
+    for rank, (hooked, plain) in enumerate(distributed.spawn(_fits, 2, (True, False), backend="gloo")):
+        assert_tree_equal(hooked["model"], plain["model"], f"rank {rank} model")
+        assert_tree_equal(hooked["optimizer"], plain["optimizer"], f"rank {rank} optimizer")
