@@ -18,9 +18,7 @@ present wins.
 When the result can be read: on the CPU (gloo) DDP has waited for the all-reduce when
 ``backward`` returns, so the step's own boundary reads it (``lag`` 0). On a GPU the result is
 copied to pinned host memory behind the all-reduce and read at the *next* boundary (``lag`` 1):
-reading it at once would make the host wait for the GPU every step. That GPU path is tested on
-the CPU only (forced): until it has run on a GPU, ``fit`` attaches the carrier to CPU runs only
-and GPU runs keep the asynchronous exchange of ``_stop_agreement.py``.
+reading it at once would make the host wait for the GPU every step.
 
 Cost: a communication hook written in Python costs more than DDP's built-in C++ one whatever
 it does (on 2 gloo ranks of the CPU benchmark, torch's own ``allreduce_hook`` adds about

@@ -9,9 +9,8 @@ gradient all-reduce. Two protocols, chosen when ``fit`` starts:
 - A ``True`` from a ``batch_end`` handler at step ``k`` (on one rank or on all), and a signal
   received during step ``k``, go into this rank's outbox at step ``k``'s boundary. The next
   step's all-reduce takes every rank's outbox; where it reads that result (step ``k + 1``'s
-  boundary on the CPU; ``k + 2``'s on a GPU, where the result would be read a step late so that
-  the host never waits for the device: not switched on until it has run on a GPU, GPU runs
-  exchange as without a carrier, below), every rank stops. Under gradient accumulation only the
+  boundary on the CPU, ``k + 2``'s on a GPU, where the result is read a step late so that the
+  host never waits for the device), every rank stops. Under gradient accumulation only the
   micro-step that completes a window all-reduces: the flags wait for it.
 - A ``True`` from a handler whose ``batch_end`` is marked :func:`rank_identical_stop` (the same
   on every rank by construction: ``StoppingHandler``'s counters, ``TerminateOnNaNHandler``'s

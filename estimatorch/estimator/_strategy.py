@@ -63,8 +63,7 @@ def train_wrapper(est: Any) -> Optional[nn.Module]:
         return None
     ids = [est.device.index] if est.device.type == "cuda" else None
     ddp = nn.parallel.DistributedDataParallel(est.net, device_ids=ids)
-    if est.device.type == "cpu":  # on GPUs (a one-step-late read, not yet run on one): the async exchange
-        object.__setattr__(ddp, "_estimatorch_flags", attach_carrier(ddp))  # not a submodule
+    object.__setattr__(ddp, "_estimatorch_flags", attach_carrier(ddp))  # not a submodule
     return ddp
 
 

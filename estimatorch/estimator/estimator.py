@@ -266,10 +266,9 @@ class Estimator(RunView):
         Under torch.distributed every rank stops at the same step, agreed without a collective
         of its own per step: under the DDP wrapper ``fit`` builds, the flags ride in DDP's
         gradient all-reduce. ``True`` from a ``batch_end`` handler at step k, on one rank or on
-        all, and a signal reaching some ranks during step k stop every rank at step k + 1 (on
-        GPUs, for now, an exchange of its own per step as for sharded nets; under
-        accumulation, at the boundary of the next synchronising micro-step; at the epoch's end
-        when it comes first). Built-in decisions that are the same on every rank
+        all, and a signal reaching some ranks during step k stop every rank at step k + 1 (k + 2
+        on GPUs; under accumulation, at the boundary of the next synchronising micro-step; at the
+        epoch's end when it comes first). Built-in decisions that are the same on every rank
         (``StoppingHandler``, so the plan's end, and ``TerminateOnNaNHandler``) stop at step k,
         as in one process. ``epoch_end`` stops are agreed at once. See docs/distributed.md.
 
