@@ -17,13 +17,13 @@ configurations alternate, the first of each round rotating, after one untimed wa
 run starts after a barrier; its time is the slower rank's. The ratio is the median over rounds
 of (fit / raw in the same round).
 
-With a library whose DDP wrapper carries the stop flags in its gradient all-reduce
-(``estimator/_flag_carrier.py``) two more configurations run, as diagnostics: ``fit-async``
-registers no hook and agrees with the asynchronous flag all-reduce per step instead (what ``fit``
-did before, and still does for an FSDP2 net), the same run's A/B of what carrying saves per
-step; ``fit-unagreed`` registers no hook and skips the agreement altogether (unsafe in real
-use, where ranks could then stop at different steps; nothing asks to stop here), which shows
-what is left beside agreeing. Run the script from an older checkout for the "before".
+With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) two more
+configurations run, as diagnostics: ``fit-blocking`` makes that agreement blocking again (each
+step starts the flag all-reduce and waits for it at once, as ``fit`` did before), the same run's
+A/B of what the change saves per step; ``fit-unagreed`` skips the agreement altogether (unsafe
+in real use, where ranks could then stop at different steps; nothing asks to stop here), which
+shows what the per-step flag exchange still costs. Run the script from an older checkout for the
+"before".
 
 Usage::
 
@@ -95,31 +95,29 @@ def _fit(steps: int, dataset: Any, hidden: int) -> None:
         est.fit(common.make_loader(dataset), batches=steps)
 
 
-def _fit_async(steps: int, dataset: Any, hidden: int) -> None:
-    """``fit`` agreeing on stops with its own asynchronous all-reduce per step (what ``fit`` did
-    before the flags rode in DDP's gradient all-reduce; what it does for an FSDP2 net)."""
-    _with_agreement(None, steps, dataset, hidden)
+def _fit_blocking(steps: int, dataset: Any, hidden: int) -> None:
+    """``fit`` with the per-step agreement on stops waiting for its all-reduce at once."""
+
+    def after_batch(self: Any, requested: bool, code: int) -> tuple[bool, int]:
+        agreed = self._start(requested, code).wait()
+        return bool(agreed[0]), agreed[2]
+
+    _with_agreement(after_batch, steps, dataset, hidden)
 
 
 def _fit_unagreed(steps: int, dataset: Any, hidden: int) -> None:
-    """``fit`` without any per-step agreement nor hook (a diagnostic: what agreeing costs)."""
-    _with_agreement(lambda self, requested, local, code: (requested, code), steps, dataset, hidden)
+    """``fit`` without any per-step agreement (a diagnostic: what the exchange costs)."""
+    _with_agreement(lambda self, requested, code: (requested, code), steps, dataset, hidden)
 
 
 def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> None:
-    """``fit`` with DDP's default all-reduce (no hook carrying the flags), agreeing with the
-    asynchronous exchange, or with ``after_batch`` instead."""
-    from estimatorch.estimator import _strategy
     from estimatorch.estimator._stop_agreement import StopAgreement
 
-    carried, asynchronous = _strategy.attach_carrier, StopAgreement.after_batch
-    _strategy.attach_carrier = lambda ddp: None  # type: ignore[assignment,return-value]
-    if after_batch is not None:
-        StopAgreement.after_batch = after_batch  # type: ignore[method-assign]
+    asynchronous = StopAgreement.after_batch
+    StopAgreement.after_batch = after_batch  # type: ignore[method-assign]
     try:
         _fit(steps, dataset, hidden)
     finally:
-        _strategy.attach_carrier = carried  # type: ignore[assignment]
         StopAgreement.after_batch = asynchronous  # type: ignore[method-assign]
 
 
@@ -134,12 +132,12 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     steps, hidden = settings["steps"], settings["hidden"]
     configs = {"raw": lambda: _raw(steps, dataset, hidden), "fit": lambda: _fit(steps, dataset, hidden)}
     try:
-        import estimatorch.estimator._flag_carrier  # noqa: F401 - only in versions that have it
+        import estimatorch.estimator._stop_agreement  # noqa: F401 - only in versions that have it
     except ImportError:
         pass
     else:
         if settings["ab"]:
-            configs["fit-async"] = lambda: _fit_async(steps, dataset, hidden)
+            configs["fit-blocking"] = lambda: _fit_blocking(steps, dataset, hidden)
             configs["fit-unagreed"] = lambda: _fit_unagreed(steps, dataset, hidden)
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -162,8 +160,8 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
     per_run = {name: [max(r["times"][name][i] for r in ranks) for i in range(repeats)] for name in names}
     us = {name: [t / steps * 1e6 for t in values] for name, values in per_run.items()}
     paired = [f / r for f, r in zip(per_run["fit"], per_run["raw"])]
-    if "fit-async" in per_run:
-        out_ab = statistics.median([b - f for b, f in zip(per_run["fit-async"], per_run["fit"])]) / steps * 1e6
+    if "fit-blocking" in per_run:
+        out_ab = statistics.median([b - f for b, f in zip(per_run["fit-blocking"], per_run["fit"])]) / steps * 1e6
     else:
         out_ab = None
     out: dict[str, Any] = {
@@ -174,7 +172,7 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
         "ratio_of_medians": statistics.median(per_run["fit"]) / statistics.median(per_run["raw"]),
         "ratio_of_fastest": min(per_run["fit"]) / min(per_run["raw"]),
         "paired": paired,
-        "async_minus_carried_us_per_step": out_ab,
+        "blocking_minus_async_us_per_step": out_ab,
     }
     return out
 
@@ -187,9 +185,9 @@ def table(out: dict[str, Any]) -> str:
     lines = [common.format_table(["config", "µs/step median", "min", "max", "vs raw"], rows), "",
              f"fit / raw, median of per-round ratios: {out['ratio']:.3f}  "
              f"(of medians {out['ratio_of_medians']:.3f}, of fastest runs {out['ratio_of_fastest']:.3f})"]
-    if out["async_minus_carried_us_per_step"] is not None:
-        lines.append("fit-async - fit, median of per-round differences: "
-                     f"{out['async_minus_carried_us_per_step']:.1f} µs/step")
+    if out["blocking_minus_async_us_per_step"] is not None:
+        lines.append("fit-blocking - fit, median of per-round differences: "
+                     f"{out['blocking_minus_async_us_per_step']:.1f} µs/step")
     return "\n".join(lines)
 
 
@@ -200,7 +198,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--samples", type=int, default=12800, help="dataset size: 200 batches per rank per epoch")
     parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="hidden width (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--no-ab", action="store_true", help="skip the fit-async and fit-unagreed diagnostics")
+    parser.add_argument("--no-ab", action="store_true", help="skip the fit-blocking and fit-unagreed diagnostics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "samples", "hidden", "threads"):

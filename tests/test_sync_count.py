@@ -108,9 +108,6 @@ class _CountedWork:
     def is_completed(self):
         return self._work.is_completed()
 
-    def get_future(self):  # what DDP's communication hooks use
-        return self._work.get_future()
-
 
 def _count_collectives_per_step():
     """Count every torch.distributed collective a 2-rank fit makes (a blocking call, an async
@@ -128,8 +125,6 @@ def _count_collectives_per_step():
         def counted(*args, **kwargs):
             if kwargs.get("async_op"):
                 counts[f"{name} started"] += 1
-                if name == "all_reduce":
-                    counts[f"all_reduce of {args[0].numel()} started"] += 1
                 return _CountedWork(original(*args, **kwargs), counts)
             counts[f"{name} blocking"] += 1
             return original(*args, **kwargs)
@@ -165,17 +160,20 @@ def _count_collectives_per_step():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_per_step_path_makes_no_collective_of_its_own():
-    """Default handlers on 2 gloo ranks: a step's one collective is DDP's gradient all-reduce,
-    started by the hook fit registers, the stop flags appended to it; nothing blocks, nothing
-    else starts, nothing waits (the epoch's ends agree in a blocking collective)."""
+def test_the_per_step_path_makes_no_blocking_collective():
+    """Default handlers on 2 gloo ranks: each step starts one flag exchange and reads the
+    previous step's, and makes no blocking collective (the epoch's ends do). Whether a read
+    finds the exchange complete depends on timing, so it is printed, not asserted."""
     from estimatorch import distributed
-    from estimatorch.estimator._flag_carrier import SLOTS
 
-    gradients = 4 * 16 + 16 + 16 * 3 + 3  # the net's parameters: one bucket
     for rank, result in enumerate(distributed.spawn(_count_collectives_per_step, 2, backend="gloo")):
         steps = result["steps"]
         assert len(steps) == 3 * (10 - 1)  # 10 batches per epoch on each rank
-        want = {"all_reduce started": 1, f"all_reduce of {gradients + SLOTS} started": 1}
-        assert steps == [want] * len(steps), f"rank {rank}"
+        blocking = [{k: v for k, v in step.items() if k.endswith("blocking")} for step in steps]
+        assert blocking == [{}] * len(steps), f"rank {rank}"
+        assert [step.get("all_reduce started") for step in steps] == [1] * len(steps)
+        # an epoch's first step has no earlier exchange to read (the epoch's end agreed on it)
+        assert [step.get("waits", 0) for step in steps] == ([0] + [1] * 8) * 3
+        print(f"rank {rank}: {sum(step.get('waits on incomplete work', 0) for step in steps)} of "
+              f"{3 * 8} reads waited for an exchange still in flight")
         assert sum(v for k, v in result["total"].items() if k.endswith("blocking")) > 0  # counting works

@@ -109,7 +109,6 @@ def _remap(estimator: Any, run: Any, payload: dict[str, Any], layout: Any, sourc
             "metrics": metrics[rank],
             "rng": rng.seeded_state(seed, cuda=cuda),  # as fit seeds this rank; each micro-batch reseeds
             "pending_stop": any(s.get("pending_stop", False) for s in snapshots),
-            "stop_in_flight": any(s.get("stop_in_flight", False) for s in snapshots),
             "shared": [],
         })
     estimator.logger.info("Elastic resume: %s was written by %d processes x %d accumulation steps; mapped onto "

@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional
 from .. import distributed
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
-           "stop_exception", "stop_for", "stop_message"]
+           "stop_exception", "stop_message"]
 
 #: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
@@ -176,13 +176,13 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
         notebook: running in a Jupyter kernel (``fit(..., resume=True)`` is the way back there).
         checkpointing: the fit has a ``CheckpointHandler`` (it saves the boundary).
         resumes: one of them has ``resume_from_checkpoint=True`` (a rerun continues).
-        multi: several processes (they agree on a boundary a step or two later).
+        multi: several processes (they agree on the boundary: this step or the next).
 
     Example:
         >>> stop_message("SIGTERM", notebook=False, checkpointing=False, resumes=False, multi=False)[:46]
         'SIGTERM: stopping at the end of the current st'
     """
-    where = "within the next steps (all processes stop at the same one)" if multi \
+    where = "at the end of this step or the next (all processes stop at the same one)" if multi \
         else "at the end of the current step"
     if name == "SIGTERM":
         head = f"SIGTERM: stopping {where}"
@@ -202,10 +202,3 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
         return head + tail + " fit(..., resume=True) continues from there."
     return head + tail + (" No CheckpointHandler writes resumable checkpoints: the steps trained are lost when this "
                           "process ends; add CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them.")
-
-
-def stop_for(signals: SignalGuard, code: int) -> None:
-    """Leave ``fit``'s loop at this boundary because of signal ``code`` (agreed by every rank)."""
-    signals.stoppable = False
-    signals.stopped = SIGNAL_NAMES[code]
-    raise stop_exception(signals.stopped)

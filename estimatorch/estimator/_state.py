@@ -69,11 +69,10 @@ SNAPSHOT = {
     "data": "the training stream's state_dict()",
     "fingerprint": "what shapes the data stream (dataset length, batch size, drop_last, world size, seed...)",
     "rng": "rng.get_state(): every generator of this rank",
-    "pending_stop": "optional: this rank's stop request not agreed yet (see _stop_agreement)",
-    "stop_in_flight": "optional: an agreed stop carried by an all-reduce but not read yet (on a GPU)",
+    "pending_stop": "optional: this rank's part of a stop agreement in flight",
     "shared": "optional: the handlers whose state is the same on every rank (stored once)",
 }
-_OPTIONAL = ("pending_stop", "stop_in_flight", "shared")
+_OPTIONAL = ("pending_stop", "shared")
 
 
 class Run:
@@ -147,7 +146,6 @@ def take_snapshot(estimator: Any, run: Run, partial: bool = False) -> dict[str, 
         "fingerprint": run.stream.fingerprint(),
         "rng": rng.get_state(cuda=estimator.device.type == "cuda"),
         "pending_stop": run.agreement.pending_stop,
-        "stop_in_flight": run.agreement.stop_in_flight(),
         "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
     }
     assert tuple(snapshot) == tuple(SNAPSHOT), "SNAPSHOT declares what a snapshot holds"
@@ -281,9 +279,8 @@ def check_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None:
     for key in ("partial", "evaluated"):
         if not isinstance(snapshot[key], bool):
             raise CheckpointError(f"{key!r} must be a bool, got {show(snapshot[key])}")
-    for key in ("pending_stop", "stop_in_flight"):  # absent in files of earlier versions
-        if not isinstance(snapshot.get(key, False), bool):
-            raise CheckpointError(f"{key!r} must be a bool, got {show(snapshot[key])}")
+    if not isinstance(snapshot.get("pending_stop", False), bool):  # absent in files of earlier versions
+        raise CheckpointError(f"'pending_stop' must be a bool, got {show(snapshot['pending_stop'])}")
     fingerprint = check_dict(snapshot["fingerprint"], "fingerprint")
     if not all(isinstance(key, str) for key in fingerprint):
         raise CheckpointError(f"fingerprint keys must be strings, got {list(fingerprint)}")
@@ -303,9 +300,9 @@ def resume_plan(run: Run, snapshot: dict[str, Any], source: str) -> dict[str, An
     """Check a snapshot against this fit (data fingerprint, plan) before any work starts, and
     decide whether its recorded stop still holds under the new plan."""
     check_fingerprint(snapshot["fingerprint"], run.stream.fingerprint(), source)
-    for key in ("pending_stop", "stop_in_flight"):  # read by the stop agreement
-        if not isinstance(snapshot.get(key, False), bool):
-            raise ValueError(f"cannot resume from {source}: its {key} must be a bool, got {snapshot[key]!r}")
+    if not isinstance(snapshot.get("pending_stop", False), bool):  # read by the stop agreement
+        raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, "
+                         f"got {snapshot['pending_stop']!r}")
     pos = snapshot["position"]
     epochs, batches = run.plan["epochs"], run.plan["batches"]
     same_plan = snapshot["plan"] == run.plan
@@ -351,7 +348,6 @@ def restore_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None
         setattr(run.pos, key, value)
     if snapshot["partial"] and estimator.optimizer is not None:
         estimator.optimizer.zero_grad(set_to_none=True)
-    run.agreement.restore(snapshot.get("pending_stop", False), pos["phase"] == "batch_end",
-                          snapshot.get("stop_in_flight", False))
+    run.agreement.restore(snapshot.get("pending_stop", False), pos["phase"] == "batch_end")
     run.started = True
     rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step

@@ -21,9 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .. import distributed
 from ..checkpoint import is_sharded_module
-from ._flag_carrier import FlagCarrier, attach_carrier
 
-__all__ = ["STRATEGIES", "check_strategy", "flag_carrier", "train_wrapper", "wraps"]
+__all__ = ["STRATEGIES", "check_strategy", "train_wrapper", "wraps"]
 
 #: what ``Estimator(strategy=...)`` accepts (None: "fsdp" for a sharded net, else "ddp").
 STRATEGIES = ("ddp", "fsdp")
@@ -53,23 +52,15 @@ def wraps(est: Any) -> bool:
 
 
 def train_wrapper(est: Any) -> Optional[nn.Module]:
-    """What ``fit`` trains under a process group: a DDP wrapper of ``est.net`` whose gradient
-    all-reduce carries the stop flags (see :func:`flag_carrier`), or None when the net is
-    sharded (it trains itself; ``strategy="fsdp"`` shards it here first)."""
+    """What ``fit`` trains under a process group: a DDP wrapper of ``est.net``, or None when the
+    net is sharded (it trains itself; ``strategy="fsdp"`` shards it here first)."""
     if is_sharded_module(est.net):
         return None
     if est.strategy == "fsdp":
         shard(est.net, est.optimizer, est.device, est._amp_dtype)
         return None
     ids = [est.device.index] if est.device.type == "cuda" else None
-    ddp = nn.parallel.DistributedDataParallel(est.net, device_ids=ids)
-    object.__setattr__(ddp, "_estimatorch_flags", attach_carrier(ddp))  # not a submodule
-    return ddp
-
-
-def flag_carrier(wrapper: Optional[nn.Module]) -> Optional[FlagCarrier]:
-    """The stop flags' carrier of a wrapper :func:`train_wrapper` built, else None."""
-    return getattr(wrapper, "_estimatorch_flags", None) if wrapper is not None else None
+    return nn.parallel.DistributedDataParallel(est.net, device_ids=ids)
 
 
 def shard(net: nn.Module, optimizer: Optional[torch.optim.Optimizer], device: torch.device,

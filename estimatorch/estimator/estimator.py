@@ -29,7 +29,7 @@ from ._checks import (
 )
 from ._elastic import configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
-from ._interrupts import stop_exception, stop_for
+from ._interrupts import SIGNAL_NAMES, stop_exception
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
@@ -51,8 +51,7 @@ from ._state import (
     resume_plan,
     take_snapshot,
 )
-from ._stop_agreement import rank_identical_stops
-from ._strategy import check_strategy, flag_carrier, train_wrapper, wraps
+from ._strategy import check_strategy, train_wrapper, wraps
 from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
 from .history import History
@@ -263,14 +262,13 @@ class Estimator(RunView):
         SIGTERM). A second Ctrl-C stops at once, mid-step. Only the main thread's default
         handlers are replaced, and they are restored when ``fit`` ends.
 
-        Under torch.distributed every rank stops at the same step, agreed without a collective
-        of its own per step: under the DDP wrapper ``fit`` builds, the flags ride in DDP's
-        gradient all-reduce. ``True`` from a ``batch_end`` handler at step k, on one rank or on
-        all, and a signal reaching some ranks during step k stop every rank at step k + 1 (k + 2
-        on GPUs; under accumulation, at the boundary of the next synchronising micro-step; at the
-        epoch's end when it comes first). Built-in decisions that are the same on every rank
-        (``StoppingHandler``, so the plan's end, and ``TerminateOnNaNHandler``) stop at step k,
-        as in one process. ``epoch_end`` stops are agreed at once. See docs/distributed.md.
+        Under torch.distributed every rank stops at the same step, agreed without a blocking
+        collective per step. ``True`` from a ``batch_end`` handler on *every* rank at step k (a
+        rank-identical decision: ``StoppingHandler``'s counters, ``TerminateOnNaNHandler``, a
+        value reduced across ranks) stops every rank at step k; ``True`` on only some ranks (a
+        rank-local decision) and a signal reaching some ranks during step k stop every rank at
+        step k + 1 (or at the epoch's end when k is its last step). ``epoch_end`` stops are
+        agreed at once.
 
         Args:
             train_data: an iterable of batches: a ``DataLoader`` (made resumable: see
@@ -349,7 +347,6 @@ class Estimator(RunView):
                 try:
                     if self._ddp is None and wraps(self):
                         self._ddp = train_wrapper(self)  # None for a sharded net
-                    run.agreement.use(flag_carrier(self._ddp))  # the flags ride in its all-reduce
                     rng.seed_everything(self.seed if distributed.get_world_size() == 1
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
                     self.net.train()
@@ -401,7 +398,6 @@ class Estimator(RunView):
     def _loop(self, run: Run) -> None:
         dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
         processor, device, axis, multi = self.batch_processor, self.device, run.batch_axis, agreement.multi
-        identical = rank_identical_stops(dispatch.batch_end)
         pending, run.pending = run.pending, None
         if pending is not None and pending["position"]["phase"] != "batch_end":
             restore_snapshot(self, run, pending)
@@ -431,12 +427,12 @@ class Estimator(RunView):
                     for fn in batch_begin:
                         fn(self, batch=batch)
                     _, label, pred, loss = processor.fit_batch(self, batch, axis)
-                    stop = local = False
+                    stop = False
                     for fn in batch_end:
                         if fn(self, batch=batch, pred=pred, label=label, loss=loss):
-                            stop, local = True, local or fn not in identical
+                            stop = True
                     if multi:  # every rank stops at the same step: see _stop_agreement
-                        stop, code = agreement.after_batch(stop, local, signals.code)
+                        stop, code = agreement.after_batch(stop, signals.code)
                     pos.batch += 1
                     pos.step += 1
                     pos.phase, pos.stop = "batch_end", stop
@@ -447,7 +443,7 @@ class Estimator(RunView):
                         signals.stoppable = True
                         code = signals.code
                     if code:
-                        stop_for(signals, code)
+                        self._stop_for(run, code)
                     if stop:
                         break
                 signals.stoppable = False
@@ -464,9 +460,16 @@ class Estimator(RunView):
             if run.boundary_actions:
                 self._run_boundary_actions(run)
             if code or (not multi and signals.code):
-                stop_for(signals, code or signals.code)
+                self._stop_for(run, code or signals.code)
             if pos.stop:
                 return
+
+    @staticmethod
+    def _stop_for(run: Run, code: int) -> None:
+        """Leave the loop at this boundary because of a signal (agreed by every rank)."""
+        run.signals.stoppable = False
+        run.signals.stopped = SIGNAL_NAMES[code]
+        raise stop_exception(run.signals.stopped)
 
     def _run_boundary_actions(self, run: Run) -> None:
         actions, run.boundary_actions = run.boundary_actions, []

@@ -1,8 +1,7 @@
-"""Two gloo ranks agree on stops and signals without a collective of their own per step (the flags
-ride in DDP's gradient all-reduce): StoppingHandler's stop at step k stops both at k, a handler's
-True at step k (on some ranks or all) or a signal reaching one rank at k + 1; SIGTERM on one
-rank checkpoints the agreed step and both resume bit-identically; a checkpoint taken while a
-request is not agreed yet resumes to the same stop. (The per-step
+"""Two gloo ranks agree on stops and signals without a blocking collective per step: a stop asked
+on every rank at step k stops both at k, one asked on some ranks (or a signal reaching one rank)
+at k + 1; SIGTERM on one rank checkpoints the agreed step and both resume bit-identically; a
+checkpoint taken while the agreement is in flight resumes to the same stop. (The per-step
 collective count is in tests/test_sync_count.py.)"""
 
 from __future__ import annotations
@@ -95,7 +94,7 @@ def _fit(kind, arg, ckpt_dir=None, resume=False, period=1):
 
 @pytest.mark.parametrize("kind, arg, step", [
     ("ask", {1: 3}, 4),  # rank-local: one step later
-    ("ask", {0: 3, 1: 3}, 4),  # on every rank too: only marked built-in decisions stop at once
+    ("ask", {0: 3, 1: 3}, 3),  # the same on every rank: at that step
     ("ask", {0: 3, 1: 2}, 3),  # rank 1's request of step 2 is agreed at step 3
     ("max_batch", 3, 3),  # StoppingHandler decides on counters: rank-identical
     ("ask", {0: PER_EPOCH}, PER_EPOCH),  # asked at the epoch's last step: after its end, not later
