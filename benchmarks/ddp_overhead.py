@@ -18,12 +18,12 @@ run starts after a barrier; its time is the slower rank's. The ratio is the medi
 of (fit / raw in the same round).
 
 With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) two more
-configurations run, as diagnostics: ``fit-blocking`` makes that agreement blocking again (each
-step starts the flag all-reduce and waits for it at once, as ``fit`` did before), the same run's
-A/B of what the change saves per step; ``fit-unagreed`` skips the agreement altogether (unsafe
-in real use, where ranks could then stop at different steps; nothing asks to stop here), which
-shows what the per-step flag exchange still costs. Run the script from an older checkout for the
-"before".
+configurations run, as diagnostics: ``fit-every-step`` sets ``Estimator.agree_every = 1`` (the
+ranks exchange their stop flags after every step, as ``fit`` did before the exchange went to
+every 16 steps on gloo), the same run's A/B of what the period saves per step; ``fit-unagreed``
+skips the agreement altogether (unsafe in real use, where ranks could then stop at different
+steps; nothing asks to stop here), which shows what the remaining exchanges still cost. Run the
+script from an older checkout for the "before".
 
 Usage::
 
@@ -85,29 +85,22 @@ def _raw(steps: int, dataset: Any, hidden: int) -> None:
         epoch += 1
 
 
-def _fit(steps: int, dataset: Any, hidden: int) -> None:
+def _fit(steps: int, dataset: Any, hidden: int, agree_every: Optional[int] = None) -> None:
     from estimatorch import Estimator
 
     net = _net(hidden)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=common.LR),
                     seed=common.SEED)
+    if agree_every is not None:
+        est.agree_every = agree_every
     with contextlib.redirect_stdout(_NullStream()):
         est.fit(common.make_loader(dataset), batches=steps)
 
 
-def _fit_blocking(steps: int, dataset: Any, hidden: int) -> None:
-    """``fit`` with the per-step agreement on stops waiting for its all-reduce at once."""
-
-    def after_batch(self: Any, requested: bool, code: int) -> tuple[bool, int]:
-        agreed = self._start(requested, code).wait()
-        return bool(agreed[0]), agreed[2]
-
-    _with_agreement(after_batch, steps, dataset, hidden)
-
-
 def _fit_unagreed(steps: int, dataset: Any, hidden: int) -> None:
-    """``fit`` without any per-step agreement (a diagnostic: what the exchange costs)."""
-    _with_agreement(lambda self, requested, code: (requested, code), steps, dataset, hidden)
+    """``fit`` without any agreement on stops (a diagnostic: what the exchanges cost)."""
+    _with_agreement(lambda self, step, requested, identical, code: (requested or identical, code),
+                    steps, dataset, hidden)
 
 
 def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> None:
@@ -137,7 +130,7 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
         pass
     else:
         if settings["ab"]:
-            configs["fit-blocking"] = lambda: _fit_blocking(steps, dataset, hidden)
+            configs["fit-every-step"] = lambda: _fit(steps, dataset, hidden, agree_every=1)
             configs["fit-unagreed"] = lambda: _fit_unagreed(steps, dataset, hidden)
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
@@ -160,8 +153,8 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
     per_run = {name: [max(r["times"][name][i] for r in ranks) for i in range(repeats)] for name in names}
     us = {name: [t / steps * 1e6 for t in values] for name, values in per_run.items()}
     paired = [f / r for f, r in zip(per_run["fit"], per_run["raw"])]
-    if "fit-blocking" in per_run:
-        out_ab = statistics.median([b - f for b, f in zip(per_run["fit-blocking"], per_run["fit"])]) / steps * 1e6
+    if "fit-every-step" in per_run:
+        out_ab = statistics.median([b - f for b, f in zip(per_run["fit-every-step"], per_run["fit"])]) / steps * 1e6
     else:
         out_ab = None
     out: dict[str, Any] = {
@@ -172,7 +165,7 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
         "ratio_of_medians": statistics.median(per_run["fit"]) / statistics.median(per_run["raw"]),
         "ratio_of_fastest": min(per_run["fit"]) / min(per_run["raw"]),
         "paired": paired,
-        "blocking_minus_async_us_per_step": out_ab,
+        "every_step_minus_fit_us_per_step": out_ab,
     }
     return out
 
@@ -185,9 +178,9 @@ def table(out: dict[str, Any]) -> str:
     lines = [common.format_table(["config", "µs/step median", "min", "max", "vs raw"], rows), "",
              f"fit / raw, median of per-round ratios: {out['ratio']:.3f}  "
              f"(of medians {out['ratio_of_medians']:.3f}, of fastest runs {out['ratio_of_fastest']:.3f})"]
-    if out["blocking_minus_async_us_per_step"] is not None:
-        lines.append("fit-blocking - fit, median of per-round differences: "
-                     f"{out['blocking_minus_async_us_per_step']:.1f} µs/step")
+    if out["every_step_minus_fit_us_per_step"] is not None:
+        lines.append("fit-every-step - fit, median of per-round differences: "
+                     f"{out['every_step_minus_fit_us_per_step']:.1f} µs/step")
     return "\n".join(lines)
 
 
@@ -198,7 +191,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--samples", type=int, default=12800, help="dataset size: 200 batches per rank per epoch")
     parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="hidden width (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
-    parser.add_argument("--no-ab", action="store_true", help="skip the fit-blocking and fit-unagreed diagnostics")
+    parser.add_argument("--no-ab", action="store_true", help="skip the fit-every-step and fit-unagreed diagnostics")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "samples", "hidden", "threads"):

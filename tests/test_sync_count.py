@@ -109,7 +109,7 @@ class _CountedWork:
         return self._work.is_completed()
 
 
-def _count_collectives_per_step():
+def _count_collectives_per_step(every):
     """Count every torch.distributed collective a 2-rank fit makes (a blocking call, an async
     start, a wait on its work) and return the counts between consecutive batch_begins of one
     epoch: what one step costs, its epoch's end excluded."""
@@ -152,6 +152,7 @@ def _count_collectives_per_step():
     torch.set_num_threads(1)
     net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    est.agree_every = every
     data = torch.utils.data.TensorDataset(torch.randn(80, 4), torch.arange(80) % 3)
     probe = Probe()
     est.fit(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), epochs=3, event_handlers=[probe])
@@ -160,20 +161,23 @@ def _count_collectives_per_step():
 
 @pytest.mark.distributed
 @pytest.mark.slow
-def test_the_per_step_path_makes_no_blocking_collective():
-    """Default handlers on 2 gloo ranks: each step starts one flag exchange and reads the
-    previous step's, and makes no blocking collective (the epoch's ends do). Whether a read
-    finds the exchange complete depends on timing, so it is printed, not asserted."""
+@pytest.mark.parametrize("every, period", [(None, 16), (1, 1), (3, 3)])
+def test_the_per_step_path_makes_no_blocking_collective(every, period):
+    """Default handlers on 2 gloo ranks: a step makes no blocking collective (the epoch's ends
+    do); a step whose number (counted over the run) is a multiple of ``agree_every`` starts one
+    flag exchange, read at the next step (gloo's default: every 16 steps). Whether a read finds
+    the exchange complete depends on timing, so it is printed, not asserted."""
     from estimatorch import distributed
 
-    for rank, result in enumerate(distributed.spawn(_count_collectives_per_step, 2, backend="gloo")):
+    for rank, result in enumerate(distributed.spawn(_count_collectives_per_step, 2, every, backend="gloo")):
         steps = result["steps"]
         assert len(steps) == 3 * (10 - 1)  # 10 batches per epoch on each rank
         blocking = [{k: v for k, v in step.items() if k.endswith("blocking")} for step in steps]
         assert blocking == [{}] * len(steps), f"rank {rank}"
-        assert [step.get("all_reduce started") for step in steps] == [1] * len(steps)
+        numbers = [(epoch * 10 + i, i) for epoch in range(3) for i in range(1, 10)]  # (step, in epoch)
+        assert [step.get("all_reduce started", 0) for step in steps] == [int(n % period == 0) for n, _ in numbers]
         # an epoch's first step has no earlier exchange to read (the epoch's end agreed on it)
-        assert [step.get("waits", 0) for step in steps] == ([0] + [1] * 8) * 3
+        assert [step.get("waits", 0) for step in steps] == [int(i > 1 and (n - 1) % period == 0) for n, i in numbers]
         print(f"rank {rank}: {sum(step.get('waits on incomplete work', 0) for step in steps)} of "
-              f"{3 * 8} reads waited for an exchange still in flight")
+              f"{sum(step.get('waits', 0) for step in steps)} reads waited for an exchange still in flight")
         assert sum(v for k, v in result["total"].items() if k.endswith("blocking")) > 0  # counting works

@@ -348,6 +348,6 @@ def restore_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None
         setattr(run.pos, key, value)
     if snapshot["partial"] and estimator.optimizer is not None:
         estimator.optimizer.zero_grad(set_to_none=True)
-    run.agreement.restore(snapshot.get("pending_stop", False), pos["phase"] == "batch_end")
+    run.agreement.restore(snapshot.get("pending_stop", False), pos["step"], pos["phase"] == "batch_end")
     run.started = True
     rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step

@@ -51,6 +51,7 @@ from ._state import (
     resume_plan,
     take_snapshot,
 )
+from ._stop_agreement import agreement_period, rank_identical_stops
 from ._strategy import check_strategy, train_wrapper, wraps
 from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
@@ -116,6 +117,14 @@ class Estimator(RunView):
         >>> len(history["train_loss"])
         2
     """
+
+    #: Under torch.distributed: the ranks exchange stop requests and signals every this many
+    #: steps (see :meth:`fit`), so a request waits at most this many steps to take effect.
+    #: None (the default) chooses: every 16 steps where the flags would queue in front of the
+    #: gradients in DDP's gloo process group (CPU training), every step where they travel on a
+    #: group of their own (NCCL). Set it on the estimator before ``fit``, e.g. to 1 for steps of
+    #: seconds on the CPU, so that a SIGTERM is agreed within one step.
+    agree_every: Optional[int] = None
 
     def __init__(self, net: nn.Module, loss: Callable[..., torch.Tensor], train_metrics: Any = None,
                  val_metrics: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
@@ -262,12 +271,15 @@ class Estimator(RunView):
         SIGTERM). A second Ctrl-C stops at once, mid-step. Only the main thread's default
         handlers are replaced, and they are restored when ``fit`` ends.
 
-        Under torch.distributed every rank stops at the same step, agreed without a blocking
-        collective per step. ``True`` from a ``batch_end`` handler on *every* rank at step k (a
-        rank-identical decision: ``StoppingHandler``'s counters, ``TerminateOnNaNHandler``, a
-        value reduced across ranks) stops every rank at step k; ``True`` on only some ranks (a
-        rank-local decision) and a signal reaching some ranks during step k stop every rank at
-        step k + 1 (or at the epoch's end when k is its last step). ``epoch_end`` stops are
+        Under torch.distributed every rank stops at the same step, agreed without a collective
+        of its own per step: the ranks exchange their flags every :attr:`agree_every` steps
+        (``n``), never waiting for the exchange. ``True`` from a ``batch_end`` handler at step
+        k, on one rank or on all, and a signal reaching some ranks during step k stop every rank
+        at step m + 1, where m is the first multiple of n from k on (or at the epoch's end when
+        it comes first); at m itself when every rank asked at step m. With ``n = 1`` that is
+        step k for a request on every rank, k + 1 otherwise. Built-in decisions that are the
+        same on every rank (``StoppingHandler``, so the plan's end, and
+        ``TerminateOnNaNHandler``) stop at step k, as in one process. ``epoch_end`` stops are
         agreed at once.
 
         Args:
@@ -331,6 +343,7 @@ class Estimator(RunView):
                       "load_state_dict().")
         run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
                   signal_guard(handlers, self.logger), limits)
+        run.agreement.period = agreement_period(self.agree_every)
         run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
         schedule_length(self, run.counts)  # a callable lr_scheduler can be sized: checked before any work
         if resume and self._last is not None:  # checked above: a resume has a fit to continue
@@ -398,6 +411,7 @@ class Estimator(RunView):
     def _loop(self, run: Run) -> None:
         dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
         processor, device, axis, multi = self.batch_processor, self.device, run.batch_axis, agreement.multi
+        marked = rank_identical_stops(dispatch.batch_end)  # stops needing no exchange under DDP
         pending, run.pending = run.pending, None
         if pending is not None and pending["position"]["phase"] != "batch_end":
             restore_snapshot(self, run, pending)
@@ -427,12 +441,17 @@ class Estimator(RunView):
                     for fn in batch_begin:
                         fn(self, batch=batch)
                     _, label, pred, loss = processor.fit_batch(self, batch, axis)
-                    stop = False
+                    stop = identical = False
                     for fn in batch_end:
                         if fn(self, batch=batch, pred=pred, label=label, loss=loss):
-                            stop = True
+                            if fn in marked:
+                                identical = True
+                            else:
+                                stop = True
                     if multi:  # every rank stops at the same step: see _stop_agreement
-                        stop, code = agreement.after_batch(stop, signals.code)
+                        stop, code = agreement.after_batch(pos.step + 1, stop, identical, signals.code)
+                    else:
+                        stop = stop or identical
                     pos.batch += 1
                     pos.step += 1
                     pos.phase, pos.stop = "batch_end", stop

@@ -4,13 +4,26 @@ from __future__ import annotations
 
 import copy
 import inspect
-from typing import Any, ClassVar, Optional
+from typing import Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
 
 from .._checks import check_state_keys
 
-__all__ = ["StatefulHandler"]
+__all__ = ["StatefulHandler", "rank_identical_stop"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def rank_identical_stop(batch_end: _F) -> _F:
+    """Mark a ``batch_end`` whose ``True`` is the same on every rank at the same step by
+    construction (counters every rank advances alike, a value reduced across ranks): under
+    torch.distributed ``fit`` then stops every rank at that very step without exchanging it
+    (see ``estimator/_stop_agreement.py``). A subclass that overrides the method is not marked.
+    A wrong mark stops one rank while the others wait in the next step's all-reduce: for
+    built-in handlers only."""
+    batch_end.rank_identical_stop = True  # type: ignore[attr-defined]
+    return batch_end
 
 
 class _InitSignature:

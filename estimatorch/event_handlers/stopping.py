@@ -5,7 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._checks import check_positive_int
-from ._base import StatefulHandler
+from ._base import StatefulHandler, rank_identical_stop
 from .mixins import BatchEnd, EpochEnd, TrainBegin
 
 __all__ = ["StoppingHandler"]
@@ -52,6 +52,7 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self._max_epoch = _tighter(self.max_epoch, estimator.max_epoch)
         self._max_batch = _tighter(self.max_batch, estimator.max_batch)
 
+    @rank_identical_stop
     def batch_end(self, estimator: Any, **kwargs: Any) -> bool:
         self.current_batch += 1
         return self._max_batch is not None and self.current_batch >= self._max_batch

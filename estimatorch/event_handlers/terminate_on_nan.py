@@ -11,7 +11,7 @@ from .. import distributed
 from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler
+from ._base import StatefulHandler, rank_identical_stop
 from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
 
 __all__ = ["NonFiniteError", "TerminateOnNaNHandler"]
@@ -113,6 +113,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
     def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.batch_in_epoch = 0
 
+    @rank_identical_stop
     def batch_end(self, estimator: Any, *, loss: Any, **kwargs: Any) -> bool:
         self.total_batches += 1
         self.batch_in_epoch += 1

@@ -244,6 +244,28 @@ def test_a_bad_limit_is_refused_before_any_work(arg):
     assert all(torch.equal(a, b) for a, b in zip(before, est.net.parameters()))
 
 
+@pytest.mark.parametrize("value, shown", [(0, "0"), (2.0, "2.0"), (True, "True")])
+def test_a_bad_agree_every_is_refused_before_any_work(value, shown):
+    est = make_estimator()
+    est.agree_every = value
+    before = [p.clone() for p in est.net.parameters()]
+    with pytest.raises((TypeError, ValueError), match=f"agree_every must be a positive int or None, got {shown}"):
+        est.fit(batches(2), epochs=1)
+    assert all(torch.equal(a, b) for a, b in zip(before, est.net.parameters()))
+
+
+def test_agree_every_changes_nothing_in_one_process():
+    """One process exchanges nothing: a stop takes effect at its step whatever agree_every."""
+    class AskAt(BatchEnd):
+        def batch_end(self, est, **kw):
+            return est.position.step + 1 == 2
+
+    est = make_estimator()
+    est.agree_every = 5
+    est.fit(batches(4), epochs=1, event_handlers=[AskAt()])
+    assert est.position.step == 2
+
+
 @pytest.mark.slow
 def test_a_run_with_batches_per_epoch_resumes_bit_identically(tmp_path):
     def make():

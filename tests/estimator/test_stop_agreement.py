@@ -1,8 +1,13 @@
-"""Two gloo ranks agree on stops and signals without a blocking collective per step: a stop asked
-on every rank at step k stops both at k, one asked on some ranks (or a signal reaching one rank)
-at k + 1; SIGTERM on one rank checkpoints the agreed step and both resume bit-identically; a
-checkpoint taken while the agreement is in flight resumes to the same stop. (The per-step
-collective count is in tests/test_sync_count.py.)"""
+"""Two gloo ranks agree on stops and signals without a blocking collective per step.
+
+With ``agree_every=1`` (an exchange after every step): a stop asked on every rank at step k stops
+both at k, one asked on some ranks (or a signal reaching one rank) at k + 1; SIGTERM on one rank
+checkpoints the agreed step and both resume bit-identically; a checkpoint taken while the
+agreement is in flight resumes to the same stop. With ``agree_every=3`` (exchanges after steps 3,
+6, 9): a request waits for the next exchange and stops both one step after it, the plan's end
+stops at once, and a checkpoint holding a request in the outbox or in flight resumes to the same
+stop. Gloo's default is every 16 steps. (The per-step collective count is in
+tests/test_sync_count.py.)"""
 
 from __future__ import annotations
 
@@ -64,9 +69,10 @@ def _estimator():
     return est, torch.utils.data.DataLoader(dataset, batch_size=5, shuffle=True)
 
 
-def _fit(kind, arg, ckpt_dir=None, resume=False, period=1):
+def _fit(kind, arg, ckpt_dir=None, resume=False, period=1, every=1):
     signal.signal(signal.SIGINT, signal.default_int_handler)  # spawned from a background job: SIGINT ignored
     est, loader = _estimator()
+    est.agree_every = every
     lines = _LogLines()
     est.logger.addHandler(lines)
     count = Count()
@@ -88,7 +94,7 @@ def _fit(kind, arg, ckpt_dir=None, resume=False, period=1):
     except SystemExit as exit:
         outcome = f"SystemExit({exit.code})"
     pos = est.position
-    return {"outcome": outcome, "step": pos.step, "phase": pos.phase, "batches": count.batches,
+    return {"outcome": outcome, "step": pos.step, "phase": pos.phase, "batches": count.batches, "every": every,
             "interruption": est.interruption, "log": lines.messages, "model": est.net.state_dict(), "optimizer": est.optimizer.state_dict()}
 
 
@@ -154,3 +160,50 @@ def test_a_checkpoint_taken_while_the_agreement_is_in_flight_resumes_to_the_same
         assert_tree_equal(got["model"], want["model"], "model")
         assert_tree_equal(got["optimizer"], want["optimizer"], "optimizer")
     assert sorted(os.listdir(resume_dir))[-2:] == ["model-epoch0batch4.pt", "model-latest"]
+
+
+# -- agree_every=3: exchanges after steps 3, 6 and 9 (epochs end after steps 5 and 10) ------------
+
+@pytest.mark.parametrize("kind, arg, step", [
+    ("ask", {1: 1}, 4),  # waits in the outbox for step 3's exchange, read at step 4
+    ("ask", {0: 2, 1: 2}, 4),  # on every rank, but not at an exchanging step: the same
+    ("ask", {0: 3, 1: 3}, 3),  # on every rank at an exchanging step: at that step
+    ("ask", {1: 3}, 4),  # rank-local at an exchanging step: one step later
+    ("ask", {1: 4}, PER_EPOCH),  # the epoch's end agrees what waits in the outbox
+    ("ask", {0: 6, 1: 6}, 6),  # the schedule counts steps over the run: step 6 is the second epoch's first
+    ("max_batch", 2, 2),  # StoppingHandler (so the plan's end) needs no exchange
+    ("SIGTERM", {1: 1}, 4),
+])
+def test_with_agree_every_a_request_stops_every_rank_one_step_after_the_next_exchange(kind, arg, step):
+    r0, r1 = distributed.spawn(_fit, 2, kind, arg, None, False, 1, 3, backend="gloo")
+    outcome = "SystemExit(143)" if kind == "SIGTERM" else "returned"
+    for r in (r0, r1):
+        assert (r["outcome"], r["step"], r["batches"]) == (outcome, step, step)
+    assert_tree_equal(r0["model"], r1["model"])
+
+
+def test_gloo_agrees_every_16_steps_by_default():
+    """A rank-local request at step 1 of a 10-step fit waits for the first epoch's end."""
+    r0, r1 = distributed.spawn(_fit, 2, "ask", {1: 1}, None, False, 1, None, backend="gloo")
+    assert (r0["step"], r1["step"]) == (PER_EPOCH, PER_EPOCH)
+
+
+@pytest.mark.parametrize("boundary", [2, 3])  # the request in the outbox / in the exchange in flight
+def test_with_agree_every_a_checkpoint_holding_a_request_resumes_to_the_same_stop(tmp_path, boundary):
+    """Rank 1 asks to stop during step 1: both stop at step 4. The checkpoints of steps 2 and 3
+    hold the request (in the outbox, in the exchange started after step 3), so a run resumed from
+    either stops at step 4 as well."""
+    ckpt = tmp_path / "ckpt"
+    first = distributed.spawn(_fit, 2, "ask", {1: 1}, str(ckpt), False, 1, 3, backend="gloo")
+    assert [r["step"] for r in first] == [4, 4]
+    name = f"model-epoch0batch{boundary}.pt"
+    payload = torch.load(ckpt / name, weights_only=True)
+    assert [snapshot["pending_stop"] for snapshot in payload["ranks"]] == [False, True]
+    resume_dir = tmp_path / "resume"
+    resume_dir.mkdir()
+    shutil.copy(ckpt / name, resume_dir)
+    resumed = distributed.spawn(_fit, 2, "none", None, str(resume_dir), True, 1, 3, backend="gloo")
+    for want, got in zip(first, resumed):
+        assert (got["step"], got["batches"], got["phase"]) == (4, 4 - boundary, "epoch_end")
+        assert_tree_equal(got["model"], want["model"], "model")
+        assert_tree_equal(got["optimizer"], want["optimizer"], "optimizer")

@@ -71,7 +71,7 @@ def full_state(est) -> dict[str, Any]:
 
 def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     """One rank of the fit; ``options``: resume, batches, accumulation, elastic, period,
-    max_checkpoints, kill_at, signal_at, kill_in (stage, n), strategy, handler (extra kwargs),
+    max_checkpoints, kill_at, signal_at, agree_every, kill_in (stage, n), strategy, handler (extra kwargs),
     scribble (background writes held until the next step has scribbled over the parameters),
     slow_write (seconds each background write waits first), full_disk (rank 0's own file of the
     n-th save fails as on a full disk)."""
@@ -86,6 +86,8 @@ def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     net = nn.Sequential(nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=11,
                     strategy=options.get("strategy", "fsdp"))
+    if options.get("agree_every"):
+        est.agree_every = options["agree_every"]
     lines = Lines()
     est.logger.addHandler(lines)
     loader = torch.utils.data.DataLoader(Augmented(), batch_size=BATCH, shuffle=True)

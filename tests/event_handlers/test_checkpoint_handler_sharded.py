@@ -78,7 +78,8 @@ def test_the_whole_job_killed_after_a_checkpoint_relaunches_bit_identically(refe
 def test_sigterm_on_one_rank_saves_the_agreed_step_and_the_rerun_is_bit_identical(reference, tmp_path):
     _, full = reference
     ckpt = tmp_path / "ckpt"
-    stopped = _spawn(2, ckpt, batches=BATCHES, period=3, signal_at={1: 3})
+    # agree_every=1: the flags are exchanged after every step (gloo's default is every 16)
+    stopped = _spawn(2, ckpt, batches=BATCHES, period=3, signal_at={1: 3}, agree_every=1)
     assert [(r["outcome"], r["step"]) for r in stopped] == [("SystemExit(143)", 4)] * 2
     assert stopped[0]["files"] == ["model-epoch0batch3.dcp", "model-epoch0batch4.dcp", "model-latest"]
     again = _spawn(2, _copy(ckpt, tmp_path, "model-epoch0batch4.dcp"), batches=BATCHES, period=3, resume=True)
