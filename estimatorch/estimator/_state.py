@@ -69,7 +69,7 @@ SNAPSHOT = {
     "data": "the training stream's state_dict()",
     "fingerprint": "what shapes the data stream (dataset length, batch size, drop_last, world size, seed...)",
     "rng": "rng.get_state(): every generator of this rank",
-    "pending_stop": "optional: this rank's part of a stop agreement in flight",
+    "pending_stop": "optional: this rank asked to stop, not agreed yet (waiting for the next exchange or in flight)",
     "shared": "optional: the handlers whose state is the same on every rank (stored once)",
 }
 _OPTIONAL = ("pending_stop", "shared")
