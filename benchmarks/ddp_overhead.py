@@ -25,10 +25,17 @@ skips the agreement altogether (unsafe in real use, where ranks could then stop 
 steps; nothing asks to stop here), which shows what the remaining exchanges still cost. Run the
 script from an older checkout for the "before".
 
+``--calibrate US`` adds ``raw+cpu``: the raw loop with ``US`` microseconds of busy CPU work per
+step on each rank (a spin on ``time.perf_counter``), to read how much wall time a microsecond of
+per-step CPU costs on this machine. Where the two processes and gloo's threads have no spare core
+it costs more than a microsecond; ``fit``'s own per-step work (handlers, metrics) is amplified
+alike.
+
 Usage::
 
     python benchmarks/ddp_overhead.py                      # 2000 steps, 7 rounds
     python benchmarks/ddp_overhead.py --hidden 1024 --json
+    python benchmarks/ddp_overhead.py --calibrate 50       # + the raw loop with 50 µs of CPU per step
 """
 
 from __future__ import annotations
@@ -37,6 +44,7 @@ import argparse
 import contextlib
 import io
 import json
+import math
 import statistics
 import sys
 import time
@@ -63,7 +71,7 @@ def _net(hidden: int) -> nn.Module:
     return nn.Sequential(nn.Linear(common.IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, common.CLASSES))
 
 
-def _raw(steps: int, dataset: Any, hidden: int) -> None:
+def _raw(steps: int, dataset: Any, hidden: int, cpu_s: float = 0.0) -> None:
     from torch.utils.data import DataLoader, DistributedSampler
 
     ddp = nn.parallel.DistributedDataParallel(_net(hidden))
@@ -79,6 +87,10 @@ def _raw(steps: int, dataset: Any, hidden: int) -> None:
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            if cpu_s:  # --calibrate: busy CPU work of a known length, as a handler would add
+                end = time.perf_counter() + cpu_s
+                while time.perf_counter() < end:
+                    pass
             done += 1
             if done >= steps:
                 return
@@ -132,6 +144,8 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
         if settings["ab"]:
             configs["fit-every-step"] = lambda: _fit(steps, dataset, hidden, agree_every=1)
             configs["fit-unagreed"] = lambda: _fit_unagreed(steps, dataset, hidden)
+    if settings["calibrate"]:
+        configs["raw+cpu"] = lambda: _raw(steps, dataset, hidden, settings["calibrate"] * 1e-6)
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
     for round_ in range(settings["repeats"] + 1):  # round 0 warms up
@@ -146,8 +160,10 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     return {"rank": distributed.get_rank(), "times": times, "machine": common.machine_info()}
 
 
-def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, ab: bool) -> dict[str, Any]:
-    settings = dict(steps=steps, repeats=repeats, samples=samples, hidden=hidden, threads=threads, ab=ab)
+def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, ab: bool,
+            calibrate: float = 0.0) -> dict[str, Any]:
+    settings = dict(steps=steps, repeats=repeats, samples=samples, hidden=hidden, threads=threads, ab=ab,
+                    calibrate=calibrate)
     ranks = distributed.spawn(_worker, 2, settings, backend="gloo")
     names = list(ranks[0]["times"])
     per_run = {name: [max(r["times"][name][i] for r in ranks) for i in range(repeats)] for name in names}
@@ -157,6 +173,10 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
         out_ab = statistics.median([b - f for b, f in zip(per_run["fit-every-step"], per_run["fit"])]) / steps * 1e6
     else:
         out_ab = None
+
+    def added(name: str) -> float:  # µs per step over raw, median of per-round differences
+        return statistics.median([c - r for c, r in zip(per_run[name], per_run["raw"])]) / steps * 1e6
+
     out: dict[str, Any] = {
         "settings": settings,
         "machine": ranks[0]["machine"],
@@ -166,6 +186,9 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
         "ratio_of_fastest": min(per_run["fit"]) / min(per_run["raw"]),
         "paired": paired,
         "every_step_minus_fit_us_per_step": out_ab,
+        "fit_minus_raw_us_per_step": added("fit"),
+        "calibration": {"cpu_us_per_step": calibrate, "added_us_per_step": added("raw+cpu"),
+                        "wall_per_cpu": added("raw+cpu") / calibrate} if calibrate else None,
     }
     return out
 
@@ -181,6 +204,11 @@ def table(out: dict[str, Any]) -> str:
     if out["every_step_minus_fit_us_per_step"] is not None:
         lines.append("fit-every-step - fit, median of per-round differences: "
                      f"{out['every_step_minus_fit_us_per_step']:.1f} µs/step")
+    lines.append(f"fit - raw, median of per-round differences: {out['fit_minus_raw_us_per_step']:.1f} µs/step")
+    cal = out["calibration"]
+    if cal is not None:
+        lines.append(f"raw+cpu - raw: {cal['added_us_per_step']:.1f} µs/step of wall time for "
+                     f"{cal['cpu_us_per_step']:g} µs of CPU per step ({cal['wall_per_cpu']:.2f} per µs)")
     return "\n".join(lines)
 
 
@@ -192,12 +220,16 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--hidden", type=int, default=common.HIDDEN, help="hidden width (default 64)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--no-ab", action="store_true", help="skip the fit-every-step and fit-unagreed diagnostics")
+    parser.add_argument("--calibrate", type=float, default=0.0, metavar="US",
+                        help="add raw+cpu: the raw loop with US µs of busy CPU per step (default: off)")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "samples", "hidden", "threads"):
         if getattr(args, name) < 1:
             parser.error(f"--{name} must be a positive int, got {getattr(args, name)}")
-    out = measure(args.steps, args.repeats, args.samples, args.hidden, args.threads, not args.no_ab)
+    if not (math.isfinite(args.calibrate) and args.calibrate >= 0):
+        parser.error(f"--calibrate must be a non-negative number of µs, got {args.calibrate}")
+    out = measure(args.steps, args.repeats, args.samples, args.hidden, args.threads, not args.no_ab, args.calibrate)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

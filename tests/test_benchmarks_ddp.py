@@ -26,3 +26,20 @@ def test_ddp_overhead_reports_fit_against_a_hand_written_ddp_loop():
     assert len(out["paired"]) == 2 and math.isfinite(out["ratio"]) and out["ratio"] > 0
     assert math.isfinite(out["every_step_minus_fit_us_per_step"])
     assert out["settings"]["steps"] == 20 and out["machine"]["torch_threads"] == 1
+    assert math.isfinite(out["fit_minus_raw_us_per_step"]) and out["calibration"] is None
+
+
+def test_ddp_overhead_calibrates_what_a_microsecond_of_cpu_per_step_costs():
+    done = subprocess.run([sys.executable, SCRIPT, "--steps", "20", "--repeats", "2", "--samples", "1280",
+                           "--no-ab", "--calibrate", "50", "--json"], capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert list(out["us_per_step"]) == ["raw", "fit", "raw+cpu"]
+    cal = out["calibration"]
+    assert cal["cpu_us_per_step"] == 50 and math.isfinite(cal["added_us_per_step"])
+    assert cal["wall_per_cpu"] == cal["added_us_per_step"] / 50
+
+
+def test_ddp_overhead_refuses_a_negative_calibration():
+    done = subprocess.run([sys.executable, SCRIPT, "--calibrate", "-1"], capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and "--calibrate must be a non-negative number of µs, got -1.0" in done.stderr
