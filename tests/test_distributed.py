@@ -358,7 +358,7 @@ class RefuseOnRank(BatchEnd):
     def __init__(self, rank):
         self.rank = rank
 
-    def _check_fit(self, estimator, resume):
+    def check_fit(self, estimator, resume):
         if distributed.get_rank() == self.rank:
             raise ValueError(f"refused on rank {self.rank}")
 

@@ -7,8 +7,8 @@ The layers, bottom to top (docs/architecture.md draws them):
 1. ``distributed``, ``rng``, the shared checks (``_checks``, ``_saved``), the batch conventions
    (``_batches``), the version;
 2. ``metrics``;  3. ``samplers``;  4. ``checkpoint`` (storage only);
-5. the handler core: mixins, base, subscription, schedule, dispatch, the monitor rule, and the
-   helpers the handlers share (paths, progress bars, event files);
+5. the handler contract (``events``: mixins, ``Handler``, the estimator's ``Protocol``, dispatch,
+   the monitor rule), and the helpers the handlers share (paths, progress bars, event files);
 6. ``statistics``;  7. the built-in handlers;  8. ``estimator``;
 9. ``testing``, the demo, the package ``__init__`` and ``__main__``.
 """
@@ -25,14 +25,15 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "estimatorch"
 
-_CORE = ("mixins", "_base", "_subscribe", "_dispatch", "_monitor", "_paths", "_bars", "_event_files")
+_CORE = ("_paths", "_bars", "_event_files")
 #: module name prefix -> layer (the longest matching prefix decides).
 LAYERS: dict[str, int] = {
     "estimatorch._version": 1, "estimatorch._checks": 1, "estimatorch._schedule": 1, "estimatorch._saved": 1, "estimatorch._batches": 1,
-    "estimatorch.distributed": 1, "estimatorch._spawn": 1, "estimatorch.rng": 1,
+    "estimatorch.distributed": 1, "estimatorch._spawn": 1, "estimatorch.rng": 1, "estimatorch._console": 1,
     "estimatorch.metrics": 2,
     "estimatorch.samplers": 3,
     "estimatorch.checkpoint": 4,
+    "estimatorch.events": 5,
     **{f"estimatorch.event_handlers.{name}": 5 for name in _CORE},
     "estimatorch.statistics": 6,
     "estimatorch.event_handlers": 7,

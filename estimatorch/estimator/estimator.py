@@ -13,8 +13,8 @@ from torch import nn
 from .. import distributed, rng
 from .._batches import to_device
 from .._checks import check_bool, warn_user
-from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
-from ..event_handlers._monitor import resolve_monitors
+from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
+from ..events.monitor import resolve_monitors
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
@@ -330,12 +330,10 @@ class Estimator(RunView):
         handlers = order_handlers(user, default_handlers(self, user, val_data))
         resolve_monitors(handlers, self.train_metrics + self.val_metrics)  # monitors given by name
         check_metric_references(handlers, self.train_metrics + self.val_metrics)
-        for handler in handlers:
-            check = getattr(handler, "_check_fit", None)
-            if check is not None:
-                check(self, resume=resume)
+        check_fit(handlers, self, resume)
         configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
-        resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
+        resumes = resume or any(declared(h, "resumes_run") or declared(h, "checkpoint_location") is not None
+                                for h in handlers)
         if not stream.exact and resumes:
             warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
                       "and discard) the batches before the saved position, exact only if it yields the same batches "

@@ -28,11 +28,10 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._paths import check_run_id
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
-from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["Outcome", "Row", "TrackingHandler", "check_reachable", "require"]
 
@@ -202,7 +201,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
     """
 
     priority = -500  # after the optimizer step and validation, before an LR scheduler at 0
-    _state_attrs = ("run_id", "current_epoch", "total_batches", "history")
+    state_attributes = ("run_id", "current_epoch", "total_batches", "history")
 
     def __init__(self, log_interval: Optional[int], log_checkpoints: bool):
         self.log_interval = check_positive_int(log_interval, "log_interval", allow_none=True)
@@ -228,7 +227,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
         raise NotImplementedError
 
     # -- the session --------------------------------------------------------------------------
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work, on rank 0 (which writes): the tracker's arguments are usable."""
         if distributed.is_main_process():
             self._check_tracker(estimator)
@@ -305,7 +304,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
     # -- state --------------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved run: its id (checked to be an id, not a path), counters and history."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         self.run_id = check_run_id(state["run_id"])
         self.current_epoch = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch",
                                                 minimum=0)

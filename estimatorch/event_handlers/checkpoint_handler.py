@@ -12,19 +12,17 @@ from typing import Any, Optional, Union
 from .. import checkpoint, distributed
 from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real, warn_user
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochEnd, StatefulHandler, TrainBegin, TrainEnd
+from ..events.monitor import check_monitor, check_threshold, improved, resolve_mode
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._checkpoint_directory import DirectoryChecks
-from ._monitor import check_monitor, check_threshold, improved, resolve_mode
-from ._subscribe import periodic_events, with_events
-from .mixins import TrainBegin, TrainEnd
 
 __all__ = ["CheckpointHandler"]
 
 logger = logging.getLogger("estimatorch")
 
 
-class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
+class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEnd):
     """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
@@ -178,10 +176,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     #: state keys counting this process's batches (scaled by an elastic resume on another world size).
     elastic_batch_counters = ("current_batch",)
 
-    _state_attrs = ("current_epoch", "current_batch", "best")
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointHandler":
-        return super().__new__(with_events(cls, periodic_events(cls, args, kwargs)))  # only the periods set
+    state_attributes = ("current_epoch", "current_batch", "best")
 
     def __init__(self, model_dir: Union[str, os.PathLike], model_prefix: str = "model", monitor: Any = None,
                  verbose: int = 0, save_best: bool = False, mode: str = "auto", epoch_period: Optional[int] = 1,
@@ -226,7 +221,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         self.resume_from_checkpoint = resume_from_checkpoint
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
-        self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
+        self.elastic = elastic  # the estimator reads elastic_checkpoints at fit start
         self.async_save = async_save
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"sharded must be None, True or False, got {sharded!r}")
@@ -257,6 +252,29 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
+
+    def listens_to(self, event: str) -> bool:
+        """Only the events of the periods set: no call per batch without a ``batch_period``."""
+        if event == "batch_end":
+            return self.batch_period is not None
+        if event == "epoch_end":
+            return self.epoch_period is not None
+        return True
+
+    @property
+    def checkpoint_location(self) -> Optional[str]:
+        """``model_dir`` when this handler writes checkpoints a fit resumes from (not only exports)."""
+        return self.model_dir if self._layout.resumable else None
+
+    @property
+    def resumes_run(self) -> bool:
+        """``resume_from_checkpoint``: ``train_begin`` resumes from the newest checkpoint."""
+        return self.resume_from_checkpoint
+
+    @property
+    def elastic_checkpoints(self) -> bool:
+        """``elastic``: the checkpoints resume on another world size."""
+        return self.elastic
 
     @property
     def resumable(self) -> bool:
@@ -300,7 +318,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (during a resume the counters follow the restored
         position, which holds the same numbers); raises ``ValueError`` naming a missing key."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         epochs = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch", minimum=0)
         batches = check_positive_int(state["current_batch"], f"state of {self.name}: current_batch", minimum=0)
         best = state["best"]

@@ -8,11 +8,10 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from .._checks import check_bool, check_positive_int, check_state_keys, warn_user
+from ..events import EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._paths import check_output_file, path_argument
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
-from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["CSVLoggerHandler"]
 
@@ -61,7 +60,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
     """
 
     priority = float("inf")
-    _state_attrs = ("rows", "size")
+    state_attributes = ("rows", "size")
 
     def __init__(self, path: Union[str, "os.PathLike[str]"], separator: str = ",", append: bool = False):
         self.path = path_argument(path, "path")
@@ -79,7 +78,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self._active = False
 
     # -- checks ----------------------------------------------------------------------------
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: the file can be written and, when appending, holds these columns."""
         if not distributed.is_main_process():
             return
@@ -134,7 +133,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved counts; on rank 0 during ``fit``, cut ``path`` back to the saved
         length (the rows written after the resume point go)."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         rows = check_positive_int(state["rows"], f"state of {self.name}: rows", minimum=0)
         size = check_positive_int(state["size"], f"state of {self.name}: size", minimum=0)
         if self._active:

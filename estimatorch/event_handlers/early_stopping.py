@@ -9,10 +9,9 @@ import torch
 
 from .._checks import check_bool, check_positive_int, is_real, warn_user
 from ..checkpoint import load_model_state, model_state
+from ..events import EpochEnd, StatefulHandler, TrainBegin, TrainEnd
+from ..events.monitor import check_monitor, improved, resolve_mode
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
-from ._monitor import check_monitor, improved, resolve_mode
-from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["EarlyStoppingHandler", "improved", "resolve_mode"]
 
@@ -51,7 +50,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         'min'
     """
 
-    _state_attrs = ("current_epoch", "best", "best_epoch", "wait", "stopped_epoch", "best_weights")
+    state_attributes = ("current_epoch", "best", "best_epoch", "wait", "stopped_epoch", "best_weights")
     shared_state = True  # decided on reduced values; best weights are DDP's common weights
 
     def __init__(self, monitor: Any, min_delta: float = 0, patience: int = 0, mode: str = "auto",

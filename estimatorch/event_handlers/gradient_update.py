@@ -9,14 +9,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
 from .._checks import check_positive_int, check_state_keys, is_real
-from ._base import StatefulHandler
-from ._subscribe import subscribe
-from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
+from ..events import BatchBegin, BatchEnd, EpochEnd, StatefulHandler, TrainBegin, TrainEnd
 
 __all__ = ["GradientUpdateHandler"]
 
 
-class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, TrainEnd):
+class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, EpochEnd, TrainEnd):
     """Step the optimizer (and the grad scaler under ``"16-mixed"``), then zero the gradients.
 
     Runs at priority -2000, first in ``batch_end``. With ``accumulation_steps=k`` the gradients
@@ -40,7 +38,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
     """
 
     priority = -2000
-    _state_attrs = ("pending",)
+    accumulation_steps: int
+    state_attributes = ("pending",)
     # gradients accumulated under DDP's no_sync differ per rank: saved for every rank
 
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
@@ -55,11 +54,10 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
         #: whether the optimizer stepped at the last batch_end (read by handlers that follow
         #: optimizer steps, e.g. a per-batch LR schedule under gradient accumulation)
         self.stepped = False
-        self._subscribe()
 
-    def _subscribe(self) -> None:
-        # batch_begin (choosing whether DDP synchronises this batch) only with accumulation
-        subscribe(self, ["batch_begin"] if self.accumulation_steps > 1 else [])
+    def listens_to(self, event: str) -> bool:
+        """``batch_begin`` (choosing whether DDP synchronises this batch) only with accumulation."""
+        return event != "batch_begin" or self.accumulation_steps > 1
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.pending = 0

@@ -12,12 +12,10 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_state_keys, is_int
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
-from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates
-from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["LoggingHandler", "format_metrics"]
 
@@ -32,7 +30,7 @@ def _format_rates(rates: dict[str, float]) -> str:
     return ", ".join(f"{name}: {value:.4g}" for name, value in rates.items())
 
 
-class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd):
+class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
@@ -77,7 +75,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     elastic_batch_counters = ("batch_in_epoch", "samples_in_epoch")
 
     priority = float("inf")
-    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
+    state_attributes = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
 
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
@@ -102,8 +100,10 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
         self._reset_counts()
-        # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
-        subscribe(self, [] if log_interval == "epoch" else ["batch_end"])
+
+    def listens_to(self, event: str) -> bool:
+        """A line per epoch needs nothing per step: ``batch_end`` only for batch lines."""
+        return event != "batch_end" or self.log_interval != "epoch"
 
     @property
     def batch_lines(self) -> bool:
@@ -151,7 +151,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self._file_handler.close()
         self._file_handler = None
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: the log directory can be written (on rank 0, which writes it)."""
         if self.log_dir is not None and distributed.is_main_process():
             check_output_dir(self.log_dir, "log_dir")

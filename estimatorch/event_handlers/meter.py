@@ -9,11 +9,21 @@ import torch
 
 from .. import distributed
 from .._checks import check_state_keys
+from ..events import (
+    BackwardBegin,
+    BackwardEnd,
+    BatchBegin,
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    ForwardBegin,
+    ForwardEnd,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+)
 from ..statistics.base import STEP_EVENTS, Statistic
 from ..statistics.callback import CallbackStatistic
-from ._base import StatefulHandler
-from ._subscribe import subscribe
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from .tensorboard import EPOCH_PREFIX, TensorBoardHandler
 
 __all__ = ["MeterHandler"]
@@ -38,7 +48,8 @@ def _to_host(values: dict[str, Any]) -> dict[str, float]:
     return {tag: out[tag] for tag in values}
 
 
-class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBegin, ForwardBegin, ForwardEnd,
+                   BackwardBegin, BackwardEnd, BatchEnd):
     """Measure :mod:`estimatorch.statistics` during training and write them (QuantLab's meter).
 
     The handler forwards the loop's events to its statistics: every step to running statistics
@@ -104,7 +115,11 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
         events: set[str] = set()
         for stat in items:
             events |= set(getattr(stat, "events", ())) & STEP_EVENTS
-        subscribe(self, events)
+        self._events = frozenset(events)
+
+    def listens_to(self, event: str) -> bool:
+        """The per-step events besides ``batch_end`` only when a statistic needs them."""
+        return event not in STEP_EVENTS or event in self._events
 
     # -- schedule --------------------------------------------------------------------------
     def _schedule(self, force: bool = False) -> None:

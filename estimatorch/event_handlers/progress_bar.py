@@ -6,12 +6,11 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from .. import distributed
+from .. import _console, distributed
 from .._checks import check_state_keys, is_real
+from ..events import BatchEnd, EpochBegin, EpochEnd, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import Metric, as_metric_list, metric_name
 from . import _bars
-from ._base import StatefulHandler
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["ProgressBarHandler"]
 
@@ -93,7 +92,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     elastic_batch_counters = ("batch_in_epoch", "total_batches")
 
     priority = float("inf")
-    _state_attrs = ("batch_in_epoch", "epochs_done", "total_batches")
+    state_attributes = ("batch_in_epoch", "epochs_done", "total_batches")
 
     def __init__(self, refresh_interval: float = 0.5, metrics: Any = None, file: Any = None):
         if not is_real(refresh_interval) \
@@ -179,7 +178,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         if not self._active:
             return
         self._file = self.file if self.file is not None else sys.stderr
-        if self.file is None and _bars.in_notebook():
+        if self.file is None and _console.in_notebook():
             self._display = _bars.NotebookDisplay()  # bars as text in the cell: no console to share
         else:
             self._redirect = _bars.ConsoleRedirect(estimator.logger, _bars.bar_class())
@@ -248,7 +247,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             bar.read_postfix = read
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         self.batch_in_epoch, self.epochs_done, self.total_batches = (
             int(state["batch_in_epoch"]), int(state["epochs_done"]), int(state["total_batches"]))
         if not self._active:

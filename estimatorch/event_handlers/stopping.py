@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._checks import check_positive_int
-from ._base import StatefulHandler, rank_identical_stop
-from .mixins import BatchEnd, EpochEnd, TrainBegin
+from ..events import BatchEnd, EpochEnd, StatefulHandler, TrainBegin, rank_identical_stop
 
 __all__ = ["StoppingHandler"]
 
@@ -36,7 +35,7 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     #: state keys counting this process's batches (scaled by an elastic resume on another world size).
     elastic_batch_counters = ("current_batch",)
 
-    _state_attrs = ("current_epoch", "current_batch")
+    state_attributes = ("current_epoch", "current_batch")
 
     def __init__(self, max_epoch: Optional[int] = None, max_batch: Optional[int] = None):
         self.max_epoch = check_positive_int(max_epoch, "max_epoch", allow_none=True)
@@ -45,6 +44,10 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.current_batch = 0
         self._max_epoch = max_epoch
         self._max_batch = max_batch
+
+    def stop_limits(self) -> tuple[Optional[int], Optional[int]]:
+        """``(max_epoch, max_batch)``."""
+        return self.max_epoch, self.max_batch
 
     def train_begin(self, estimator: Any, **kwargs: Any) -> None:
         self.current_epoch = 0

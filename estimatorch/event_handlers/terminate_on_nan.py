@@ -10,9 +10,8 @@ import torch
 from .. import distributed
 from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochBegin, EpochEnd, StatefulHandler, TrainBegin, rank_identical_stop
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler, rank_identical_stop
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
 
 __all__ = ["NonFiniteError", "TerminateOnNaNHandler"]
 
@@ -85,7 +84,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
     elastic_batch_counters = ("total_batches", "batch_in_epoch", "checked")
 
     priority = 1000
-    _state_attrs = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
+    state_attributes = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
 
     def __init__(self, check_every: int = 100, monitor: Any = None, *, raise_error: bool = False):
         self.check_every = check_positive_int(check_every, "check_every")
@@ -175,6 +174,6 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
 
     # -- state -----------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         super().load_state_dict(state)
         self.reason = self.stopped_batch = None
