@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -28,7 +29,16 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
-from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ..events import (
+    AfterTrainEnd,
+    BatchEnd,
+    CheckpointSaved,
+    EpochEnd,
+    EstimatorView,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+)
 from ..metrics.base import metric_name
 from ._paths import check_run_id
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
@@ -177,22 +187,7 @@ def param_texts(params: dict[str, Any]) -> dict[str, str]:
     return {key: text for key, text in texts.items() if text is not None}
 
 
-def _checkpoints_since(estimator: Any, since: float) -> list[str]:
-    """Checkpoint and weights files the fit's checkpoint handlers hold that were written since
-    ``since`` (a wall-clock time): every ``<model_prefix>-*.pt`` in their ``model_dir``."""
-    found: set[str] = set()
-    for handler in estimator.handlers:
-        directory, prefix = getattr(handler, "model_dir", None), getattr(handler, "model_prefix", None)
-        if not isinstance(directory, str) or not isinstance(prefix, str) or not os.path.isdir(directory):
-            continue
-        for entry in os.scandir(directory):
-            if entry.name.startswith(f"{prefix}-") and entry.name.endswith(".pt") and entry.is_file() \
-                    and entry.stat().st_mtime >= since:
-                found.add(os.path.abspath(entry.path))
-    return sorted(found)
-
-
-class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd):
+class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd, CheckpointSaved, AfterTrainEnd):
     """Base of the experiment-tracker handlers (see :class:`~.MLflowHandler` for what they log).
 
     Subclasses implement :meth:`_check_tracker` (checks before any work, on rank 0) and
@@ -217,7 +212,9 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
         self._pending: list[Row] = []
         self._batch_size: Optional[int] = None
         self._params: dict[str, Any] = {}
-        self._started = self._sent = 0.0
+        self._sent = 0.0
+        #: the checkpoints the fit's handlers wrote and still hold (``checkpoint_saved``), in order
+        self._checkpoints: dict[str, None] = {}
 
     # -- what subclasses provide -------------------------------------------------------------
     def _check_tracker(self, estimator: Any) -> None:
@@ -251,7 +248,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
         self._session, self._pending, self._batch_size = None, [], None
         self._params = run_params(estimator) if distributed.is_main_process() else {}
         self.run_id, self.current_epoch, self.total_batches, self.history = None, 0, 0, {}
-        self._started, self._sent = time.time(), time.perf_counter()
+        self._sent, self._checkpoints = time.perf_counter(), {}
         estimator.at_boundary(lambda: self._open(estimator))
 
     def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
@@ -289,17 +286,28 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
             if len(column) == n:
                 column.append(math.nan)
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
-        session = self._session
-        if session is None:  # fit ended before the first step's end: no run was opened
-            return
-        try:
+    def checkpoint_saved(self, estimator: EstimatorView, *, written: Sequence[str], removed: Sequence[str],
+                         **kwargs: Any) -> None:
+        """Keep the list of checkpoints the run ends with: what the fit wrote, less what it removed."""
+        for path in removed:
+            self._checkpoints.pop(path, None)
+        for path in written:
+            self._checkpoints.pop(path, None)
+            self._checkpoints[path] = None
+
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        if self._session is not None:  # else the fit ended before the first step's end: no run was opened
             self._send()  # what waited, also past a checkpoint: a resume does not log it twice
-        finally:
-            self._session, self._pending = None, []
-            status, code, preempted = _outcome(estimator)
-            checkpoints = _checkpoints_since(estimator, self._started) if distributed.is_main_process() else []
-            session.finish(Outcome(status, code, preempted, self.history, checkpoints))
+
+    def after_train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        """End the run once every ``train_end`` is done: the checkpoint a signal's stop writes
+        there is listed too."""
+        session = self._session
+        if session is None:
+            return
+        self._session, self._pending = None, []
+        status, code, preempted = _outcome(estimator)
+        session.finish(Outcome(status, code, preempted, self.history, sorted(self._checkpoints)))
 
     # -- state --------------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:

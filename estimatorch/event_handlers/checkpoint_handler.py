@@ -499,6 +499,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths if not written else ():
             checkpoint.atomic_save(state, path)
+        kept = list(self.saved)
         if self._layout.resumable:
             if paths[0] in self.saved:
                 self.saved.remove(paths[0])
@@ -511,6 +512,9 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                 checkpoint.remove_checkpoint(earlier)
             checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
+        removed = [path for path in kept if path not in self.saved and path not in paths]
+        estimator.fire("checkpoint_saved", written=[os.path.abspath(path) for path in paths],
+                       removed=[os.path.abspath(path) for path in removed])
         if self.verbose:
             note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
             estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",

@@ -53,7 +53,10 @@ class _MLflowRun:
                 self.client.set_tag(self.run_id, "estimatorch.checkpoints", "\n".join(outcome.checkpoints))
             if self.log_checkpoints:
                 for path in outcome.checkpoints:
-                    self.client.log_artifact(self.run_id, path, "checkpoints")
+                    if os.path.isdir(path):  # a sharded checkpoint: the directory, under its name
+                        self.client.log_artifacts(self.run_id, path, f"checkpoints/{os.path.basename(path)}")
+                    else:
+                        self.client.log_artifact(self.run_id, path, "checkpoints")
         finally:
             self.client.set_terminated(self.run_id, outcome.status)
 

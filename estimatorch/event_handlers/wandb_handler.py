@@ -37,7 +37,10 @@ class _WandbRun:
             if self.log_checkpoints and outcome.checkpoints:
                 artifact = self.wandb.Artifact(re.sub(r"[^\w.-]", "_", f"checkpoints-{run.id}"), type="model")
                 for path in outcome.checkpoints:
-                    artifact.add_file(path)
+                    if os.path.isdir(path):  # a sharded checkpoint: the directory, under its name
+                        artifact.add_dir(path, name=os.path.basename(path))
+                    else:
+                        artifact.add_file(path)
                 run.log_artifact(artifact)
             if outcome.preempted:
                 run.mark_preempting()

@@ -96,6 +96,33 @@ def test_checkpoints_are_uploaded_as_artifacts_when_asked(tmp_path):
     assert files == sorted(os.listdir(tmp_path / "ckpt")) == ["model-best.weights.pt"]
 
 
+def _held(directory):
+    """The checkpoints in ``directory``: files and sharded directories, the pointer and the lock aside."""
+    return sorted(str(p) for p in directory.iterdir() if p.name.startswith("model-epoch"))
+
+
+@pytest.mark.parametrize("options", [{}, pytest.param({"async_save": True}, marks=pytest.mark.slow),
+                                     pytest.param({"sharded": True}, marks=pytest.mark.slow)],
+                         ids=["files", "async_save", "sharded"])
+def test_the_tag_lists_what_the_checkpoint_handler_announced_after_a_sigterm(tmp_path, options):
+    """The tracker's train_end runs before CheckpointHandler's (priority -500), which writes the
+    preemption checkpoint and prunes an older one: the run ends after every train_end, with what
+    was announced, so the tag names the file a resume uses and none retention deleted (also for
+    a background write, and for sharded directories)."""
+    handler = _handler(tmp_path, log_checkpoints=bool(options.get("sharded")))
+    saver = CheckpointHandler(tmp_path / "ckpt", max_checkpoints=1, **options)
+    with pytest.raises(SystemExit):
+        _fit(make_estimator(), [handler, saver, _sigterm_at(6)])
+    run, _ = read_run(tmp_path, handler.run_id)
+    assert run.info.status == "KILLED"
+    held = _held(tmp_path / "ckpt")
+    assert [os.path.basename(p) for p in held] == ["model-epoch1batch6" + (".dcp" if options.get("sharded") else ".pt")]
+    assert run.data.tags["estimatorch.checkpoints"].split("\n") == held
+    if options.get("sharded"):  # the directory is uploaded whole, under its name
+        uploaded = artifact(tmp_path, run, f"checkpoints/{os.path.basename(held[0])}")
+        assert sorted(os.listdir(uploaded)) == sorted(os.listdir(held[0]))
+
+
 def test_one_instance_opens_a_new_run_for_every_fit(tmp_path):
     handler = _handler(tmp_path)
     est = make_estimator()

@@ -219,3 +219,32 @@ def test_private_declarations_of_earlier_releases_still_work_with_a_warning():
 
     make_estimator().fit(make_batches(2), epochs=1, event_handlers=[Checked()])
     assert checked[-1] == "handler"
+
+
+# -- notices ---------------------------------------------------------------------------------------
+def test_a_checkpoint_handler_announces_what_it_wrote_and_removed_before_after_train_end(tmp_path):
+    from estimatorch.events import AfterTrainEnd, CheckpointSaved
+
+    class Listener(CheckpointSaved, AfterTrainEnd):
+        priority = -1000  # before the CheckpointHandler in every event: the notices still come
+
+        def __init__(self):
+            self.seen, self.held_at_end = [], None
+            self.held = set()
+
+        def checkpoint_saved(self, estimator, *, written, removed, **kwargs):
+            self.seen.append(([p.rsplit("/", 1)[1] for p in written], [p.rsplit("/", 1)[1] for p in removed]))
+            self.held = (self.held - set(removed)) | set(written)
+
+        def after_train_end(self, estimator, **kwargs):
+            self.held_at_end = sorted(self.held)
+
+    listener = Listener()
+    make_estimator().fit(make_batches(2), epochs=3, event_handlers=[
+        listener, CheckpointHandler(tmp_path, max_checkpoints=1, batch_period=3)])
+    assert listener.seen == [(["model-epoch1batch2.pt"], []),
+                             (["model-epoch1batch3.pt"], ["model-epoch1batch2.pt"]),
+                             (["model-epoch2batch4.pt"], ["model-epoch1batch3.pt"]),
+                             (["model-epoch2batch6.pt"], ["model-epoch2batch4.pt"]),
+                             (["model-epoch3batch6.pt"], ["model-epoch2batch6.pt"])]  # the epoch end's replaces it
+    assert listener.held_at_end == [str(p) for p in sorted(tmp_path.glob("model-epoch*"))]
