@@ -83,14 +83,14 @@ class DirectoryChecks:
             # the other ranks only read (their model_dir may be node-local, or not there yet)
             raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
 
-    def _check_siblings(self, estimator: Any) -> None:
+    def _check_siblings(self, estimator: EstimatorView) -> None:
         for other in estimator.handlers:
             if other is not self and isinstance(other, DirectoryChecks) \
                     and self._layout.shares_files_with(other._layout):
                 raise ValueError(f"two CheckpointHandlers of this fit write the same files ({self._layout.describe()} "
                                  f"in {self.model_dir!r}): give one of them another model_prefix")
 
-    def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
+    def _open_directory(self, estimator: EstimatorView) -> Optional[tuple[str, dict[str, Any]]]:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
         refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
         files retention owns."""

@@ -122,7 +122,7 @@ class Outcome:
     checkpoints: list[str]
 
 
-def _outcome(estimator: Any) -> tuple[str, int, bool]:
+def _outcome(estimator: EstimatorView) -> tuple[str, int, bool]:
     if estimator.position.stop:  # the loop ends without an error only once a stop was decided
         return "FINISHED", 0, False
     reason = estimator.interruption  # a signal at a step boundary
@@ -151,7 +151,7 @@ def _param_value(value: Any) -> Optional[str]:
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 3] + "..."
 
 
-def run_params(estimator: Any) -> dict[str, Any]:
+def run_params(estimator: EstimatorView) -> dict[str, Any]:
     """The run's parameters as ``fit`` begins (the learning rate before any step): model, loss,
     optimizer and its hyper-parameters, schedule, plan, world size, seed, precision, and every
     handler's options."""
@@ -217,10 +217,10 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         self._checkpoints: dict[str, None] = {}
 
     # -- what subclasses provide -------------------------------------------------------------
-    def _check_tracker(self, estimator: Any) -> None:
+    def _check_tracker(self, estimator: EstimatorView) -> None:
         raise NotImplementedError
 
-    def _open_session(self, estimator: Any, params: dict[str, str]) -> Any:
+    def _open_session(self, estimator: EstimatorView, params: dict[str, str]) -> Any:
         raise NotImplementedError
 
     # -- the session --------------------------------------------------------------------------
@@ -229,7 +229,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         if distributed.is_main_process():
             self._check_tracker(estimator)
 
-    def _open(self, estimator: Any) -> None:
+    def _open(self, estimator: EstimatorView) -> None:
         """At the first step's end, once a resume (if any) brought the run id back."""
         params = param_texts({**self._params, "batch_size": self._batch_size})
         self._session = distributed.rank_zero_writer(lambda: self._open_session(estimator, params))
@@ -244,14 +244,14 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
             self._pending = rows  # the run opens at the first step's end: they wait for it
 
     # -- events -------------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._session, self._pending, self._batch_size = None, [], None
         self._params = run_params(estimator) if distributed.is_main_process() else {}
         self.run_id, self.current_epoch, self.total_batches, self.history = None, 0, 0, {}
         self._sent, self._checkpoints = time.perf_counter(), {}
         estimator.at_boundary(lambda: self._open(estimator))
 
-    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
         self.total_batches += 1
         if self._batch_size is None:
             self._batch_size = batch_size_of(label, estimator.batch_axis)
@@ -265,7 +265,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
             if time.perf_counter() - self._sent >= SEND_SECS:
                 self._send()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch += 1
         metrics = list(estimator.train_metrics) + (list(estimator.val_metrics) if estimator.validated else [])
         values: dict[str, Any] = {metric_name(m): m.compute() for m in metrics}  # every rank: a collective

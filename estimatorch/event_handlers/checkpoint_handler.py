@@ -12,7 +12,7 @@ from typing import Any, Optional, Union
 from .. import checkpoint, distributed
 from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real, warn_user
 from .._schedule import EventFilter
-from ..events import BatchEnd, EpochEnd, StatefulHandler, TrainBegin, TrainEnd
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..events.monitor import check_monitor, check_threshold, improved, resolve_mode
 from ..metrics.base import metric_name
 from ._checkpoint_directory import DirectoryChecks
@@ -329,7 +329,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             self._foreign = frozenset()  # this run's exports: the resumed state knows their best
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._writer is not None:
             self._writer.reset()  # (waits for a write a second Ctrl-C left running)
         self._reset()
@@ -350,9 +350,9 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         checkpoint.restore_training_state(estimator, found[1])
         self._step_file = (estimator.resume_step, found[0])
         # that boundary is saved already: a signal before the first step saves nothing again
-        self._resumed_step = estimator.resume_step
+        self._resumed_step = -1 if estimator.resume_step is None else estimator.resume_step
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
             self._finish_writes(estimator)
             self._save_interrupted(estimator)
@@ -363,7 +363,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                 self._writer.join()  # the lock is held until the last file is durable
             self._release_lock()
 
-    def _finish_writes(self, estimator: Any) -> None:
+    def _finish_writes(self, estimator: EstimatorView) -> None:
         """Wait for the background write in flight and raise its failure: on every rank where
         every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
         no error on its way), else (an error, maybe on this rank only: no collective) where it
@@ -387,7 +387,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         elif distributed.is_main_process():
             self._writer.wait()
 
-    def _save_interrupted(self, estimator: Any) -> None:
+    def _save_interrupted(self, estimator: EstimatorView) -> None:
         """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
         boundary (``estimator.interruption``), save that boundary, unless this fit just did or
         trained nothing (exports, which no fit resumes from, are left alone). Every rank calls it
@@ -406,11 +406,11 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         if lock is not None:
             lock.release()
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._batch_filter is not None and self._batch_filter(estimator.position.step + 1):  # with this batch
             estimator.at_boundary(lambda: self._save(estimator))
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._epoch_filter is None:
             return
         pos = estimator.position
@@ -440,7 +440,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             return False, value
         return improved(value, self.best, self.mode), value
 
-    def _save(self, estimator: Any, background: bool = True) -> None:
+    def _save(self, estimator: EstimatorView, background: bool = True) -> None:
         """Write what is due at the current boundary (with ``async_save``, and ``background``,
         hand it to the writer thread). A collective: every rank calls it."""
         pos = estimator.position
@@ -477,7 +477,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                                                                                             names, best, step)),
                                     "CheckpointHandler writing a checkpoint")
 
-    def _save_sharded(self, estimator: Any, names: list[str], step: int, background: bool) -> None:
+    def _save_sharded(self, estimator: EstimatorView, names: list[str], step: int, background: bool) -> None:
         """A sharded net's checkpoint directory, written by every rank (a collective; with
         ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
         and retention. A directory of the same name (one the resume skipped as unusable, as a
@@ -491,7 +491,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
 
         checkpoint.save_fit_checkpoint(estimator, path, writer=self._writer if background else None, then=settle)
 
-    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float], step_now: int,
+    def _write(self, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float], step_now: int,
                written: bool = False) -> None:
         """On rank 0: the files of one save (at step ``step_now``; already ``written`` for a
         sharded checkpoint), the periodic one first, then the best one; then the pointer,

@@ -16,7 +16,7 @@ from .lr_scheduler import epoch_learning_rates, learning_rate_names
 __all__ = ["CSVLoggerHandler"]
 
 
-def _columns(estimator: Any) -> list[str]:
+def _columns(estimator: EstimatorView) -> list[str]:
     metrics = [metric_name(m) for m in list(estimator.train_metrics) + list(estimator.val_metrics)]
     return ["epoch", *metrics, *learning_rate_names(len(estimator.optimizer.param_groups))]
 
@@ -92,7 +92,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
                                  "another path")
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.rows = 0
         self._columns = _columns(estimator)
         self._active = distributed.is_main_process()
@@ -106,7 +106,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self.size = os.path.getsize(self.path) if exists else 0
         estimator.logger.info("CSV log: %s", self.path)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         values = {metric_name(m): float(m.compute()) for m in estimator.train_metrics}  # every rank: a collective
         if estimator.validated:
             values.update((metric_name(m), float(m.compute())) for m in estimator.val_metrics)
@@ -126,7 +126,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
             f.flush()
             self.size = f.tell()
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._active = False  # a state loaded outside fit never touches the file
 
     # -- state -----------------------------------------------------------------------------

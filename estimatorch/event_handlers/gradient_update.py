@@ -9,7 +9,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
 from .._checks import check_positive_int, check_state_keys, is_real
-from ..events import BatchBegin, BatchEnd, EpochEnd, StatefulHandler, TrainBegin, TrainEnd
+from ..events import BatchBegin, BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 
 __all__ = ["GradientUpdateHandler"]
 
@@ -59,7 +59,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         """``batch_begin`` (choosing whether DDP synchronises this batch) only with accumulation."""
         return event != "batch_begin" or self.accumulation_steps > 1
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.pending = 0
         self._params = [p for group in estimator.optimizer.param_groups for p in group["params"]]
         # Gradients left by earlier work (a fit that failed mid-accumulation, a manual backward)
@@ -70,18 +70,18 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         net = estimator.train_net
         self._ddp = net if self.accumulation_steps > 1 and isinstance(net, DistributedDataParallel) else None
 
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Under DDP, let only the batch that completes a window synchronise its gradients (DDP
         reads the flag in its forward, which must see it as well as the backward)."""
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = self.pending + 1 >= self.accumulation_steps
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True  # DDP's default, for whatever runs next
             self._ddp = None
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         optimizer = self._plain_optimizer
         if optimizer is not None:  # the common case, kept short: it runs every step
             optimizer.step()
@@ -93,12 +93,12 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         if self.stepped:
             self._step(estimator)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.stepped = bool(self.pending)  # an epoch's leftover batches: one more step
         if self.pending:
             self._step(estimator)
 
-    def _step(self, estimator: Any) -> None:
+    def _step(self, estimator: EstimatorView) -> None:
         optimizer, scaler = estimator.optimizer, estimator.grad_scaler
         if self._ddp is not None and self.pending < self.accumulation_steps:
             self._synchronise(self._ddp)  # a window cut short: its batches ran under no_sync

@@ -15,6 +15,7 @@ from ..events import (
     BatchEnd,
     EpochBegin,
     EpochEnd,
+    EstimatorView,
     ForwardBegin,
     ForwardEnd,
     StatefulHandler,
@@ -26,7 +27,7 @@ __all__ = ["LambdaHandler"]
 
 
 def _event_method(event: str) -> Callable[..., Any]:
-    def method(self: "LambdaHandler", estimator: Any, **kwargs: Any) -> Any:
+    def method(self: "LambdaHandler", estimator: EstimatorView, **kwargs: Any) -> Any:
         count = self.counts[event] = self.counts[event] + 1
         if self._filter(count):
             return self._fns[event](estimator, **kwargs)
@@ -107,7 +108,7 @@ class LambdaHandler(StatefulHandler, TrainBegin, EpochBegin, BatchBegin, Forward
         new.__dict__.update({k: (dict(v) if k == "counts" else v) for k, v in self.__dict__.items()})
         return new
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.counts = dict.fromkeys(self._fns, 0)  # every fit counts afresh
         if "train_begin" in self._fns:
             _fire_train_begin(self, estimator, **kwargs)

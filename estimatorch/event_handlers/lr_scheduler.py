@@ -33,7 +33,7 @@ def _rates(optimizer: Any) -> list[float]:
     return [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def epoch_learning_rates(estimator: Any) -> dict[str, float]:
+def epoch_learning_rates(estimator: EstimatorView) -> dict[str, float]:
     """The learning rate of each param group in the epoch that is ending, by
     :func:`learning_rate_names`: the rate at the end of its batches, before any
     :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end``. For a per-epoch schedule
@@ -145,7 +145,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
             raise ValueError("LRSchedulerHandler has no scheduler: pass one, or Estimator(lr_scheduler=...)")
         self._check_monitor(scheduler, self.monitor)
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         self._updaters = [h for h in estimator.handlers if isinstance(h, GradientUpdateHandler)]
         self._before_step = None
@@ -162,12 +162,12 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self._scheduler.step()
         return None
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Subscribed with ``step_on="batch"``: after each optimizer step."""
         if not self._updaters or any(u.stepped for u in self._updaters):
             self._step()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """With ``step_on="epoch"``; with ``"batch"``, after an epoch's leftover accumulation step."""
         if self.step_on == "batch":
             if any(u.stepped for u in self._updaters):  # GradientUpdateHandler ran first (-2000)

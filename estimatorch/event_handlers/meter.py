@@ -16,6 +16,7 @@ from ..events import (
     BatchEnd,
     EpochBegin,
     EpochEnd,
+    EstimatorView,
     ForwardBegin,
     ForwardEnd,
     StatefulHandler,
@@ -171,38 +172,38 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
             writer.add_histogram(tag, value.detach(), step)
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._detach()
         self.step = self.epoch = 0
         for stat in self.statistics:
             stat.setup(estimator)
         self._schedule(force=True)
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._running:
             stat.epoch_begin(estimator)
 
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["batch_begin"]:
             stat.batch_begin(estimator, **kwargs)
 
-    def forward_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def forward_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["forward_begin"]:
             stat.forward_begin(estimator, **kwargs)
 
-    def forward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def forward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["forward_end"]:
             stat.forward_end(estimator, **kwargs)
 
-    def backward_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["backward_begin"]:
             stat.backward_begin(estimator, **kwargs)
 
-    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["backward_end"]:
             stat.backward_end(estimator, **kwargs)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         instant = self._instant
         try:
             for stat in self._firing:
@@ -217,12 +218,12 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
                 stat.reset()
         self._schedule()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.epoch += 1
         if self._running:
             self._write(self._running, EPOCH_PREFIX, self.epoch)
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
             for stat in self.statistics:
                 stat.teardown()

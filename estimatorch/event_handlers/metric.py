@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from ..events import BatchEnd, EpochBegin, StatefulHandler
+from ..events import BatchEnd, EpochBegin, EstimatorView, StatefulHandler
 from ..metrics.base import as_metric_list, split_loss_metrics, update_metrics
 
 __all__ = ["MetricHandler"]
@@ -44,9 +44,9 @@ class MetricHandler(StatefulHandler, EpochBegin, BatchEnd):
         """Nothing to update: no call per step."""
         return event != "batch_end" or bool(self.metrics)
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for metric in self.metrics:
             metric.reset()
 
-    def batch_end(self, estimator: Any, *, pred: Any, label: Any, loss: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, pred: Any, label: Any, loss: Any, **kwargs: Any) -> None:
         update_metrics(self._loss_metrics, self._other_metrics, pred, label, loss)

@@ -7,6 +7,7 @@ import time
 from typing import Any, Optional, Union
 from urllib.parse import urlsplit
 
+from ..events import EstimatorView
 from ._paths import check_output_dir, check_output_file, path_argument
 from ._tracking import Outcome, Row, TrackingHandler, check_reachable, require
 
@@ -134,7 +135,7 @@ class MLflowHandler(TrackingHandler):
         self._uri = tracking_uri
 
     # -- checks before any work ---------------------------------------------------------------
-    def _check_tracker(self, estimator: Any) -> None:
+    def _check_tracker(self, estimator: EstimatorView) -> None:
         uri = self._uri = self.tracking_uri or self._mlflow.get_tracking_uri()
         arg = "tracking_uri" if self.tracking_uri else "tracking_uri (MLflow's default)"
         scheme = urlsplit(uri).scheme.split("+")[0].lower()
@@ -167,7 +168,7 @@ class MLflowHandler(TrackingHandler):
                              "choose another name")
         return experiment.experiment_id
 
-    def _open_session(self, estimator: Any, params: dict[str, str]) -> _MLflowRun:
+    def _open_session(self, estimator: EstimatorView, params: dict[str, str]) -> _MLflowRun:
         mlflow, entities = self._mlflow, require("mlflow.entities", "mlflow", "MLflowHandler")
         client = mlflow.MlflowClient(self._uri)
         run = None

@@ -8,7 +8,7 @@ from typing import Any, Callable, Optional
 
 from .. import _console, distributed
 from .._checks import check_state_keys, is_real
-from ..events import BatchEnd, EpochBegin, EpochEnd, StatefulHandler, TrainBegin, TrainEnd
+from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import Metric, as_metric_list, metric_name
 from . import _bars
 
@@ -43,16 +43,16 @@ class _ValidationBar(EpochBegin, BatchEnd, EpochEnd):
         self.owner = owner
         self.total = len(val_data) if hasattr(val_data, "__len__") else None
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.owner._catch_up()  # validation may take a while: the batch bar shows where training is
         metrics = list(estimator.val_metrics)
         self.owner._val_bar = _bar(lambda: _values(metrics), total=self.total, desc="validation", unit="batch",
                                    leave=False, file=self.owner._output(), mininterval=self.owner.refresh_interval)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.owner._val_bar.update(1)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.owner._close_val_bar()
 
 
@@ -171,7 +171,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     def _epoch_desc(self, epoch: int) -> str:
         return f"epoch {epoch + 1}/{self._max_epoch}"
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._close()
         self.batch_in_epoch = self.epochs_done = self.total_batches = 0
         self._active = distributed.is_main_process()
@@ -196,7 +196,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         """The handlers ``evaluate`` attaches during fit: a validation bar (rank 0 only)."""
         return [_ValidationBar(self, val_data)] if self._active else []
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.batch_in_epoch = 0
         if not self._active or self._epoch_bar is None:
             return
@@ -207,7 +207,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._batch_bar = self._new_batch_bar(total=self._per_epoch, desc=self._epoch_desc(estimator.position.epoch),
                                               leave=False)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.batch_in_epoch += 1
         self.total_batches += 1
         if self._active:
@@ -215,7 +215,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             if time.monotonic() >= self._next_draw:
                 self._pass_batches()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.epochs_done += 1
         if not self._active or self._epoch_bar is None:
             return
@@ -228,7 +228,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._epoch_bar.set_postfix(_bars.fit_postfix(_values(shown), room), refresh=False)
         self._epoch_bar.update(1)
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         position = getattr(estimator, "position", None)
         if self._batch_bar is not None and position is not None and not position.stop:
             self._batch_bar.leave = True  # ended by an error or Ctrl-C: the bar stays to say where

@@ -7,7 +7,7 @@ from typing import Any, Callable, Optional
 
 from .._checks import check_positive_int, check_state_keys
 from .._schedule import EventFilter
-from ..events import BatchEnd, EpochEnd, StatefulHandler, TrainBegin, check_handlers
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, check_handlers
 
 __all__ = ["ValidationHandler"]
 
@@ -79,13 +79,13 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self._epochs: Optional[int] = 0 if self._epoch_filter is not None else None
         self._batches: Optional[int] = 0 if self._batch_filter is not None else None
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset()
 
-    def _evaluate(self, estimator: Any) -> None:
+    def _evaluate(self, estimator: EstimatorView) -> None:
         self.eval_fn(self.val_data, batch_axis=estimator.batch_axis, event_handlers=self.event_handlers)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._batch_filter is None:
             return
         if self._batches is None:  # resumed from a state that did not count them
@@ -94,7 +94,7 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         if self._batch_filter(self._batches):
             self._evaluate(estimator)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._epoch_filter is None:
             return
         if self._epochs is None:  # resumed from a state that did not count them
