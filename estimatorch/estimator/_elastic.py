@@ -52,7 +52,7 @@ import torch
 
 from .. import distributed, rng
 from ..events import accumulation_steps, declared
-from ..samplers._index_shuffle import check_permutation, order_fingerprint
+from ..samplers import check_permutation, order_fingerprint
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
 from ._iterable_streams import check_num_workers
 from ._streams import _LoaderStream

@@ -30,7 +30,7 @@ from ._checks import (
 from ._elastic import configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import SIGNAL_NAMES, stop_exception
-from ._logging import default_logger as _default_logger  # the demo imports it from here
+from ._logging import default_logger as _default_logger
 from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
 from ._predict import run_prediction
@@ -140,7 +140,7 @@ class Estimator(RunView):
         if deterministic and cudnn_benchmark:
             raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
-        seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.device = resolve_device(device)
         self.net = net.to(self.device)
         self.loss = loss
@@ -321,7 +321,7 @@ class Estimator(RunView):
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
         check_optimizer(self.optimizer, self.net)
-        rng._check_seed(self.seed)  # also one assigned after construction
+        rng.check_seed(self.seed)  # also one assigned after construction
         user = check_handlers(event_handlers)
         check_unique_handlers(user)
         if resume and self._last is None:
