@@ -11,7 +11,6 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
-from .._batches import to_device
 from .._checks import check_bool, warn_user
 from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
 from ..events.monitor import resolve_monitors
@@ -29,10 +28,11 @@ from ._checks import (
 )
 from ._elastic import configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
-from ._interrupts import SIGNAL_NAMES, stop_exception
+from ._interrupts import stop_exception
 from ._logging import default_logger as _default_logger
+from ._loop import run_loop
 from ._payload import check_payload, payload_of, snapshot_to_resume
-from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
+from ._plan import build_scheduler, check_horizons, plan_counts, planned_steps, schedule_length
 from ._predict import run_prediction
 from ._run_view import RunView
 from ._setup import (
@@ -45,13 +45,10 @@ from ._setup import (
 )
 from ._state import (
     Run,
-    describe_plan,
-    record_history,
-    restore_snapshot,
     resume_plan,
     take_snapshot,
 )
-from ._stop_agreement import agreement_period, rank_identical_stops
+from ._stop_agreement import agreement_period
 from ._strategy import check_strategy, train_wrapper, wraps
 from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
@@ -365,7 +362,7 @@ class Estimator(RunView):
                     run.at_boundary, run.began = False, True
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
-                    self._loop(run)
+                    run_loop(self, run)
                 except BaseException as err:
                     failed, stopping = True, err
                     raise
@@ -405,93 +402,6 @@ class Estimator(RunView):
             if failed:
                 self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
             return err
-
-    def _loop(self, run: Run) -> None:
-        dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
-        processor, device, axis, multi = self.batch_processor, self.device, run.batch_axis, agreement.multi
-        marked = rank_identical_stops(dispatch.batch_end)  # stops needing no exchange under DDP
-        pending, run.pending = run.pending, None
-        if pending is not None and pending["position"]["phase"] != "batch_end":
-            restore_snapshot(self, run, pending)
-            pending = None
-            if pos.stop:
-                self.logger.warning("Nothing to resume: the saved run already finished its plan "
-                                    "(%s). Pass a larger epochs= or batches= to train further.",
-                                    describe_plan(run.plan))
-                return
-        if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
-            pos.epoch = pending["position"]["epoch"]
-        else:
-            run.started = True
-        while True:
-            epoch = pos.epoch
-            run.at_boundary = False
-            dispatch.fire("epoch_begin", self)
-            if pending is not None:
-                restore_snapshot(self, run, pending)
-                pending = None
-            if not pos.stop:
-                batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
-                started = pos.batch
-                for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
-                    signals.stoppable = run.at_boundary = False
-                    batch = to_device(batch, device)
-                    for fn in batch_begin:
-                        fn(self, batch=batch)
-                    _, label, pred, loss = processor.fit_batch(self, batch, axis)
-                    stop = identical = False
-                    for fn in batch_end:
-                        if fn(self, batch=batch, pred=pred, label=label, loss=loss):
-                            if fn in marked:
-                                identical = True
-                            else:
-                                stop = True
-                    if multi:  # every rank stops at the same step: see _stop_agreement
-                        stop, code = agreement.after_batch(pos.step + 1, stop, identical, signals.code)
-                    else:
-                        stop = stop or identical
-                    pos.batch += 1
-                    pos.step += 1
-                    pos.phase, pos.stop = "batch_end", stop
-                    run.at_boundary = True
-                    if run.boundary_actions:
-                        self._run_boundary_actions(run)
-                    if not multi:  # one process: a signal now stops here, one while waiting for data at once
-                        signals.stoppable = True
-                        code = signals.code
-                    if code:
-                        self._stop_for(run, code)
-                    if stop:
-                        break
-                signals.stoppable = False
-                if started == 0 and pos.batch == 0:
-                    raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
-                                     "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
-            run.at_boundary = False
-            stop = dispatch.fire("epoch_end", self)
-            record_history(self, run, epoch)
-            stop, code = agreement.after_epoch(stop, signals.code)
-            pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
-            pos.stop = pos.stop or stop
-            run.at_boundary = True
-            if run.boundary_actions:
-                self._run_boundary_actions(run)
-            if code or (not multi and signals.code):
-                self._stop_for(run, code or signals.code)
-            if pos.stop:
-                return
-
-    @staticmethod
-    def _stop_for(run: Run, code: int) -> None:
-        """Leave the loop at this boundary because of a signal (agreed by every rank)."""
-        run.signals.stoppable = False
-        run.signals.stopped = SIGNAL_NAMES[code]
-        raise stop_exception(run.signals.stopped)
-
-    def _run_boundary_actions(self, run: Run) -> None:
-        actions, run.boundary_actions = run.boundary_actions, []
-        for action in actions:
-            action()
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:

@@ -50,32 +50,44 @@ __all__ = [
 
 
 class TrainBegin:
+    """Inherit it and override ``train_begin`` to hear that event."""
+
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Called once when ``fit`` starts, before any data is read. Reset per-run state here."""
 
 
 class TrainEnd:
+    """Inherit it and override ``train_end`` to hear that event."""
+
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Called once when ``fit`` ends, also when an exception escapes the loop."""
 
 
 class EpochBegin:
+    """Inherit it and override ``epoch_begin`` to hear that event."""
+
     def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Called at the start of every epoch (and of every ``evaluate`` pass)."""
 
 
 class EpochEnd:
+    """Inherit it and override ``epoch_end`` to hear that event."""
+
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> Optional[bool]:
         """Called at the end of every epoch, also one cut short by a stop. Return True to stop."""
         return None
 
 
 class BatchBegin:
+    """Inherit it and override ``batch_begin`` to hear that event."""
+
     def batch_begin(self, estimator: EstimatorView, *, batch: Any, **kwargs: Any) -> None:
         """Called before each batch is processed. ``batch`` is already on the device."""
 
 
 class BatchEnd:
+    """Inherit it and override ``batch_end`` to hear that event."""
+
     def batch_end(self, estimator: EstimatorView, *, batch: Any, pred: Any, label: Any, loss: Any,
                   **kwargs: Any) -> Optional[bool]:
         """Called after each batch's forward and backward. Return True to stop training."""
@@ -83,26 +95,36 @@ class BatchEnd:
 
 
 class ForwardBegin:
+    """Inherit it and override ``forward_begin`` to hear that event."""
+
     def forward_begin(self, estimator: EstimatorView, *, batch: Any, **kwargs: Any) -> None:
         """Called before the network's forward pass."""
 
 
 class ForwardEnd:
+    """Inherit it and override ``forward_end`` to hear that event."""
+
     def forward_end(self, estimator: EstimatorView, *, batch: Any, pred: Any, loss: Any, **kwargs: Any) -> None:
         """Called after the forward pass and the loss, before backward."""
 
 
 class BackwardBegin:
+    """Inherit it and override ``backward_begin`` to hear that event."""
+
     def backward_begin(self, estimator: EstimatorView, *, batch: Any, loss: Any, **kwargs: Any) -> None:
         """Called before ``loss.backward()``."""
 
 
 class BackwardEnd:
+    """Inherit it and override ``backward_end`` to hear that event."""
+
     def backward_end(self, estimator: EstimatorView, *, batch: Any, **kwargs: Any) -> None:
         """Called after ``loss.backward()``, before ``batch_end`` (where the optimizer steps)."""
 
 
 class CheckpointSaved:
+    """Inherit it and override ``checkpoint_saved`` to hear that event."""
+
     def checkpoint_saved(self, estimator: EstimatorView, *, written: Sequence[str], removed: Sequence[str],
                          **kwargs: Any) -> None:
         """Called on the process that wrote them when a handler of the fit wrote checkpoint files
@@ -113,6 +135,8 @@ class CheckpointSaved:
 
 
 class AfterTrainEnd:
+    """Inherit it and override ``after_train_end`` to hear that event."""
+
     def after_train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Called once after ``train_end`` has reached every handler (also when an exception
         escapes): report what the others' ``train_end`` did, such as the checkpoint written when
