@@ -15,10 +15,10 @@ from typing import Any, Optional
 from .._batches import to_device
 from ._interrupts import SIGNAL_NAMES, stop_exception
 from ._plan import limited
-from ._state import Run, describe_plan, record_history, restore_snapshot
+from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
 from ._stop_agreement import rank_identical_stops
 
-__all__ = ["run_loop"]
+__all__ = ["end_run", "run_loop"]
 
 
 def run_loop(estimator: Any, run: Run) -> None:
@@ -136,3 +136,31 @@ def run_boundary_actions(run: Run) -> None:
     actions, run.boundary_actions = run.boundary_actions, []
     for action in actions:
         action()
+
+
+def end_run(estimator: Any, run: Run, failed: bool) -> None:
+    """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
+    snapshot_error = _final_snapshot(estimator, run, failed)
+    try:
+        if run.began:
+            run.dispatch.fire_train_end(estimator, failed or snapshot_error is not None)
+    finally:
+        run.stream.close()
+    if snapshot_error is not None and not failed:
+        raise snapshot_error
+
+
+def _final_snapshot(estimator: Any, run: Run, failed: bool) -> Optional[Exception]:
+    """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
+    held any state of its own); return the error if a handler's ``state_dict`` fails, so
+    that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
+    if not run.started:
+        return None
+    try:
+        estimator._last = take_snapshot(estimator, run, partial=not run.at_boundary)
+        return None
+    except Exception as err:  # reported after train_end, or logged if another error is on its way
+        estimator._last = None
+        if failed:
+            estimator.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
+        return err

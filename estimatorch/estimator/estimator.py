@@ -11,46 +11,35 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
-from .._checks import check_bool, warn_user
-from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
-from ..events.monitor import resolve_monitors
+from .._checks import check_bool
+from ..events import Dispatch
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
     check_estimator_arguments,
-    check_fit_arguments,
-    check_limits,
     check_lr_scheduler,
-    check_optimizer,
-    check_unique_handlers,
     precision_name,
     resolve_device,
 )
-from ._elastic import configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import stop_exception
 from ._logging import default_logger as _default_logger
-from ._loop import run_loop
+from ._loop import end_run, run_loop
 from ._payload import check_payload, payload_of, snapshot_to_resume
-from ._plan import build_scheduler, check_horizons, plan_counts, planned_steps, schedule_length
+from ._plan import build_scheduler, check_horizons, planned_steps
 from ._predict import run_prediction
 from ._run_view import RunView
 from ._setup import (
-    default_handlers,
     describe_stop,
-    signal_guard,
     torch_flags,
     train_metric_list,
     val_metric_list,
 )
+from ._start import start_run
 from ._state import (
     Run,
-    resume_plan,
-    take_snapshot,
 )
-from ._stop_agreement import agreement_period
 from ._strategy import check_strategy, train_wrapper, wraps
-from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
 from .history import History
 
@@ -301,49 +290,12 @@ class Estimator(RunView):
         distributed.init_from_env()
         error: Optional[Exception] = None
         try:
-            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
-                                  (batches_per_epoch, val_batches))
+            run = start_run(self, train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
+                            (batches_per_epoch, val_batches))
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
         return self._fit(run)
-
-    def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
-                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool,
-                   limits: tuple[Optional[int], Optional[int]]) -> Run:
-        """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
-        rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
-        check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
-        check_limits(*limits)
-        if self.optimizer is None:
-            raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
-        check_optimizer(self.optimizer, self.net)
-        rng.check_seed(self.seed)  # also one assigned after construction
-        user = check_handlers(event_handlers)
-        check_unique_handlers(user)
-        if resume and self._last is None:
-            raise ValueError("resume=True but this estimator has no earlier fit to continue")
-        stream = make_train_stream(train_data, self.seed)
-        handlers = order_handlers(user, default_handlers(self, user, val_data))
-        resolve_monitors(handlers, self.train_metrics + self.val_metrics)  # monitors given by name
-        check_metric_references(handlers, self.train_metrics + self.val_metrics)
-        check_fit(handlers, self, resume)
-        configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
-        resumes = resume or any(declared(h, "resumes_run") or declared(h, "checkpoint_location") is not None
-                                for h in handlers)
-        if not stream.exact and resumes:
-            warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
-                      "and discard) the batches before the saved position, exact only if it yields the same batches "
-                      "each time. Use a map-style DataLoader, or give the IterableDataset state_dict()/"
-                      "load_state_dict().")
-        run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
-                  signal_guard(handlers, self.logger), limits)
-        run.agreement.period = agreement_period(self.agree_every)
-        run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
-        schedule_length(self, run.counts)  # a callable lr_scheduler can be sized: checked before any work
-        if resume and self._last is not None:  # checked above: a resume has a fit to continue
-            run.pending = resume_plan(run, self._last, source="the previous fit")
-        return run
 
     def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
@@ -367,7 +319,7 @@ class Estimator(RunView):
                     failed, stopping = True, err
                     raise
                 finally:
-                    self._end(run, failed)
+                    end_run(self, run, failed)
                     describe_stop(stopping, self, run.dispatch.handlers)  # a clean Ctrl-C stop's one line
                 if run.signals.received is not None:  # it came after the last agreed boundary
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
@@ -376,32 +328,6 @@ class Estimator(RunView):
             self._dispatch, self._fitting = Dispatch([]), False
             if not run.started:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
-
-    def _end(self, run: Run, failed: bool) -> None:
-        """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
-        snapshot_error = self._final_snapshot(run, failed)
-        try:
-            if run.began:
-                run.dispatch.fire_train_end(self, failed or snapshot_error is not None)
-        finally:
-            run.stream.close()
-        if snapshot_error is not None and not failed:
-            raise snapshot_error
-
-    def _final_snapshot(self, run: Run, failed: bool) -> Optional[Exception]:
-        """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
-        held any state of its own); return the error if a handler's ``state_dict`` fails, so
-        that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
-        if not run.started:
-            return None
-        try:
-            self._last = take_snapshot(self, run, partial=not run.at_boundary)
-            return None
-        except Exception as err:  # reported after train_end, or logged if another error is on its way
-            self._last = None
-            if failed:
-                self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
-            return err
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:

@@ -255,11 +255,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
 
     def listens_to(self, event: str) -> bool:
         """Only the events of the periods set: no call per batch without a ``batch_period``."""
-        if event == "batch_end":
-            return self.batch_period is not None
-        if event == "epoch_end":
-            return self.epoch_period is not None
-        return True
+        return {"batch_end": self.batch_period, "epoch_end": self.epoch_period}.get(event, True) is not None
 
     @property
     def checkpoint_location(self) -> Optional[str]:
