@@ -14,6 +14,7 @@ from .._checks import is_int
 from .._saved import CheckpointError
 from .._version import __version__
 from ._files import PathLike
+from ._run_state import check_run_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -149,8 +150,10 @@ def migrate(payload: dict[str, Any], source: str = "checkpoint") -> dict[str, An
 def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
     """Raise :class:`CheckpointError` naming what a (current-version) payload lacks.
 
-    This checks the envelope only: the top-level keys, one entry per rank, and the ``handlers``
-    and ``shared`` entries the store itself reads (:func:`rank_snapshot`);
+    This checks the envelope (the top-level keys, one entry per rank, the ``handlers`` and
+    ``shared`` entries the store itself reads, :func:`rank_snapshot`) and the structure of every
+    rank's run state, as a resume checks it before reading it (``_run_state.check_run_state``:
+    positions, plan, data, handler and metric states, generators);
     :func:`estimatorch.checkpoint.check_against_fit` checks every key, type and shape a resume
     reads against the fit it resumes.
     """
@@ -175,6 +178,7 @@ def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
         shared = snapshot.get("shared", [])
         if not isinstance(shared, (list, tuple)) or not all(isinstance(name, str) for name in shared):
             raise CheckpointError(f"{source}: 'shared' of rank {rank} must be a list of handler names, got {shared!r}")
+    check_run_state(payload, source)
 
 
 #: how a file ``torch.save`` wrote starts: a zip archive, or (the legacy format) a pickle.
