@@ -77,9 +77,11 @@ def _stale(record: dict[str, Any]) -> Optional[str]:
     """Why a lease is free, in words; None while its holder may be alive."""
     if not record:
         return "a lease object that holds no record"
-    if record.get("host") == socket.gethostname() and record.get("pid") != os.getpid() \
-            and not _alive(record.get("pid")):
-        return f"process {record.get('pid')} on this host, which is gone"
+    if record.get("host") == socket.gethostname():
+        if record.get("pid") == os.getpid():  # asked only while this process holds none
+            return "this process, which could not remove it (the store was away)"
+        if not _alive(record.get("pid")):
+            return f"process {record.get('pid')} on this host, which is gone"
     renewed = record.get("renewed")
     if isinstance(renewed, (int, float)) and time.time() - renewed > EXPIRES_SECONDS:
         return f"a holder that has not renewed it for {time.time() - renewed:.0f} s"

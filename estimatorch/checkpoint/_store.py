@@ -44,7 +44,7 @@ _BACKOFF = 0.5
 _OPTIONS: dict[str, dict[str, Any]] = {}
 #: errors that no retry changes.
 _PERMANENT = (FileNotFoundError, FileExistsError, PermissionError, IsADirectoryError, NotADirectoryError,
-              ValueError, TypeError)
+              ValueError, TypeError, AttributeError, KeyError)
 
 
 def is_url(path: Any) -> bool:
@@ -115,7 +115,7 @@ def _retried(what: str, url: str, call: Callable[[], T]) -> T:
             return call()
         except _PERMANENT:
             raise
-        except (OSError, ConnectionError, TimeoutError) as err:
+        except Exception as err:  # noqa: BLE001 - the filesystem's own (botocore's connection errors...)
             if _precondition_failed(err):  # a conditional write that lost: an answer, not a failure
                 raise
             if attempt == ATTEMPTS:

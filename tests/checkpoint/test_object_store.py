@@ -231,7 +231,8 @@ def test_load_weights_and_inspect_read_objects(reference, s3_dir, capsys, monkey
         assert_tree_equal(checkpoint.load_weights(path, storage_options=s3_dir.storage_options), newest, path)
     capsys.readouterr()
     pairs = [f"{key}={json.dumps(value)}" for key, value in s3_dir.storage_options.items()]
-    code = checkpoint.main(["inspect", f"{s3_dir.url}/model-latest", *sum((["--storage-option", p] for p in pairs), [])])
+    flags = [word for pair in pairs for word in ("--storage-option", pair)]
+    code = checkpoint.main(["inspect", f"{s3_dir.url}/model-latest", *flags])
     out, err = capsys.readouterr()
     assert (code, err) == (0, "")
     assert out.splitlines()[0] == f"{s3_dir.url}/{runs.name(runs.STEPS)} ({s3_dir.url}/model-latest points to it)"
