@@ -24,6 +24,7 @@ directory with :func:`configure`; every URL under that directory uses them.
 
 from __future__ import annotations
 
+import functools
 import io
 import logging
 import os
@@ -328,8 +329,8 @@ def abort_incomplete_uploads(url: str, started_before: float) -> list[str]:
         initiated = upload.get("Initiated")
         if initiated is not None and hasattr(initiated, "timestamp") and initiated.timestamp() >= started_before:
             continue
-        _retried("abort an upload to", url, lambda key=upload["Key"], upload_id=upload["UploadId"]: fs.call_s3(
-            "abort_multipart_upload", Bucket=bucket, Key=key, UploadId=upload_id))
+        _retried("abort an upload to", url, functools.partial(
+            fs.call_s3, "abort_multipart_upload", Bucket=bucket, Key=upload["Key"], UploadId=upload["UploadId"]))
         aborted.append(os.path.basename(upload["Key"]))
     return aborted
 
