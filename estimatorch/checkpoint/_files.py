@@ -304,12 +304,15 @@ def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
 
     On an object store, a killed writer leaves no temporary object but an incomplete multipart
     upload (never listed as an object): those begun before this process took the prefix's lease
-    are aborted.
+    are aborted, once per lease.
     """
     model_dir = os.fspath(model_dir)
-    if _store.is_url(model_dir):
-        since = lease_of(model_dir).since or time.time()
-        return _store.abort_incomplete_uploads(model_dir, since)
+    if _store.is_url(model_dir):  # once per lease: this process leaves no upload incomplete but by dying
+        lease = lease_of(model_dir)
+        if lease.held and lease.swept:
+            return []
+        lease.swept = lease.held
+        return _store.abort_incomplete_uploads(model_dir, lease.since or time.time())
     try:
         names = os.listdir(model_dir)
     except FileNotFoundError:

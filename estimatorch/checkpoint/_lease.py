@@ -102,6 +102,7 @@ class Lease:
         self.path = f"{self.url}/{name}"
         self.etag: Optional[str] = None
         self.since = 0.0  # when this process took it: uploads begun before are not its own
+        self.swept = False  # the incomplete uploads of earlier writers were aborted under it
         self._holders = 0
         self._stop = threading.Event()
         self._thread: Optional[threading.Thread] = None
@@ -150,7 +151,7 @@ class Lease:
                 if etag is None:
                     continue  # another writer took it over first
                 logger.warning("model_dir %s: taking over the lease left by %s (%s)", self.url, describe(record), why)
-            self.etag, self._holders = etag, 1
+            self.etag, self._holders, self.swept = etag, 1, False
             self._stop.clear()
             self._thread = threading.Thread(target=self._renew, name="estimatorch-lease", daemon=True)
             self._thread.start()
