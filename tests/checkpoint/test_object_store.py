@@ -255,3 +255,32 @@ def test_inspect_names_a_damaged_run_state_in_an_object(s3_dir, capsys, monkeypa
     code = checkpoint.main(["inspect", url])
     out, err = capsys.readouterr()
     assert code == 2 and "the snapshot of rank 0 is missing 'data'" in err and url in err
+
+
+def test_local_paths_never_import_fsspec(tmp_path):
+    code = f"""
+import sys
+from tests.checkpoint import runs
+from estimatorch import checkpoint
+runs.fit_run({str(tmp_path)!r}, max_checkpoints=2)
+checkpoint.load_weights({str(tmp_path)!r})
+checkpoint.main(["inspect", {str(tmp_path / "model-latest")!r}])
+assert "fsspec" not in sys.modules and "s3fs" not in sys.modules, "fsspec was imported"
+print("no fsspec")
+"""
+    done = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, timeout=300,
+                          env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+    assert done.returncode == 0 and "no fsspec" in done.stdout, done.stderr[-2000:]
+
+
+@pytest.mark.parametrize("url, words", [("nosuchproto://b/run", "unknown protocol 'nosuchproto'"),
+                                        ("s3://no-such-bucket-here/run", "no such file or directory")])
+def test_load_weights_and_inspect_of_a_bad_url_are_clear_errors(s3_dir, capsys, monkeypatch, url, words):
+    with pytest.raises((ValueError, FileNotFoundError)) as info:
+        checkpoint.load_weights(url, storage_options=s3_dir.storage_options)
+    assert url in str(info.value) and words in str(info.value), str(info.value)
+    monkeypatch.setenv("ESTIMATORCH_STORAGE_OPTIONS", json.dumps(s3_dir.storage_options))
+    capsys.readouterr()
+    code = checkpoint.main(["inspect", url])
+    out, err = capsys.readouterr()
+    assert code == 2 and err.startswith("error: ") and url in err and out == "", err
