@@ -16,7 +16,6 @@ import shutil
 import signal
 import socket
 import subprocess
-import sys
 import sysconfig
 import tempfile
 import time
@@ -155,14 +154,21 @@ def s3_dir(s3_server):
     return Where
 
 
-if __name__ == "__main__":  # python -m tests.s3server: start one and wait (for benchmarks by hand)
+def _interrupt(signum: int, frame: Any) -> None:
+    raise KeyboardInterrupt
+
+
+if __name__ == "__main__":  # python -m tests.s3server: start one and wait until SIGTERM or Ctrl-C
     logging.basicConfig(level=logging.INFO)
+    signal.signal(signal.SIGTERM, _interrupt)  # (a shell's background job ignores SIGINT)
+    signal.signal(signal.SIGINT, _interrupt)
     with tempfile.TemporaryDirectory() as tmp:
         server = SeaweedServer(tmp)
         server.start()
         print(json.dumps({"url": f"s3://{BUCKET}", "storage_options": server.storage_options}), flush=True)
         try:
             signal.pause()
+        except KeyboardInterrupt:
+            pass
         finally:
             server.stop()
-            sys.exit(0)
