@@ -284,3 +284,11 @@ def test_load_weights_and_inspect_of_a_bad_url_are_clear_errors(s3_dir, capsys, 
     code = checkpoint.main(["inspect", url])
     out, err = capsys.readouterr()
     assert code == 2 and err.startswith("error: ") and url in err and out == "", err
+
+
+def test_a_sharded_checkpoint_to_object_storage_is_refused_at_start(s3_dir):
+    estimator, loader = runs.build()
+    count = Count()
+    with pytest.raises(ValueError, match=f"model_dir '{s3_dir.url}': sharded .* not written to object storage"):
+        estimator.fit(loader, epochs=1, event_handlers=[handler(s3_dir, sharded=True), count])
+    assert count.batches == 0 and objects(s3_dir) == []
