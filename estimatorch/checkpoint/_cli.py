@@ -19,7 +19,7 @@ from ._files import atomic_save
 from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
 from ._locate import Located, locate
 from ._lock import DirectoryLock, DirectoryLockedError
-from ._sharded import sharded_tensors
+from ._sharded import read_rank_state, sharded_tensors
 from ._sharded_run import read_sharded_payload
 from ._weights import is_weights
 
@@ -110,10 +110,13 @@ def _inspect(path: str, options: Optional[dict[str, Any]] = None) -> int:
         dtypes = ", ".join(sorted({str(dtype).replace("torch.", "") for _, dtype in tensors.values()}))
         print(f"model {len(tensors)} tensors, {sum(math.prod(shape) for shape, _ in tensors.values())} values "
               f"({dtypes or 'no dtype'}), in shards of {marker['world_size']} ranks")
-        try:  # a fit's (the storage layer alone writes other per-rank states)
+        try:
             payload = read_sharded_payload(found.path)
         except CheckpointError:
-            return 0
+            rank_state = read_rank_state(found.path, 0)
+            if isinstance(rank_state, dict) and "snapshot" in rank_state:
+                raise  # a fit's, damaged: what a resume refuses
+            return 0  # the storage layer alone wrote it: no run state
         _print_run(payload)
         print(f"optimizer {payload.get('optimizer_class', 'of unknown class')}")
         return 0
