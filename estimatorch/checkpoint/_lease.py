@@ -188,6 +188,6 @@ class Lease:
             self._thread = None
         try:
             if etag is not None:
-                _store.remove_if(self.path, etag)
+                _store.remove_if(self.path, etag, attempts=1)  # else it expires: no need to wait
         except OSError as err:
             logger.warning("Could not remove the lease %s: %s (it is free once it expires)", self.path, err)

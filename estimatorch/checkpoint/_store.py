@@ -108,10 +108,10 @@ def filesystem(url: str) -> tuple[Any, str]:
     return fs, path
 
 
-def _retried(what: str, url: str, call: Callable[[], T]) -> T:
-    """``call()``, retried on a transient error (:data:`ATTEMPTS` in all); the last error names
+def _retried(what: str, url: str, call: Callable[[], T], attempts: int = ATTEMPTS) -> T:
+    """``call()``, retried on a transient error (``attempts`` in all); the last error names
     ``url``, its type kept where it says something (not found, refused)."""
-    for attempt in range(1, ATTEMPTS + 1):
+    for attempt in range(1, attempts + 1):
         try:
             return call()
         except _PERMANENT:
@@ -119,10 +119,10 @@ def _retried(what: str, url: str, call: Callable[[], T]) -> T:
         except Exception as err:  # noqa: BLE001 - the filesystem's own (botocore's connection errors...)
             if _precondition_failed(err):  # a conditional write that lost: an answer, not a failure
                 raise
-            if attempt == ATTEMPTS:
+            if attempt == attempts:
                 raise OSError(getattr(err, "errno", None) or 5,
-                              f"cannot {what} {url!r} after {ATTEMPTS} attempts: {err}") from err
-            logger.warning("%s %s failed (%s): retrying (%d of %d)", what, url, err, attempt + 1, ATTEMPTS)
+                              f"cannot {what} {url!r} after {attempts} attempts: {err}") from err
+            logger.warning("%s %s failed (%s): retrying (%d of %d)", what, url, err, attempt + 1, attempts)
             time.sleep(_BACKOFF * attempt)
     raise AssertionError("unreachable")
 
@@ -294,13 +294,14 @@ def replace_if(url: str, data: bytes, etag: str) -> Optional[str]:
     return etag_of(url)
 
 
-def remove_if(url: str, etag: str) -> bool:
+def remove_if(url: str, etag: str, attempts: int = ATTEMPTS) -> bool:
     """Delete the object ``url`` only if it is still the one of ``etag``; whether it was."""
     fs, key = filesystem(url)
     if _s3(fs):
         bucket, name, _ = fs.split_path(key)
         try:
-            _retried("remove", url, lambda: fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=etag))
+            _retried("remove", url, lambda: fs.call_s3("delete_object", Bucket=bucket, Key=name, IfMatch=etag),
+                     attempts)
         except (OSError, ValueError) as err:
             if _precondition_failed(err) or isinstance(err, FileNotFoundError):
                 return False

@@ -156,7 +156,9 @@ def test_the_server_stopped_mid_run_fails_naming_the_url_and_a_rerun_after_resta
         try:
             url = f"s3://{BUCKET}/stopped"
             est, loader = build()
-            handler = CheckpointHandler(url, storage_options=server.storage_options, batch_period=1,
+            # botocore's own retries of a refused connection take seconds each: one attempt here
+            options = dict(server.storage_options, config_kwargs={"retries": {"max_attempts": 1}})
+            handler = CheckpointHandler(url, storage_options=options, batch_period=1,
                                         epoch_period=None, max_checkpoints=None)
             with pytest.raises(OSError) as info:
                 est.fit(loader, epochs=3, event_handlers=[handler, StopServerAt(server, 3)])
