@@ -292,3 +292,16 @@ def test_a_sharded_checkpoint_to_object_storage_is_refused_at_start(s3_dir):
     with pytest.raises(ValueError, match=f"model_dir '{s3_dir.url}': sharded .* not written to object storage"):
         estimator.fit(loader, epochs=1, event_handlers=[handler(s3_dir, sharded=True), count])
     assert count.batches == 0 and objects(s3_dir) == []
+
+
+def test_another_fsspec_protocol_works_alike(reference):
+    """fsspec's in-memory filesystem: no conditional writes (the lease falls back to look-then-write)."""
+    url = f"memory://estimatorch-{os.getpid()}/run"
+    estimator, loader = runs.build()
+    with pytest.raises(RuntimeError, match="crash at batch"):
+        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[
+            CheckpointHandler(url, batch_period=1, epoch_period=None, max_checkpoints=2), CrashAt(6)])
+    assert checkpoint.read_latest(url, "model") == runs.name(5)
+    resumed = runs.fit_run(url, resume_from_checkpoint=True, max_checkpoints=2)
+    assert resumed.losses == reference.losses[5:]
+    assert_tree_equal(checkpoint.load_weights(url), checkpoint.load(os.path.join(reference.dir, runs.name(8)))["model"])
