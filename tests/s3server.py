@@ -81,6 +81,8 @@ class SeaweedServer:
         return [weed_binary(), "server", "-ip=127.0.0.1", "-ip.bind=127.0.0.1", f"-dir={data}", "-filer", "-s3",
                 *(f"-{name}={port}" for name, port in self.ports.items()),
                 "-s3.port.iceberg=0", "-s3.port.lance=0", f"-s3.config={config}",
+                # its unix sockets in the data directory, not /tmp (a killed server leaves them)
+                f"-filer.localSocket={self.directory}/filer.sock", f"-s3.localSocket={self.directory}/s3.sock",
                 "-master.volumeSizeLimitMB=64", "-volume.max=0", "-volume.preStopSeconds=0"]
 
     def start(self) -> None:
@@ -131,6 +133,10 @@ class SeaweedServer:
         # (a restart on the same data directory serves it), so it is killed.
         self.process.kill()
         self.process.wait(timeout=15)
+        for kind in ("master", "volume", "filer", "s3"):  # the gRPC sockets it keeps in /tmp whatever the flags
+            path = f"/tmp/seaweedfs-{kind}-grpc-{self.ports[kind + '.port.grpc']}.sock"
+            if os.path.exists(path):
+                os.unlink(path)
 
 
 @pytest.fixture(scope="session")
