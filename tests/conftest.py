@@ -226,3 +226,6 @@ def fill_disk_at(name: str) -> None:
         real(obj, path, **kwargs)
 
     checkpoint.atomic_save = full_disk
+
+
+from tests.s3server import s3_dir, s3_server  # noqa: E402,F401 - the object-storage tests' S3 server
