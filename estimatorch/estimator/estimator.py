@@ -35,6 +35,7 @@ from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
 from ._predict import run_prediction
 from ._run_view import RunView
+from ._sanity import sanity_pass
 from ._setup import (
     default_handlers,
     describe_stop,
@@ -238,7 +239,7 @@ class Estimator(RunView):
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
             epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
             batch_axis: int = 0, *, resume: bool = False, batches_per_epoch: Optional[int] = None,
-            val_batches: Optional[int] = None) -> History:
+            val_batches: Optional[int] = None, num_sanity_val_steps: int = 1) -> History:
         """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
 
         The loop, with every event in place::
@@ -300,12 +301,19 @@ class Estimator(RunView):
                 where its data starts, and a resume continues exactly. Defaults to None (all).
             val_batches: evaluate at most this many batches at each validation during this fit
                 (per process). Defaults to None (all).
+            num_sanity_val_steps: before training, take this many batches of ``val_data``
+                through ``val_net``, ``val_loss`` and copies of the val metrics, so that a mistake
+                there (its structure, device, shapes, label format) is an error naming
+                ``val_data`` before the first step. It changes nothing of the run (metrics,
+                random streams, the data's position): a run is bitwise the same with it. 0 turns
+                it off. Defaults to 1.
         """
         distributed.init_from_env()
         error: Optional[Exception] = None
         try:
             run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
                                   (batches_per_epoch, val_batches))
+            sanity_pass(self, val_data, num_sanity_val_steps, batch_axis)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")

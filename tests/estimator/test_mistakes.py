@@ -1,0 +1,45 @@
+"""Each mistake a new user made (issue 34), as they made it, answered with its fix naming the
+argument."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from torch import nn
+
+from tests.conftest import make_batches, make_estimator
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.int32])
+@pytest.mark.parametrize("loss", [nn.CrossEntropyLoss(), nn.NLLLoss()], ids=["cross_entropy", "nll"])
+def test_float_or_int32_labels_get_long(dtype, loss):
+    est = make_estimator()
+    est.loss = est.val_loss = loss
+    data = [(x, y.to(dtype)) for x, y in make_batches(2)]
+    with pytest.raises(RuntimeError) as info:
+        est.fit(data, epochs=1, event_handlers=[])
+    message = str(info.value)
+    assert "expected target dtype" in message  # torch's own words stay first
+    assert f"are {dtype} of shape (8,) for predictions of shape (8, 3)" in message
+    assert "label.long()" in message and "one-hot/probability targets of shape (8, 3)" in message
+
+
+def test_labels_of_another_shape_name_both_shapes_and_the_formats():
+    est = make_estimator()
+    data = [(x, torch.zeros(8, 2)) for x, _ in make_batches(2)]  # neither indices nor (8, 3) targets
+    with pytest.raises(RuntimeError) as info:
+        est.fit(data, epochs=1, event_handlers=[])
+    message = str(info.value)
+    assert "torch.float32 of shape (8, 2) for predictions of shape (8, 3)" in message
+    assert "class indices of shape (8,)" in message and "targets of the predictions' shape (8, 3)" in message
+
+
+def test_a_loss_error_the_labels_do_not_explain_is_left_alone():
+    def loss(pred, label):
+        raise RuntimeError("my loss is broken")
+
+    est = make_estimator()
+    est.loss = loss
+    with pytest.raises(RuntimeError) as info:
+        est.fit(make_batches(2), epochs=1, event_handlers=[])
+    assert str(info.value) == "my loss is broken"
