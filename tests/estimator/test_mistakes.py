@@ -43,3 +43,19 @@ def test_a_loss_error_the_labels_do_not_explain_is_left_alone():
     with pytest.raises(RuntimeError) as info:
         est.fit(make_batches(2), epochs=1, event_handlers=[])
     assert str(info.value) == "my loss is broken"
+
+
+def test_a_one_argument_lr_scheduler_is_refused_at_construction():
+    """The issue's ``lr_scheduler=lambda optimizer: ...`` raised a raw TypeError at fit start."""
+    with pytest.raises(TypeError) as info:
+        make_estimator(lr_scheduler=lambda optimizer: torch.optim.lr_scheduler.LinearLR(optimizer),
+                       lr_scheduler_interval="batch")
+    message = str(info.value)
+    assert message.startswith("lr_scheduler is called as lr_scheduler(optimizer, total_steps), but")
+    assert "takes (optimizer)" in message and "lambda optimizer, total_steps:" in message
+
+
+@pytest.mark.parametrize("factory", [lambda optimizer, total_steps: None, lambda *args: None,
+                                     lambda optimizer, total_steps, extra=1: None])
+def test_factories_that_take_two_arguments_are_accepted(factory):
+    assert make_estimator(lr_scheduler=factory).lr_scheduler_factory is factory
