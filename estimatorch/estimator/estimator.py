@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -38,11 +37,13 @@ from ._run_view import RunView
 from ._sanity import sanity_pass
 from ._setup import (
     default_handlers,
+    default_optimizer,
     describe_stop,
     signal_guard,
     torch_flags,
     train_metric_list,
     val_metric_list,
+    warn_default_optimizer,
 )
 from ._state import (
     Run,
@@ -73,7 +74,8 @@ class Estimator(RunView):
             ``Accuracy`` when ``loss`` is ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``. A ``Loss``
             metric is always present. Names get a ``train_`` prefix.
         val_metrics: Defaults to deep copies of the train metrics. Names get a ``val_`` prefix.
-        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning. One over none
+        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning at the first
+            ``fit`` (none for an estimator that only evaluates or predicts). One over none
             of ``net``'s trainable parameters (built over another module) is a ``ValueError``.
         device: Defaults to CUDA (this process's local rank) when available, else the CPU. A
             device this machine cannot train on (``'meta'``, an absent ``'mps'``/``'xpu'``/CUDA
@@ -164,11 +166,8 @@ class Estimator(RunView):
             if callable(getattr(metric, "to", None)):
                 metric.to(self.device)
 
-        if optimizer is None:
-            params = [p for p in net.parameters() if p.requires_grad]
-            if params:
-                warnings.warn("no optimizer given: using torch.optim.SGD(net.parameters(), lr=0.01)", stacklevel=2)
-                optimizer = torch.optim.SGD(params, lr=0.01)
+        if optimizer is None:  # fit warns when it trains with it
+            optimizer = self._default_optimizer = default_optimizer(net)
         self.optimizer = optimizer
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
@@ -329,6 +328,7 @@ class Estimator(RunView):
         if self.optimizer is None:
             raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
         check_optimizer(self.optimizer, self.net)
+        warn_default_optimizer(self)
         rng._check_seed(self.seed)  # also one assigned after construction
         user = check_handlers(event_handlers)
         check_unique_handlers(user)

@@ -3,10 +3,13 @@ argument."""
 
 from __future__ import annotations
 
+import warnings
+
 import pytest
 import torch
 from torch import nn
 
+from estimatorch import Estimator
 from tests.conftest import make_batches, make_estimator
 
 
@@ -59,3 +62,37 @@ def test_a_one_argument_lr_scheduler_is_refused_at_construction():
                                      lambda optimizer, total_steps, extra=1: None])
 def test_factories_that_take_two_arguments_are_accepted(factory):
     assert make_estimator(lr_scheduler=factory).lr_scheduler_factory is factory
+
+
+def no_optimizer_estimator():
+    torch.manual_seed(0)
+    return Estimator(nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3)), nn.CrossEntropyLoss())
+
+
+def test_an_estimator_that_only_evaluates_and_predicts_does_not_warn_about_its_optimizer():
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est = no_optimizer_estimator()
+        est.evaluate(make_batches(2))
+        est.predict([x for x, _ in make_batches(2)])
+
+
+def test_fit_without_an_optimizer_warns_at_the_fit_line_once_and_trains_with_sgd():
+    est = no_optimizer_estimator()
+    assert isinstance(est.optimizer, torch.optim.SGD) and est.optimizer.param_groups[0]["lr"] == 0.01
+    with pytest.warns(UserWarning, match=r"no optimizer given to Estimator: fit trains with "
+                                         r"torch\.optim\.SGD\(net\.parameters\(\), lr=0\.01\)\. Pass "
+                                         r"Estimator\(\.\.\., optimizer=\.\.\.\)") as record:
+        est.fit(make_batches(2), epochs=1, event_handlers=[])
+    assert [w.filename for w in record if "no optimizer" in str(w.message)] == [__file__]
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est.fit(make_batches(2), epochs=1, event_handlers=[])  # said once
+
+
+def test_an_optimizer_set_after_construction_is_no_default():
+    est = no_optimizer_estimator()
+    est.optimizer = torch.optim.Adam(est.net.parameters())
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        est.fit(make_batches(2), epochs=1, event_handlers=[])
