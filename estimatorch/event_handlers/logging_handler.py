@@ -98,7 +98,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._file_handler: Optional[logging.FileHandler] = None
         self._logger: Optional[logging.Logger] = None
         self._estimator: Any = None
-        self._in_fit = False
+        self._in_fit = self._looped = False
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
         self._reset_counts()
@@ -161,7 +161,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self.current_epoch = 0
         self._reset_counts()
         self._validated = False  # any validation in this fit: the final line shows val metrics
-        self._train_start = time.perf_counter()
+        self._train_start, self._looped = time.perf_counter(), False
         self._logger, self._estimator, self._in_fit = estimator.logger, estimator, True
         self._close_file()
         self.log_file = self.run_id = None
@@ -191,6 +191,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self.batch_in_epoch = self.samples_in_epoch = 0
         self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
+        self._looped = True
 
     def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
         """Subscribed only with an int ``log_interval``."""
@@ -224,6 +225,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self.current_epoch += 1
 
     def train_end(self, estimator: Any, **kwargs: Any) -> None:
+        if not self._in_fit:  # an earlier handler's train_begin failed (a refused resume): its error says it all
+            return
         try:
             elapsed = time.perf_counter() - self._train_start
             position = estimator.position
@@ -238,6 +241,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             else:  # stopped by an error or a second Ctrl-C: other ranks may not be here to reduce
                 values = "(stopped early; values not reduced across processes)"
             ran = f" ({since} since resume)" if self._resumed else ""
+            if not at_boundary and not self._looped:  # failed in train_begin, before any step
+                estimator.logger.info("Train failed before its first step after %.3fs", elapsed)
+                return
             if not at_boundary:  # the loop returns only at a stop: an error (or a second Ctrl-C) ended a step
                 trained = since if self._resumed else steps
                 estimator.logger.info("Train failed in step %d after %.3fs: %d epochs, %d batches completed%s. %s",

@@ -8,8 +8,10 @@ import warnings
 import pytest
 import torch
 from torch import nn
+from torch.utils.data import DataLoader, TensorDataset
 
-from estimatorch import Estimator
+from estimatorch import CheckpointHandler, Estimator
+from estimatorch.event_handlers import LoggingHandler, TrainBegin
 from tests.conftest import make_batches, make_estimator
 
 
@@ -96,3 +98,35 @@ def test_an_optimizer_set_after_construction_is_no_default():
     with warnings.catch_warnings():
         warnings.simplefilter("error")
         est.fit(make_batches(2), epochs=1, event_handlers=[])
+
+
+def logged_fit(caplog, est, *args, **kwargs):
+    est.logger.addHandler(caplog.handler)
+    try:
+        return est.fit(*args, **kwargs)
+    finally:
+        est.logger.removeHandler(caplog.handler)
+
+
+def test_a_resume_refused_for_another_batch_size_has_no_train_failed_line(tmp_path, caplog):
+    x, y = zip(*make_batches(8))
+    dataset = TensorDataset(torch.cat(x), torch.cat(y))
+    make_estimator().fit(DataLoader(dataset, batch_size=8), epochs=1,
+                         event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+    with pytest.raises(ValueError, match=r"the data stream differs \(batch_size: saved 8, now 16\)"):
+        logged_fit(caplog, make_estimator(), DataLoader(dataset, batch_size=16), epochs=2,
+                   event_handlers=[CheckpointHandler(tmp_path, resume_from_checkpoint=True), LoggingHandler()])
+    assert "Train failed" not in caplog.text
+
+
+def test_a_failure_in_train_begin_after_the_start_line_says_no_step_ran(caplog):
+    class Refuse(TrainBegin):
+        priority = float("inf")  # after LoggingHandler's start line (given after it: ties keep the order)
+
+        def train_begin(self, est, **kw):
+            raise ValueError("refused")
+
+    with pytest.raises(ValueError, match="refused"):
+        logged_fit(caplog, make_estimator(), make_batches(2), epochs=1, event_handlers=[LoggingHandler(), Refuse()])
+    assert "Training begin" in caplog.text and "Train failed before its first step after" in caplog.text
+    assert "in step 1" not in caplog.text
