@@ -6,7 +6,7 @@ import signal
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import ExponentialLR, ReduceLROnPlateau, StepLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, ReduceLROnPlateau, StepLR
 
 from estimatorch import Estimator
 from estimatorch.event_handlers import BatchBegin, LambdaHandler, LRSchedulerHandler
@@ -277,11 +277,24 @@ def test_the_history_records_the_rate_each_epoch_trained_with():
     assert history.learning_rates == ["lr"] and "lr" not in history.metrics
 
 
-def test_a_per_batch_schedule_records_the_rate_at_the_epochs_end():
-    est = make_estimator(lr=LR)
-    history = est.fit(make_batches(N_BATCHES), epochs=2,
-                      event_handlers=[LRSchedulerHandler(ExponentialLR(est.optimizer, gamma=GAMMA), step_on="batch")])
-    assert history["lr"] == pytest.approx([LR * GAMMA ** N_BATCHES, LR * GAMMA ** (2 * N_BATCHES)])
+def test_a_per_batch_schedule_records_the_rate_of_the_epochs_last_step():
+    est, rec = make_estimator(lr=LR), LRs()
+    history = est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[
+        rec, LRSchedulerHandler(ExponentialLR(est.optimizer, gamma=GAMMA), step_on="batch")])
+    assert history["lr"] == rec.lrs[N_BATCHES - 1::N_BATCHES]  # what the last batch of each epoch trained with
+    assert history["lr"] == pytest.approx([LR * GAMMA ** (N_BATCHES - 1), LR * GAMMA ** (2 * N_BATCHES - 1)])
+
+
+def test_a_cosine_decayed_to_zero_shows_the_last_rate_a_batch_trained_with(estimatorch_log):
+    """The issue's run: a per-batch cosine ending at 0 showed `lr: 0` for an epoch that never
+    trained at 0."""
+    est, rec = make_estimator(lr=LR), LRs()
+    sched = CosineAnnealingLR(est.optimizer, T_max=2 * N_BATCHES)
+    history = est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[rec, LRSchedulerHandler(sched, step_on="batch")])
+    assert est.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # after the final step
+    assert history["lr"][-1] == rec.lrs[-1] > 0
+    epoch_lines = [r.getMessage() for r in estimatorch_log if "[Epoch 2/2] Finished" in r.getMessage()]
+    assert epoch_lines and epoch_lines[0].endswith(f"lr: {rec.lrs[-1]:.4g}")
 
 
 def test_a_plateau_cut_is_logged_with_its_reason(estimatorch_log):
