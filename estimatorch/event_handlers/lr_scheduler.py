@@ -36,6 +36,10 @@ def _rates(optimizer: Any) -> list[float]:
     return [float(group["lr"]) for group in optimizer.param_groups]
 
 
+def _rates_of(held: list[Any]) -> list[float]:
+    return [float(rate) for rate in held]
+
+
 def _held_rates(optimizer: Any) -> list[Any]:
     """The rates as they are now, without reading a tensor rate on the host (a per-step record:
     :func:`epoch_learning_rates` reads it once per epoch)."""
@@ -60,7 +64,7 @@ def epoch_learning_rates(estimator: Any) -> dict[str, float]:
     for handler in estimator.handlers:
         if isinstance(handler, LRSchedulerHandler) and handler._before_step is not None \
                 and handler._before_step[0] == epoch:
-            rates = [float(rate) for rate in handler._before_step[1]]  # the first to step: the epoch's rates
+            rates = _rates_of(handler._before_step[1])  # the first to step: the epoch's rates
             break
     else:
         rates = _rates(estimator.optimizer)
@@ -207,9 +211,13 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
 
     def state_dict(self) -> dict[str, Any]:
         own = self.scheduler is not None
-        return {"scheduler": self.scheduler.state_dict() if own else None}
+        # the rates of the epoch's last step so far: a resume at an epoch's last batch shows them too
+        trained = None if self._before_step is None else [self._before_step[0], _rates_of(self._before_step[1])]
+        return {"scheduler": self.scheduler.state_dict() if own else None, "trained_rates": trained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, ("scheduler",), self.name)
+        trained = state.get("trained_rates")  # absent in a state saved by an older version
+        self._before_step = None if trained is None else (int(trained[0]), [float(r) for r in trained[1]])
         if state["scheduler"] is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -9,7 +9,7 @@ import torch
 from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, ReduceLROnPlateau, StepLR
 
 from estimatorch import Estimator
-from estimatorch.event_handlers import BatchBegin, LambdaHandler, LRSchedulerHandler
+from estimatorch.event_handlers import BatchBegin, BatchEnd, LambdaHandler, LRSchedulerHandler
 from estimatorch.metrics import Loss, Metric
 from tests.conftest import make_batches, make_estimator
 
@@ -190,7 +190,7 @@ def test_state_round_trip_with_its_own_scheduler():
 
 def test_state_of_the_estimators_scheduler_is_the_estimators():
     h = LRSchedulerHandler()
-    assert h.state_dict() == {"scheduler": None}
+    assert h.state_dict() == {"scheduler": None, "trained_rates": None}
     h.load_state_dict({"scheduler": None})
 
 
@@ -312,3 +312,30 @@ def test_an_unchanged_rate_is_not_logged(estimatorch_log):
     est = make_estimator(lr=LR)
     est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LRSchedulerHandler(StepLR(est.optimizer, 5))])
     assert not any("Learning rate" in r.getMessage() for r in estimatorch_log)
+
+
+def test_a_resume_at_an_epochs_last_batch_records_the_same_per_batch_rate():
+    import signal
+
+    class CtrlCAt(BatchEnd):
+        def __init__(self, at):
+            self.at, self.n = at, 0
+
+        def batch_end(self, est, **kw):
+            self.n += 1
+            if self.n == self.at:
+                signal.raise_signal(signal.SIGINT)
+
+    def run(*extra, resume=False, est=None):
+        est = est or make_estimator(lr=LR)
+        if not resume:
+            est._sched = CosineAnnealingLR(est.optimizer, T_max=2 * N_BATCHES)
+        handler = LRSchedulerHandler(est._sched, step_on="batch")
+        return est, est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler, *extra], resume=resume)
+
+    _, whole = run()
+    est = make_estimator(lr=LR)
+    with pytest.raises(KeyboardInterrupt):
+        run(CtrlCAt(N_BATCHES), est=est)  # stops after the first epoch's last step, before its epoch_end
+    _, resumed = run(resume=True, est=est)
+    assert resumed["lr"] == whole["lr"]
