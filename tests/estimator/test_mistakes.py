@@ -130,3 +130,75 @@ def test_a_failure_in_train_begin_after_the_start_line_says_no_step_ran(caplog):
         logged_fit(caplog, make_estimator(), make_batches(2), epochs=1, event_handlers=[LoggingHandler(), Refuse()])
     assert "Training begin" in caplog.text and "Train failed before its first step after" in caplog.text
     assert "in step 1" not in caplog.text
+
+
+DOUBLE_CTRL_C = r"""
+import os, signal, sys
+import torch
+from estimatorch import CheckpointHandler, checkpoint
+from estimatorch.event_handlers import BatchEnd
+from tests.conftest import make_batches, make_estimator
+
+signal.signal(signal.SIGINT, signal.default_int_handler)  # a background start inherits SIGINT ignored
+model_dir, mid_step = sys.argv[1], sys.argv[2] == "mid-step"
+real_save = checkpoint.atomic_save
+pressed = []
+
+
+def save(obj, path, **kwargs):
+    def writer(state, f):
+        torch.save(state, f)  # the whole file is written, not yet renamed into place
+        if pressed:
+            signal.raise_signal(signal.SIGINT)  # the second Ctrl-C lands inside the save
+    real_save(obj, path, writer=writer)
+
+
+checkpoint.atomic_save = save
+
+
+class CtrlC(BatchEnd):  # the first Ctrl-C, in the step after `after`; before its periodic save if `early`
+
+    def __init__(self, after, early):
+        self.after, self.priority = after, -10_000 if early else 0
+
+    def batch_end(self, est, **kw):
+        if est.position.step == self.after and not pressed:
+            pressed.append(1)
+            signal.raise_signal(signal.SIGINT)
+
+
+# saving the stop: Ctrl-C in step 3 (step 2's periodic save is done), again in the save of step 3;
+# mid-step: Ctrl-C twice in step 4, the second in its periodic save
+first = CtrlC(after=3, early=True) if mid_step else CtrlC(after=2, early=False)
+est = make_estimator()
+handlers = [first, CheckpointHandler(model_dir, batch_period=2, epoch_period=None, resume_from_checkpoint=True)]
+est.fit(make_batches(8), epochs=1, event_handlers=handlers)
+"""
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("when", ["saving-the-stop", "mid-step"])
+def test_a_double_ctrl_c_during_a_save_ends_with_one_line_and_a_clean_directory(tmp_path, when):
+    """The issue's double Ctrl-C: the second landed inside torch.save and printed ~40 lines."""
+    import os
+    import subprocess
+    import sys
+
+    model_dir = tmp_path / "ckpt"
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    proc = subprocess.run([sys.executable, "-c", DOUBLE_CTRL_C, str(model_dir), when], cwd=root,
+                          capture_output=True, text=True, timeout=120,
+                          env={**os.environ, "PYTHONPATH": root})
+    assert proc.returncode == -2, proc.stderr[-3000:]  # as a process ended by Ctrl-C
+    assert "Traceback" not in proc.stderr, proc.stderr[-3000:]
+    where = "while fit saved the stop" if when == "saving-the-stop" else "in the middle of a step"
+    assert proc.stderr.strip().splitlines()[-1] == (
+        f"KeyboardInterrupt: stopped at once by a second Ctrl-C {where}: a checkpoint being written was discarded "
+        "(files are written whole or not at all); a resume continues from the last complete checkpoint")
+    files = sorted(os.listdir(model_dir))
+    assert not [f for f in files if f.endswith(".tmp")]  # nothing half-written left behind
+    assert "model-epoch0batch2.pt" in files
+    assert "model-epoch0batch3.pt" not in files and "model-epoch0batch4.pt" not in files
+    est = make_estimator()  # the last complete checkpoint resumes
+    est.fit(make_batches(8), epochs=1, event_handlers=[CheckpointHandler(model_dir, resume_from_checkpoint=True)])
+    assert est.position.step == 8
