@@ -3,6 +3,9 @@ argument."""
 
 from __future__ import annotations
 
+import os
+import subprocess
+import sys
 import warnings
 
 import pytest
@@ -11,6 +14,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from estimatorch import CheckpointHandler, Estimator
+from estimatorch._shadow import shadowing_folder
 from estimatorch.event_handlers import LoggingHandler, TrainBegin
 from tests.conftest import make_batches, make_estimator
 
@@ -180,9 +184,6 @@ est.fit(make_batches(8), epochs=1, event_handlers=handlers)
 @pytest.mark.parametrize("when", ["saving-the-stop", "mid-step"])
 def test_a_double_ctrl_c_during_a_save_ends_with_one_line_and_a_clean_directory(tmp_path, when):
     """The issue's double Ctrl-C: the second landed inside torch.save and printed ~40 lines."""
-    import os
-    import subprocess
-    import sys
 
     model_dir = tmp_path / "ckpt"
     root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
@@ -202,3 +203,30 @@ def test_a_double_ctrl_c_during_a_save_ends_with_one_line_and_a_clean_directory(
     est = make_estimator()  # the last complete checkpoint resumes
     est.fit(make_batches(8), epochs=1, event_handlers=[CheckpointHandler(model_dir, resume_from_checkpoint=True)])
     assert est.position.step == 8
+
+
+def test_a_folder_named_estimatorch_is_explained_by_the_command_line(tmp_path):
+    """The issue's script beside the clone got "cannot import name 'CheckpointHandler' from
+    'estimatorch' (unknown location)"; the command line, which runs where the user works, says why."""
+
+    (tmp_path / "estimatorch" / "estimatorch").mkdir(parents=True)  # a clone: the package folder inside
+    script = tmp_path / "train.py"
+    script.write_text("from estimatorch import CheckpointHandler\n")
+    env = {k: v for k, v in os.environ.items() if k != "PYTHONPATH"}
+    failed = subprocess.run([sys.executable, str(script)], cwd=tmp_path, capture_output=True, text=True, env=env)
+    cli = subprocess.run([sys.executable, "-m", "estimatorch", "--help"], cwd=tmp_path, capture_output=True,
+                         text=True, env=env)
+    assert cli.returncode == 0, cli.stderr
+    assert shadowing_folder(str(tmp_path)) == str(tmp_path / "estimatorch")
+    assert (f"The folder {tmp_path / 'estimatorch'} (a clone of the repository) hides the estimatorch package from a "
+            f"script in {tmp_path}") in cli.stderr
+    assert "Keep your scripts in another directory (or inside the clone), or rename the folder" in cli.stderr
+    if "unknown location" in failed.stderr:  # installed in editable mode (or not at all): the user's case
+        assert "cannot import name 'CheckpointHandler' from 'estimatorch' (unknown location)" in failed.stderr
+        assert "cannot import name ... from 'estimatorch' (unknown location)" in cli.stderr  # the same words
+
+
+def test_no_word_about_a_folder_where_there_is_none(tmp_path):
+
+    cli = subprocess.run([sys.executable, "-m", "estimatorch", "--help"], cwd=tmp_path, capture_output=True, text=True)
+    assert cli.returncode == 0 and "hides the estimatorch package" not in cli.stderr
