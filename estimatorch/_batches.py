@@ -109,24 +109,24 @@ def call_net(net: Callable[..., Any], data: Any) -> Any:
         raise TypeError(mismatch) from err
 
 
-def call_loss(loss: Callable[..., Any], pred: Any, label: Any) -> Any:
-    """``loss(pred, label)``; a failure the labels' dtype or shape explains (float or int32 class
-    indices, a target of another shape) is re-raised, as the same type, with the labels' format
-    and the fix added."""
+def call_loss(loss: Callable[..., Any], pred: Any, label: Any, data_arg: str) -> Any:
+    """``loss(pred, label)`` on a batch of ``data_arg`` (``"train_data"``, ``"val_data"``); a
+    failure the labels' dtype or shape explains (float or int32 class indices, a target of
+    another shape) is re-raised, as the same type, with the labels' format and the fix added."""
     try:
         return loss(pred, label)
     except (RuntimeError, ValueError, IndexError) as err:
-        hint = _label_hint(pred, label)
+        hint = _label_hint(pred, label, data_arg)
         if hint is None or type(err) not in (RuntimeError, ValueError, IndexError):
             raise
         raise type(err)(f"{err}. {hint}") from err
 
 
-def _label_hint(pred: Any, label: Any) -> Optional[str]:
+def _label_hint(pred: Any, label: Any, data_arg: str) -> Optional[str]:
     """What the labels hold beside the predictions, and the formats the loss may want."""
     if not isinstance(pred, torch.Tensor) or not isinstance(label, torch.Tensor):
         return None
-    got = (f"The labels (the batch's last element or its 'label' key) are {label.dtype} of shape "
+    got = (f"The labels of {data_arg} (each batch's last element or its 'label' key) are {label.dtype} of shape "
            f"{tuple(label.shape)} for predictions of shape {tuple(pred.shape)}")
     if pred.dim() == label.dim() + 1:  # class indices beside (N, C, ...) scores
         if label.is_floating_point() or label.dtype not in (torch.int64, torch.uint8):

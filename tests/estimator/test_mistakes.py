@@ -29,7 +29,8 @@ def test_float_or_int32_labels_get_long(dtype, loss):
         est.fit(data, epochs=1, event_handlers=[])
     message = str(info.value)
     assert "expected target dtype" in message  # torch's own words stay first
-    assert f"are {dtype} of shape (8,) for predictions of shape (8, 3)" in message
+    assert f"The labels of train_data (each batch's last element or its 'label' key) are {dtype} of shape (8,) " \
+        "for predictions of shape (8, 3)" in message
     assert "label.long()" in message and "one-hot/probability targets of shape (8, 3)" in message
 
 

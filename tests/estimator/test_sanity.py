@@ -44,7 +44,7 @@ def test_a_val_loader_with_other_keys_fails_before_the_first_step():
 def test_a_val_label_format_the_metrics_cannot_read_is_named():
     est = make_estimator()
     val = [(x, y.float()) for x, y in make_batches(1)]  # float class indices: cross entropy refuses them too
-    with pytest.raises(ValueError, match=r"val_data failed the sanity pass .*\.long\(\)"):
+    with pytest.raises(ValueError, match=r"val_data failed the sanity pass .*The labels of val_data .*\.long\(\)"):
         est.fit(make_batches(), val_data=val, epochs=1, event_handlers=[Steps()])
 
 
