@@ -28,7 +28,8 @@ __all__ = ["sanity_pass"]
 
 def sanity_pass(estimator: Any, val_data: Optional[Iterable[Any]], steps: Any, batch_axis: int) -> None:
     """Take ``steps`` batches of ``val_data`` through ``val_net``, ``val_loss`` and copies of the
-    val metrics (each computed once, on this rank alone: no collective).
+    val metrics (each computed once, on this rank alone); under torch.distributed the ranks then
+    agree on the outcome (one small collective), so a failure on one rank stops every rank.
 
     Raises:
         ValueError: ``steps`` is not a non-negative int, or the pass failed: the message names
@@ -37,6 +38,15 @@ def sanity_pass(estimator: Any, val_data: Optional[Iterable[Any]], steps: Any, b
     check_positive_int(steps, "num_sanity_val_steps", minimum=0)
     if val_data is None or steps == 0 or isinstance(val_data, Iterator):
         return
+    error: Optional[Exception] = None
+    try:
+        _check_batches(estimator, val_data, steps, batch_axis)
+    except Exception as err:  # noqa: BLE001 - every rank must hear of it (a sharded net's forward is a collective)
+        error = err
+    distributed.raise_on_every_rank(error, "fit's sanity pass over val_data")
+
+
+def _check_batches(estimator: Any, val_data: Iterable[Any], steps: int, batch_axis: int) -> None:
     loss_metrics, other_metrics = split_loss_metrics([copy.deepcopy(m) for m in estimator.val_metrics])
     for metric in loss_metrics + other_metrics:
         metric.reset()

@@ -312,10 +312,10 @@ class Estimator(RunView):
         try:
             run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
                                   (batches_per_epoch, val_batches))
-            sanity_pass(self, val_data, num_sanity_val_steps, batch_axis)
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
+        sanity_pass(self, val_data, num_sanity_val_steps, batch_axis)  # the ranks agree on its outcome too
         return self._fit(run)
 
     def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
-from estimatorch import Estimator
+from estimatorch import Estimator, distributed
 from estimatorch.event_handlers import BatchEnd
 from tests.conftest import losses_recorder, make_batches, make_estimator
 
@@ -137,3 +137,23 @@ def test_a_resumed_run_with_the_pass_is_bitwise_one_without():
     assert all(torch.equal(reference[k], v) for k, v in est.net.state_dict().items())
     for name in ("val_loss", "val_accuracy", "train_loss"):
         assert history[name] == reference_history[name], name
+
+
+def _one_rank_has_bad_val_data():
+    torch.set_num_threads(1)
+    est, steps = make_estimator(), Steps()
+    val = make_batches(1) if distributed.get_rank() == 0 else dict_batches(("image", "target"), 1)
+    try:
+        est.fit(make_batches(2), val_data=val, epochs=1, event_handlers=[steps])
+    except ValueError as err:
+        return {"error": str(err), "steps": steps.n}
+    return {"error": None, "steps": steps.n}
+
+
+@pytest.mark.distributed
+def test_a_sanity_failure_on_one_rank_stops_every_rank_before_any_step():
+    results = distributed.spawn(_one_rank_has_bad_val_data, 2, backend="gloo")
+    assert [r["steps"] for r in results] == [0, 0]
+    for result in results:
+        assert result["error"] is not None and result["error"].startswith("val_data failed the sanity pass")
+        assert "['image', 'target']" in result["error"]
