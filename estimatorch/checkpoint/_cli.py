@@ -140,6 +140,31 @@ def _print_run(payload: dict[str, Any]) -> None:
     print(f"position {first.get('position', missing)}, plan {first.get('plan', missing)}")
     print(f"fingerprint {first.get('fingerprint', missing)}")
     print(f"handlers {sorted(first['handlers'])}")
+    _print_metrics(first)
+
+
+def _print_metrics(snapshot: dict[str, Any]) -> None:
+    """The metrics of the last epoch the snapshot's history recorded, and each handler's best
+    monitored value (``CheckpointHandler``'s ``best``, ``EarlyStoppingHandler``'s with its epoch)."""
+    history = snapshot.get("history")
+    if isinstance(history, dict) and history.get("epochs"):
+        values = {name: series[-1] for name, series in history.get("values", {}).items() if series}
+        shown = ", ".join(f"{name} {_number(value)}" for name, value in values.items())
+        print(f"metrics of epoch {history['epochs'][-1]}: {shown or '(none recorded)'}")
+    else:
+        print("metrics: none recorded yet (no epoch finished)")
+    bests = []
+    for name, state in sorted(snapshot.get("handlers", {}).items()):
+        best = state.get("best") if isinstance(state, dict) else None
+        if isinstance(best, (int, float)) and not isinstance(best, bool) and math.isfinite(best):
+            epoch = state.get("best_epoch")
+            bests.append(f"{name} {_number(best)}" + (f" (epoch {epoch})" if isinstance(epoch, int) and epoch else ""))
+    if bests:
+        print(f"best monitored value: {'; '.join(bests)}")
+
+
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def _parser() -> argparse.ArgumentParser:
