@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import distributed
+from .. import cluster, distributed
 from ..event_handlers import (
     CheckpointHandler,
     GradientUpdateHandler,
@@ -128,8 +128,8 @@ def torch_flags(deterministic: bool, cudnn_benchmark: bool, cpu: bool = False) -
 
 
 def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
-    """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are,
-    logged on every rank."""
+    """Defers SIGINT and SIGTERM (and SLURM's requeue signal under SLURM) to a step boundary, with
+    a message that fits where we are, logged on every rank."""
     # only a handler writing resumable checkpoints saves the boundary (exporters do not)
     savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
 
@@ -141,7 +141,8 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
 
     if not _bars.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
         install_excepthook()
-    return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}))
+    return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}),
+                       requeue=cluster.requeue_signal(), resumes=any(h.resume_from_checkpoint for h in savers))
 
 
 def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> BaseException:

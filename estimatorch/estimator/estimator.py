@@ -29,7 +29,7 @@ from ._checks import (
 )
 from ._elastic import configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
-from ._interrupts import SIGNAL_NAMES, stop_exception
+from ._interrupts import stop_exception
 from ._logging import default_logger as _default_logger  # the demo imports it from here
 from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
@@ -270,6 +270,9 @@ class Estimator(RunView):
         (SIGTERM: ``finally`` blocks run, the process exits with the status of a job ended by
         SIGTERM). A second Ctrl-C stops at once, mid-step. Only the main thread's default
         handlers are replaced, and they are restored when ``fit`` ends.
+        Under SLURM, SIGUSR1 (``sbatch --signal=USR1@90``) stops the same way, then rank 0
+        requeues the job (``scontrol requeue``) and ``fit`` raises ``SystemExit(138)``; see
+        :mod:`estimatorch.cluster`.
 
         Under torch.distributed every rank stops at the same step, agreed without a collective
         of its own per step: the ranks exchange their flags every :attr:`agree_every` steps
@@ -487,7 +490,7 @@ class Estimator(RunView):
     def _stop_for(run: Run, code: int) -> None:
         """Leave the loop at this boundary because of a signal (agreed by every rank)."""
         run.signals.stoppable = False
-        run.signals.stopped = SIGNAL_NAMES[code]
+        run.signals.stopped = run.signals.name_of(code)
         raise stop_exception(run.signals.stopped)
 
     def _run_boundary_actions(self, run: Run) -> None:
