@@ -198,6 +198,7 @@ _SLURM_VARS = ("SLURM_PROCID", "SLURM_NTASKS", "SLURM_LOCALID", "SLURM_JOB_NODEL
 _JOB_VARS = ("RANK", "WORLD_SIZE", "LOCAL_WORLD_SIZE", "MASTER_ADDR", "MASTER_PORT")
 _INTERACTIVE_NAMES = ("bash", "interactive")
 
+_NONE = Launcher("none")
 _launched: Optional[Launcher] = None  # what init_process_group formed the group from
 
 
@@ -261,13 +262,15 @@ def detect(env: Optional[Mapping[str, str]] = None) -> Launcher:
         if dist.is_available() and dist.is_initialized():
             return _group_launcher()
         env = os.environ
+    if "RANK" not in env and "WORLD_SIZE" not in env and "SLURM_PROCID" not in env:
+        return _NONE  # the common case first: it is asked for at every step by rank-0 gating
     if all(v in env for v in _TORCHRUN_VARS):
         return _torchrun(env)
     if "RANK" in env or "WORLD_SIZE" in env:
         return _pytorchjob(env)
     if slurm_tasks(env):
         return _slurm(env)
-    return Launcher("none")
+    return _NONE
 
 
 def _group_launcher() -> Launcher:
