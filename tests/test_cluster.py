@@ -13,6 +13,7 @@ import pytest
 import torch
 
 from estimatorch import cluster, distributed
+from estimatorch.event_handlers import BatchEnd
 
 SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
          "SLURM_JOB_NODELIST": "node[01-02]", "SLURM_JOB_ID": "77", "SLURM_JOB_NAME": "train"}
@@ -187,7 +188,6 @@ class SignalAt:
 
 def _slurm_fit(model_dir, handlers=()):
     from estimatorch import CheckpointHandler
-    from estimatorch.event_handlers import BatchEnd
     from tests.test_distributed import Processor, _setup
 
     est, loader = _setup()
@@ -235,3 +235,31 @@ def test_sigterm_under_slurm_stays_a_plain_preemption_and_the_switch_turns_reque
     finally:
         signal.signal(signal.SIGUSR1, previous)
     assert status == 0 and est.interruption is None and not calls.exists()  # fit did not take the signal
+
+
+@pytest.mark.parametrize("checkpointing, resumes, says", [
+    (True, True, "then rank 0 requeues the job (scontrol requeue 9)"),
+    (True, False, "The job is not requeued: no CheckpointHandler has resume_from_checkpoint=True"),
+    (False, False, "Nothing is saved and the job is not requeued: the steps trained are lost"),
+])
+def test_the_requeue_message_says_what_is_saved_and_whether_the_job_requeues(monkeypatch, checkpointing, resumes,
+                                                                             says):
+    from estimatorch.estimator._interrupts import stop_message
+
+    monkeypatch.setenv("SLURM_JOB_ID", "9")
+    text = stop_message("SIGUSR1", notebook=False, checkpointing=checkpointing, resumes=resumes, multi=True)
+    assert says in text and "SystemExit(138)" in text
+
+
+def test_without_a_resuming_checkpoint_handler_sigusr1_stops_but_does_not_requeue(tmp_path, monkeypatch):
+    from tests.test_distributed import Processor, _setup
+
+    calls = fake_scontrol(tmp_path)
+    monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
+    monkeypatch.setenv("SLURM_JOB_ID", "31337")
+    est, loader = _setup()
+    est.batch_processor = Processor()
+    hook = type("Hook", (SignalAt, BatchEnd), {})
+    with pytest.raises(SystemExit) as stop:
+        est.fit(loader, epochs=2, event_handlers=[hook(signal.SIGUSR1, 2)])
+    assert stop.value.code == 128 + signal.SIGUSR1 and est.position.step == 2 and not calls.exists()
