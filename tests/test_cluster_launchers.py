@@ -28,7 +28,8 @@ from estimatorch import CheckpointHandler, Estimator, cluster, distributed
 from estimatorch.event_handlers import BatchEnd
 
 torch.set_num_threads(1)
-out, model_dir, at = sys.argv[1], sys.argv[2], int(sys.argv[3])
+out, model_dir, at, kill = sys.argv[1], sys.argv[2], int(sys.argv[3]), int(sys.argv[4])
+first = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0") == "0"
 before = (torch.distributed.is_initialized(), distributed.get_rank(), distributed.get_world_size(),
           distributed.get_local_rank(), distributed.is_main_process())
 torch.manual_seed(0)
@@ -47,6 +48,8 @@ class SignalOnRank0(BatchEnd):
         self.seen += 1
         if self.seen == at and distributed.get_rank() == 0:
             os.kill(os.getpid(), signal.SIGUSR1)
+        if self.seen == kill and distributed.get_rank() == 1 and first:  # a worker lost mid-run
+            os.kill(os.getpid(), signal.SIGKILL)
 
 
 try:
@@ -56,6 +59,7 @@ try:
 except SystemExit as stop:
     status = stop.code
 torch.save({"model": est.net.state_dict(), "step": est.position.step, "status": status, "before": before,
+            "restarts": int(os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")),
             "launcher": cluster.detect().name, "world": distributed.get_world_size()},
            f"{out}/rank{distributed.get_rank()}.pt")
 # With torch 2.13 a gloo process sometimes aborts during interpreter teardown, after its work is
@@ -106,7 +110,7 @@ def _run(tmp_path, tag, envs, at=0, model_dir=None):
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    args = [sys.executable, str(script), str(out), str(model_dir or tmp_path / f"{tag}-model"), str(at)]
+    args = [sys.executable, str(script), str(out), str(model_dir or tmp_path / f"{tag}-model"), str(at), "0"]
     procs = [subprocess.Popen(args, env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
              for env in envs]
     logs = [p.communicate(timeout=300)[0] for p in procs]
@@ -118,13 +122,13 @@ def _run(tmp_path, tag, envs, at=0, model_dir=None):
     return results
 
 
-def _torchrun(tmp_path, tag):
+def _torchrun(tmp_path, tag, *options, kill=0):
     out = tmp_path / tag
     out.mkdir()
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     proc = subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
-                           str(script), str(out), str(tmp_path / f"{tag}-model"), "0"],
+                           *options, str(script), str(out), str(tmp_path / f"{tag}-model"), "0", str(kill)],
                           capture_output=True, text=True, env=_base_env(), timeout=300)
     assert (out / "rank0.pt").exists() and (out / "rank1.pt").exists(), proc.stdout[-3000:] + proc.stderr[-3000:]
     return [torch.load(out / f"rank{r}.pt", weights_only=True) for r in range(2)]
@@ -179,4 +183,14 @@ def test_sigusr1_on_rank_0_under_slurm_requeues_once_and_the_requeued_job_resume
     assert calls.read_text() == f"requeue {job}\n"
     for rank, result in enumerate(resumed):
         assert result["status"] == 0 and result["step"] == 16
+        _assert_same_model(result["model"], torchrun_run[rank]["model"])
+
+
+def test_torchruns_agent_restarts_a_killed_worker_and_the_run_ends_bitwise(tmp_path, torchrun_run):
+    """A worker SIGKILLed in the second epoch: the agent restarts both, they form a new group
+    (on a key space of their own in the agent's store: see ``cluster._agent_store``) and resume
+    from the first epoch's checkpoint."""
+    results = _torchrun(tmp_path, "restarted", "--max-restarts=1", kill=12)
+    for rank, result in enumerate(results):
+        assert result["restarts"] == 1 and result["status"] == 0 and result["step"] == 16
         _assert_same_model(result["model"], torchrun_run[rank]["model"])
