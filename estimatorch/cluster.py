@@ -344,10 +344,14 @@ def _agent_store(launcher: Launcher) -> Optional[dist.Store]:
     killed generation wrote (gloo's listening addresses, the start barrier's counters) and try
     to connect to dead processes ("Gloo connectFullMesh failed ... Connection refused") or wait
     in a barrier already counted. Measured: 2 of 5 restarts of a plain DDP script succeeded
-    without a prefix, 5 of 5 with one. Each restart (``TORCHELASTIC_RESTART_COUNT``) gets its own.
+    without a prefix, 5 of 5 with one. Each restart (``TORCHELASTIC_RESTART_COUNT``) gets its own,
+    under one agent only: on several machines an agent may restart its workers without counting
+    (another machine's failure seen as a membership change), so the counts name no generation
+    every worker agrees on; there ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1`` gives each generation
+    a store of its own (docs/clusters.md).
     """
-    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True):
-        return None
+    if os.environ.get("TORCHELASTIC_USE_AGENT_STORE") != str(True) or os.environ.get("GROUP_WORLD_SIZE", "1") != "1":
+        return None  # several agents may count restarts differently: torch's own env:// then
     client = dist.TCPStore(str(launcher.master_addr), int(launcher.master_port or 0), launcher.world_size,
                            is_master=False, timeout=default_pg_timeout)
     return dist.PrefixStore(f"estimatorch/restart_{os.environ.get('TORCHELASTIC_RESTART_COUNT', '0')}", client)
