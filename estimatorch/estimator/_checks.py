@@ -11,7 +11,7 @@ from torch import nn
 
 from .. import distributed
 from .._checks import check_bool, check_positive_int, is_int
-from ..event_handlers._dispatch import handler_name
+from ..events import handler_name
 
 __all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
            "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]

@@ -14,9 +14,8 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import cluster, distributed
+from .. import _console, cluster, distributed
 from ..event_handlers import (
-    CheckpointHandler,
     GradientUpdateHandler,
     LoggingHandler,
     LRSchedulerHandler,
@@ -24,8 +23,8 @@ from ..event_handlers import (
     ProgressBarHandler,
     StoppingHandler,
     ValidationHandler,
-    _bars,
 )
+from ..events import declared
 from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
 from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
@@ -66,7 +65,7 @@ def val_metric_list(val_metrics: Any, train_metrics: list[Any]) -> list[Any]:
 
 def interactive() -> bool:
     """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
-    if _bars.in_notebook():
+    if _console.in_notebook():
         return True
     stream = sys.stderr
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
@@ -131,18 +130,18 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
     """Defers SIGINT and SIGTERM (and SLURM's requeue signal under SLURM) to a step boundary, with
     a message that fits where we are, logged on every rank."""
     # only a handler writing resumable checkpoints saves the boundary (exporters do not)
-    savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
+    savers = [h for h in handlers if declared(h, "checkpoint_location") is not None]
 
     def describe(name: str) -> str:
         rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
-        return rank + stop_message(name, notebook=_bars.in_notebook(), checkpointing=bool(savers),
-                                   resumes=any(h.resume_from_checkpoint for h in savers),
+        return rank + stop_message(name, notebook=_console.in_notebook(), checkpointing=bool(savers),
+                                   resumes=any(declared(h, "resumes_run") for h in savers),
                                    multi=distributed.is_distributed())
 
-    if not _bars.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
+    if not _console.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
         install_excepthook()
     return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}),
-                       requeue=cluster.requeue_signal(), resumes=any(h.resume_from_checkpoint for h in savers))
+                       requeue=cluster.requeue_signal(), resumes=any(declared(h, "resumes_run") for h in savers))
 
 
 def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> BaseException:
@@ -151,14 +150,14 @@ def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> 
     if not is_clean_stop(error):
         return error
     pos = estimator.position
-    savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
+    savers = [h for h in handlers if declared(h, "checkpoint_location") is not None]
     where = f"stopped by Ctrl-C after step {pos.step} (epoch {pos.epoch + (pos.phase != 'epoch_end')})"
-    if _bars.in_notebook():
+    if _console.in_notebook():
         how = "fit(..., resume=True) continues from there"
-    elif any(h.resume_from_checkpoint for h in savers):
-        how = f"checkpoint in {savers[0].model_dir}: run the script again to resume"
+    elif any(declared(h, "resumes_run") for h in savers):
+        how = f"checkpoint in {declared(savers[0], 'checkpoint_location')}: run the script again to resume"
     elif savers:
-        how = (f"checkpoint in {savers[0].model_dir}: to resume, run again with "
+        how = (f"checkpoint in {declared(savers[0], 'checkpoint_location')}: to resume, run again with "
                "CheckpointHandler(..., resume_from_checkpoint=True)")
     else:
         how = "nothing saved: add CheckpointHandler(model_dir, resume_from_checkpoint=True) to resume after a stop"

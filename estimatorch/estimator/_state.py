@@ -21,8 +21,8 @@ import torch
 from .. import distributed, rng
 from .._checks import is_int, warn_user
 from .._saved import MISSING, CheckpointError, check_count, check_dict, check_keys, check_like, kind, show
-from ..event_handlers._dispatch import Dispatch
 from ..event_handlers.lr_scheduler import epoch_learning_rates
+from ..events import Dispatch, state_attributes
 from ..metrics.base import Metric, metric_name
 from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
@@ -240,7 +240,7 @@ def _check_handlers(saved: dict[str, Any], handlers: Mapping[str, Any]) -> None:
     for name, handler in handlers.items():
         if name not in saved or not callable(getattr(handler, "load_state_dict", None)):
             continue  # a handler without saved state starts fresh (the estimator warns)
-        attrs = getattr(handler, "_state_attrs", None)
+        attrs = state_attributes(handler)
         if not attrs:
             continue  # a handler of yours: its load_state_dict is the judge
         state = check_dict(saved[name], f"the state of handler {name!r}")

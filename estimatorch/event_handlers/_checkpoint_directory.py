@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .. import checkpoint, distributed
+from ..events import EstimatorView, declared
 from ._paths import check_output_dir
 
 __all__ = ["DirectoryChecks"]
@@ -46,7 +47,7 @@ class DirectoryChecks:
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}){why}; {remedy}, or choose another "
             "model_dir or model_prefix (nothing was changed)")
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: ``model_dir`` is usable, no other fit writes there, and nothing saved
         would be overwritten (``fit(..., resume=True)`` continues this estimator's own run, which
         may have written those files) or is of a newer format. (An export's files are checked in
@@ -82,25 +83,24 @@ class DirectoryChecks:
             # the other ranks only read (their model_dir may be node-local, or not there yet)
             raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
 
-    def _check_siblings(self, estimator: Any) -> None:
+    def _check_siblings(self, estimator: EstimatorView) -> None:
         for other in estimator.handlers:
             if other is not self and isinstance(other, DirectoryChecks) \
                     and self._layout.shares_files_with(other._layout):
                 raise ValueError(f"two CheckpointHandlers of this fit write the same files ({self._layout.describe()} "
                                  f"in {self.model_dir!r}): give one of them another model_prefix")
 
-    def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
+    def _open_directory(self, estimator: EstimatorView) -> Optional[tuple[str, dict[str, Any]]]:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
         refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
         files retention owns."""
         os.makedirs(self.model_dir, exist_ok=True)
         self._lock = checkpoint.DirectoryLock(self.model_dir)
         self._lock.acquire()
-        names = self._layout.existing()  # again, under the lock: a fit may have written them since _check_fit
+        names = self._layout.existing()  # again, under the lock: a fit may have written them since check_fit
         resuming = self.resume_from_checkpoint or estimator.resume_pending
         if names and not self._layout.resumable:
-            if not (estimator.resume_pending or any(getattr(h, "resume_from_checkpoint", False) is True
-                                                    and isinstance(h, DirectoryChecks) for h in estimator.handlers)):
+            if not (estimator.resume_pending or any(declared(h, "resumes_run") for h in estimator.handlers)):
                 self._refuse_existing(names, " and this fit resumes no run")
             self._foreign = frozenset(names)
         elif names and not resuming:

@@ -12,12 +12,10 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_state_keys, is_int
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
-from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates
-from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["LoggingHandler", "format_metrics"]
 
@@ -32,7 +30,7 @@ def _format_rates(rates: dict[str, float]) -> str:
     return ", ".join(f"{name}: {value:.4g}" for name, value in rates.items())
 
 
-class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd):
+class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
@@ -77,7 +75,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     elastic_batch_counters = ("batch_in_epoch", "samples_in_epoch")
 
     priority = float("inf")
-    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
+    state_attributes = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
 
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
@@ -102,8 +100,10 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
         self._reset_counts()
-        # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
-        subscribe(self, [] if log_interval == "epoch" else ["batch_end"])
+
+    def listens_to(self, event: str) -> bool:
+        """A line per epoch needs nothing per step: ``batch_end`` only for batch lines."""
+        return event != "batch_end" or self.log_interval != "epoch"
 
     @property
     def batch_lines(self) -> bool:
@@ -122,7 +122,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._resume_batch = 0
 
     # -- helpers ---------------------------------------------------------------------------
-    def _shown(self, estimator: Any, with_val: bool) -> list[Any]:
+    def _shown(self, estimator: EstimatorView, with_val: bool) -> list[Any]:
         metrics = self.metrics if self.metrics is not None else estimator.train_metrics + estimator.val_metrics
         if not with_val:  # val metrics hold a value only after a validation
             val = {id(m) for m in estimator.val_metrics}
@@ -132,7 +132,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     def _values(self, metrics: list[Any]) -> dict[str, float]:
         return {metric_name(m): float(m.compute()) for m in metrics}
 
-    def _epoch_label(self, estimator: Any) -> str:
+    def _epoch_label(self, estimator: EstimatorView) -> str:
         total = f"/{estimator.max_epoch}" if estimator.max_epoch else ""
         return f"[Epoch {self.current_epoch + 1}{total}]"
 
@@ -151,13 +151,13 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self._file_handler.close()
         self._file_handler = None
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: the log directory can be written (on rank 0, which writes it)."""
         if self.log_dir is not None and distributed.is_main_process():
             check_output_dir(self.log_dir, "log_dir")
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch = 0
         self._reset_counts()
         self._validated = False  # any validation in this fit: the final line shows val metrics
@@ -186,13 +186,13 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         if self._logger is not None and self.log_file is not None:
             self._logger.info("Log file: %s%s", "continuing " if self._continued else "", self.log_file)
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self.batch_lines:
             self.batch_in_epoch = self.samples_in_epoch = 0
         self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
 
-    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
         """Subscribed only with an int ``log_interval``."""
         if self.batch_in_epoch is None:  # resumed from a state that did not count them
             self.batch_in_epoch = estimator.position.batch
@@ -210,7 +210,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                               self._interval_batches, format_metrics(values))
         self._interval_start, self._interval_batches = now, 0
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._resumed and self._resume_step is None:  # resumed at this epoch's last batch: none ran
             self._mark_resume(ran=0)
         elapsed = time.perf_counter() - self._epoch_start
@@ -223,7 +223,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                               elapsed, batches, ran, ", ".join(v for v in (values, rates) if v))
         self.current_epoch += 1
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
             elapsed = time.perf_counter() - self._train_start
             position = estimator.position

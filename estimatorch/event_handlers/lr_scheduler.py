@@ -7,12 +7,10 @@ from typing import Any, Optional
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from .._checks import check_state_keys
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin
+from ..events.monitor import check_monitor
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
-from ._monitor import check_monitor
-from ._subscribe import subscribe
 from .gradient_update import GradientUpdateHandler
-from .mixins import TrainBegin
 
 __all__ = ["LRSchedulerHandler", "epoch_learning_rates", "learning_rate_names"]
 
@@ -35,7 +33,7 @@ def _rates(optimizer: Any) -> list[float]:
     return [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def epoch_learning_rates(estimator: Any) -> dict[str, float]:
+def epoch_learning_rates(estimator: EstimatorView) -> dict[str, float]:
     """The learning rate of each param group in the epoch that is ending, by
     :func:`learning_rate_names`: the rate at the end of its batches, before any
     :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end``. For a per-epoch schedule
@@ -74,7 +72,7 @@ def _describe_rates(before: list[float], after: list[float]) -> str:
                      if b != a)
 
 
-class LRSchedulerHandler(StatefulHandler, TrainBegin):
+class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     """Step a learning-rate scheduler after every epoch (after validation) or after every
     optimizer step. ``ReduceLROnPlateau`` is stepped with ``monitor``'s value.
 
@@ -123,8 +121,10 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._scheduler: Any = scheduler
         #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
         self._before_step: Optional[tuple[int, list[float]]] = None
-        # only the events it steps on (per batch: also an epoch's leftover accumulation step)
-        subscribe(self, ["batch_end", "epoch_end"] if step_on == "batch" else ["epoch_end"])
+
+    def listens_to(self, event: str) -> bool:
+        """Only the events it steps on (per batch: also an epoch's leftover accumulation step)."""
+        return event != "batch_end" or self.step_on == "batch"
 
     def resolve_monitor(self, metric: Any) -> None:
         """Watch ``metric``, the estimator's metric of the name given (at ``fit`` start)."""
@@ -137,7 +137,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         if not _is_plateau(scheduler) and monitor is not None:
             raise ValueError(f"monitor= only applies to ReduceLROnPlateau, not {type(scheduler).__name__}")
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         if scheduler is None and getattr(estimator, "lr_scheduler_factory", None) is not None:
             return  # built at fit start, after these checks
@@ -145,7 +145,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
             raise ValueError("LRSchedulerHandler has no scheduler: pass one, or Estimator(lr_scheduler=...)")
         self._check_monitor(scheduler, self.monitor)
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         self._updaters = [h for h in estimator.handlers if isinstance(h, GradientUpdateHandler)]
         self._before_step = None
@@ -162,12 +162,12 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._scheduler.step()
         return None
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Subscribed with ``step_on="batch"``: after each optimizer step."""
         if not self._updaters or any(u.stepped for u in self._updaters):
             self._step()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """With ``step_on="epoch"``; with ``"batch"``, after an epoch's leftover accumulation step."""
         if self.step_on == "batch":
             if any(u.stepped for u in self._updaters):  # GradientUpdateHandler ran first (-2000)

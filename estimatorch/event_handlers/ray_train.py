@@ -6,9 +6,9 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from ..events.mixins import EpochEnd
 from ..metrics.base import metric_name
 from ._tracking import require
-from .mixins import EpochEnd
 
 __all__ = ["RayTrainReportHandler"]
 
