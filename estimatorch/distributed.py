@@ -6,8 +6,9 @@ world of size 1, and the collectives return their input.
 
 Launching:
 
-- ``torchrun --nproc-per-node=N script.py``: call :func:`init_from_env` (``fit`` does it for you
-  when torchrun's variables are set and no process group exists yet).
+- ``torchrun --nproc-per-node=N script.py``, ``srun python script.py`` (SLURM) or a
+  PyTorchJob: call :func:`init_from_env` (``fit`` does it for you when no process group exists
+  yet); :mod:`estimatorch.cluster` reads the launchers' variables.
 - :func:`spawn` starts ``nprocs`` processes on this machine and initialises the group in each.
 """
 
@@ -22,6 +23,7 @@ from typing import Any, Callable, Optional, TypeVar, Union
 import torch
 import torch.distributed as dist
 
+from . import cluster
 from ._spawn import RankFailedError, portable_exception, spawn
 
 __all__ = [
@@ -67,30 +69,24 @@ def _initialized() -> bool:
     return dist.is_available() and dist.is_initialized()
 
 
-def _env_int(name: str, default: int) -> int:
-    """The launcher's variable ``name`` as an int (``default`` when unset or not a number)."""
-    value = os.environ.get(name, "")
-    try:
-        return int(value)
-    except ValueError:
-        return default
-
-
 def get_rank() -> int:
-    """The global rank: the process group's; before one exists, torchrun's ``RANK`` (0 without
-    either), so that "print on rank 0" before ``fit`` (which starts the group) prints once."""
-    return dist.get_rank() if _initialized() else _env_int("RANK", 0)
+    """The global rank: the process group's; before one exists, the launcher's
+    (:func:`estimatorch.cluster.detect`: torchrun's ``RANK``, SLURM's ``SLURM_PROCID``...; 0
+    without one), so that "print on rank 0" before ``fit`` (which starts the group) prints once."""
+    return dist.get_rank() if _initialized() else cluster.detect().rank
 
 
 def get_world_size() -> int:
-    """The number of processes: the process group's; before one exists, torchrun's
-    ``WORLD_SIZE`` (1 without either). Collectives need :func:`is_distributed`, not this."""
-    return dist.get_world_size() if _initialized() else max(_env_int("WORLD_SIZE", 1), 1)
+    """The number of processes: the process group's; before one exists, the launcher's
+    (``WORLD_SIZE``, ``SLURM_NTASKS``...; 1 without one). Collectives need :func:`is_distributed`,
+    not this."""
+    return dist.get_world_size() if _initialized() else cluster.detect().world_size
 
 
 def get_local_rank() -> int:
-    """The rank on this machine (``LOCAL_RANK``, else 0)."""
-    return _env_int("LOCAL_RANK", 0)
+    """The rank on this machine: the launcher's (``LOCAL_RANK``, ``SLURM_LOCALID``, ``RANK``
+    modulo ``LOCAL_WORLD_SIZE`` in a PyTorchJob), else 0."""
+    return cluster.detect().local_rank
 
 
 def is_main_process() -> bool:
@@ -104,22 +100,20 @@ def torchrun_env() -> bool:
 
 
 def init_from_env(backend: Optional[str] = None) -> bool:
-    """Initialise the default process group from torchrun's variables.
+    """Initialise the default process group from the launcher's variables: torchrun's, SLURM's
+    (``srun``), a PyTorchJob's (:func:`estimatorch.cluster.init_process_group`).
 
     Args:
         backend: Defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
 
     Returns:
-        True when a group was created, False when one already existed or the variables are
-        absent.
+        True when a group was created, False when one already existed or no launcher started
+        several processes.
+
+    Raises:
+        RuntimeError: the launcher's variables are inconsistent (named in the message).
     """
-    if not dist.is_available() or dist.is_initialized() or not torchrun_env():
-        return False
-    backend = backend or ("nccl" if torch.cuda.is_available() else "gloo")
-    if backend == "nccl":
-        torch.cuda.set_device(get_local_rank())
-    dist.init_process_group(backend=backend)
-    return True
+    return cluster.init_process_group(backend)
 
 
 def collective_device() -> torch.device:

@@ -16,6 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from .. import distributed, rng
 from .._batches import to_device
 from .._checks import is_int
+from ..checkpoint import is_sharded_module
 from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
 from ._sharding import InferenceData, for_inference
@@ -128,9 +129,14 @@ def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Di
 
 
 def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[Any], step: Step, *,
-                agree_on_empty: bool, limit: Optional[int] = None) -> InferenceData:
+                agree_on_empty: bool, limit: Optional[int] = None,
+                forward: Optional[Callable[[Any], Any]] = None) -> InferenceData:
     """Fire ``epoch_begin``, then per batch ``batch_begin``, ``step``, ``batch_end``, then
     ``epoch_end``, over this rank's batches of ``data``.
+
+    For a sharded ``val_net`` (FSDP2: each forward gathers parameters from every rank) every
+    rank runs as many forwards: a rank with a batch fewer of a split loader runs ``forward`` on
+    a padding batch and discards its result, firing no event (:mod:`._sharding`).
 
     Args:
         agree_on_empty: with data each rank holds itself, under torch.distributed, raise only
@@ -143,13 +149,17 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
         ValueError: no batches (before ``epoch_end``).
     """
     with _inference_mode(estimator):
-        shard = for_inference(_seeded(data, getattr(estimator, "seed", rng.DEFAULT_SEED)), arg)
+        sharded = forward is not None and is_sharded_module(estimator.val_net)
+        shard = for_inference(_seeded(data, getattr(estimator, "seed", rng.DEFAULT_SEED)), arg, pad=sharded)
         dispatch = _dispatch(estimator, handlers, shard.batches)
         device = estimator.device
         dispatch.fire("epoch_begin", estimator)
         seen = 0
         for batch in shard.batches if limit is None else itertools.islice(shard.batches, limit):
             batch = to_device(batch, device)
+            if forward is not None and shard.own is not None and seen >= shard.own:
+                forward(batch)  # padding: the other ranks' forward needs this rank's shards
+                continue
             dispatch.fire("batch_begin", estimator, batch=batch)
             pred, label, loss = step(batch)
             dispatch.fire("batch_end", estimator, batch=batch, pred=pred, label=label, loss=loss)
@@ -178,4 +188,5 @@ def evaluate_batches(estimator: Any, val_data: Iterable[Any], batch_axis: int, h
         return pred, label, loss
 
     # compute() is a collective: every rank calls evaluate, so agreeing on emptiness is safe.
-    run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True, limit=limit)
+    run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True, limit=limit,
+                forward=lambda batch: evaluate_batch(estimator, batch, batch_axis))

@@ -16,6 +16,11 @@ SIGTERM, so ``finally`` blocks run and the process exits with the conventional s
   ``default_int_handler``, SIGTERM's ``SIG_DFL``): an ignored SIGINT (a job started in the
   background) or a handler of your own is left alone. They are restored when ``fit`` ends,
   also when it fails.
+- Under SLURM, the requeue signal (SIGUSR1 unless ``ESTIMATORCH_REQUEUE_SIGNAL`` names another;
+  ``ESTIMATORCH_REQUEUE=0`` turns it off, see :mod:`estimatorch.cluster`) stops like SIGTERM and
+  checkpoints the boundary; then rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (when a
+  ``CheckpointHandler`` resumes from that checkpoint) and ``fit`` raises ``SystemExit(128 +
+  signal)`` on every rank. It wins over SIGTERM and Ctrl-C when several arrive.
 - DataLoader worker processes ignore both signals (SLURM and a terminal's Ctrl-C signal the whole
   process group): the main process decides, stops at a boundary and then shuts its workers down.
   Workers forked during ``fit`` inherit the handlers; workers started by ``spawn`` or
@@ -31,7 +36,7 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
-from .. import distributed
+from .. import cluster, distributed
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
            "stop_exception", "stop_message", "stopped_at_once"]
@@ -40,7 +45,9 @@ __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_exceptho
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
 SIGNAL_CODES = {"SIGINT": 1, "SIGTERM": 2}
 SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
-_DEFAULTS = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+#: the code of SLURM's requeue signal (whichever it is: :func:`estimatorch.cluster.requeue_signal`)
+REQUEUE_CODE = 3
+_DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 
 
 class IgnoreStopSignals:
@@ -97,10 +104,14 @@ def is_clean_stop(error: BaseException) -> bool:
 
 
 def stop_exception(name: str) -> BaseException:
-    """What ``fit`` raises once it has stopped at a boundary because of signal ``name``."""
-    if name == "SIGTERM":
-        return SystemExit(128 + signal.SIGTERM)
-    return interrupted("stopped by Ctrl-C at the end of a step")
+    """What ``fit`` raises once it has stopped at a boundary because of signal ``name``: for
+    SLURM's requeue signal a ``SystemExit`` marked ``estimatorch_requeue``."""
+    if name == "SIGINT":
+        return interrupted("stopped by Ctrl-C at the end of a step")
+    error = SystemExit(128 + signal.Signals[name])
+    if name != "SIGTERM":
+        error.estimatorch_requeue = True  # type: ignore[attr-defined]
+    return error
 
 
 def _one_line(previous: Callable[..., Any]) -> Callable[..., Any]:
@@ -135,8 +146,11 @@ class SignalGuard:
         stopped: the signal's name once the fit ends because of it at a step boundary.
     """
 
-    def __init__(self, describe: Callable[[str], str], log: Callable[[str], None]):
+    def __init__(self, describe: Callable[[str], str], log: Callable[[str], None], *,
+                 requeue: Optional[signal.Signals] = None, resumes: bool = False):
         self.code = 0
+        self.requeue = requeue  # SLURM's requeue signal, None elsewhere
+        self._resumes = resumes  # a requeued job resumes from the checkpoint of the stop
         self.stoppable = False
         self.stopped: Optional[str] = None
         self._describe = describe
@@ -147,29 +161,42 @@ class SignalGuard:
     @property
     def received(self) -> Optional[str]:
         """The name of the signal received during this fit, if any."""
-        return SIGNAL_NAMES.get(self.code)
+        return self.name_of(self.code) if self.code else None
+
+    def name_of(self, code: int) -> str:
+        """The name of the signal with ``code`` (:data:`SIGNAL_CODES`, :data:`REQUEUE_CODE`)."""
+        return self.requeue.name if code == REQUEUE_CODE and self.requeue is not None else SIGNAL_NAMES[code]
+
+    def _code(self, name: str) -> int:
+        return REQUEUE_CODE if self.requeue is not None and name == self.requeue.name else SIGNAL_CODES[name]
 
     def __enter__(self) -> "SignalGuard":
         if threading.current_thread() is not threading.main_thread():
             return self  # signals reach only the main thread: nothing to defer here
         self._pid = os.getpid()
-        for signum, default in _DEFAULTS.items():
+        defaults = dict(_DEFAULTS)
+        if self.requeue is not None:
+            defaults[self.requeue] = signal.SIG_DFL
+        for signum, default in defaults.items():
             if signal.getsignal(signum) is default:
                 self._saved[signum] = default
                 signal.signal(signum, self._on_signal)
         return self
 
-    def __exit__(self, *exc: Any) -> None:
+    def __exit__(self, kind: Any, error: Any, tb: Any) -> None:
         saved, self._saved = self._saved, {}
         for signum, previous in saved.items():
             signal.signal(signum, previous)
+        # fit stopped for the requeue signal and train_end saved the boundary: requeue once
+        if getattr(error, "estimatorch_requeue", False) and self._resumes and distributed.is_main_process():
+            cluster.requeue()
 
     def _on_signal(self, signum: int, frame: Any) -> None:
         if os.getpid() != self._pid:
             return  # a DataLoader worker forked during fit: the main process stops, then ends it
         name = signal.Signals(signum).name
         if not self.code:
-            self.code = SIGNAL_CODES[name]
+            self.code = self._code(name)
             self._log(self._describe(name))
             if self.stoppable:
                 self.stopped = name
@@ -177,16 +204,16 @@ class SignalGuard:
         elif name == "SIGINT":  # a second Ctrl-C: stop at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
             raise stopped_at_once(saving=self.stopped is not None)
-        elif self.code < SIGNAL_CODES[name]:  # SIGTERM after a Ctrl-C: the process must end
-            self.code = SIGNAL_CODES[name]
-            self._log("SIGTERM too: fit will end with SystemExit(143) once it has stopped")
+        elif self.code < self._code(name):  # SIGTERM after a Ctrl-C: the process must end; a requeue wins
+            self.code = self._code(name)
+            self._log(f"{name} too: fit will end with SystemExit({128 + signum}) once it has stopped")
 
 
 def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: bool, multi: bool) -> str:
     """What the log says when signal ``name`` first arrives, for where the user is.
 
     Args:
-        name: ``"SIGINT"`` or ``"SIGTERM"``.
+        name: ``"SIGINT"``, ``"SIGTERM"``, or SLURM's requeue signal (any other name).
         notebook: running in a Jupyter kernel (``fit(..., resume=True)`` is the way back there).
         checkpointing: the fit has a ``CheckpointHandler`` (it saves the boundary).
         resumes: one of them has ``resume_from_checkpoint=True`` (a rerun continues).
@@ -201,6 +228,8 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
     if name == "SIGTERM":
         head = f"SIGTERM: stopping {where}"
         tail = ", then fit raises SystemExit(143)."
+    elif name != "SIGINT":
+        return requeue_message(name, where, checkpointing=checkpointing, resumes=resumes)
     else:
         head = f"Ctrl-C: stopping {where}"
         tail = f" ({'interrupt' if notebook else 'Ctrl-C'} again to stop at once, mid-step)."
@@ -216,3 +245,17 @@ def stop_message(name: str, *, notebook: bool, checkpointing: bool, resumes: boo
         return head + tail + " fit(..., resume=True) continues from there."
     return head + tail + (" No CheckpointHandler writes resumable checkpoints: the steps trained are lost when this "
                           "process ends; add CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them.")
+
+
+def requeue_message(name: str, where: str, *, checkpointing: bool, resumes: bool) -> str:
+    """What the log says when SLURM's requeue signal ``name`` arrives (see :func:`stop_message`)."""
+    head = f"{name} (SLURM's warning before the time limit): stopping {where}"
+    end = f", then fit raises SystemExit({128 + signal.Signals[name]})."
+    if checkpointing and resumes:
+        return (head + " and writing a checkpoint of it; then rank 0 requeues the job (scontrol requeue "
+                f"{os.environ.get('SLURM_JOB_ID', '$SLURM_JOB_ID')}), which resumes from that checkpoint" + end)
+    if checkpointing:
+        return (head + " and writing a checkpoint of it" + end + " The job is not requeued: no CheckpointHandler "
+                "has resume_from_checkpoint=True, so a requeued job would start again from the beginning.")
+    return (head + end + " Nothing is saved and the job is not requeued: the steps trained are lost when this "
+            "process ends; add CheckpointHandler(model_dir, resume_from_checkpoint=True) to keep them and requeue.")

@@ -13,7 +13,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._batches import to_device
-from ._interrupts import SIGNAL_NAMES, stop_exception
+from ._interrupts import stop_exception
 from ._plan import limited
 from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
 from ._stop_agreement import rank_identical_stops
@@ -127,7 +127,7 @@ def end_epoch(estimator: Any, run: Run, epoch: int) -> bool:
 def stop_for(run: Run, code: int) -> None:
     """Leave the loop at this boundary because of a signal (agreed by every rank)."""
     run.signals.stoppable = False
-    run.signals.stopped = SIGNAL_NAMES[code]
+    run.signals.stopped = run.signals.name_of(code)
     raise stop_exception(run.signals.stopped)
 
 

@@ -94,15 +94,18 @@ def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_h
     amp = estimator._amp_dtype  # "bf16-mixed" / "16-mixed": outputs come back as float32
     outputs: list[Any] = []
 
-    def step(batch: Any) -> tuple[Any, Any, Any]:
+    def forward(batch: Any) -> Any:
         if predict_batch is not None:
-            pred = predict_batch(estimator, batch, batch_axis)
-        else:  # a batch processor of its own without a predict step: its evaluation forward
-            _, _, pred, _ = processor.evaluate_batch(estimator, batch, batch_axis)
+            return predict_batch(estimator, batch, batch_axis)
+        _, _, pred, _ = processor.evaluate_batch(estimator, batch, batch_axis)  # a processor without predict_batch
+        return pred
+
+    def step(batch: Any) -> tuple[Any, Any, Any]:
+        pred = forward(batch)
         outputs.append(_to_host(pred, non_blocking, amp))
         return pred, None, None
 
-    shard = run_batches(estimator, data, "data", handlers, step, agree_on_empty=False)
+    shard = run_batches(estimator, data, "data", handlers, step, agree_on_empty=False, forward=forward)
     if non_blocking:
         torch.cuda.synchronize(estimator.device)  # the copies to the host are complete
     if shard.split:

@@ -14,7 +14,7 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import _console, distributed
+from .. import _console, cluster, distributed
 from .._checks import warn_user
 from ..event_handlers import (
     GradientUpdateHandler,
@@ -148,8 +148,8 @@ def torch_flags(deterministic: bool, cudnn_benchmark: bool, cpu: bool = False) -
 
 
 def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
-    """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are,
-    logged on every rank."""
+    """Defers SIGINT and SIGTERM (and SLURM's requeue signal under SLURM) to a step boundary, with
+    a message that fits where we are, logged on every rank."""
     # only a handler writing resumable checkpoints saves the boundary (exporters do not)
     savers = [h for h in handlers if declared(h, "checkpoint_location") is not None]
 
@@ -161,7 +161,8 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
 
     if not _console.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
         install_excepthook()
-    return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}))
+    return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}),
+                       requeue=cluster.requeue_signal(), resumes=any(declared(h, "resumes_run") for h in savers))
 
 
 def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> BaseException:

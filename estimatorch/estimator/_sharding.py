@@ -14,8 +14,12 @@ of ``w`` iterates batches ``r, r + w, r + 2w, ...`` of the sequence one process 
 
 Every batch is then evaluated exactly once, as in one process, so metric values equal the
 single-process ones (up to the order of float additions); ranks may get different numbers of
-batches (one at most), which is fine because ``evaluate`` runs the plain module and metrics
-reduce once, in ``compute()``.
+batches (one at most), which is fine for a net each rank holds whole (``evaluate`` runs the
+plain module, and metrics reduce once, in ``compute()``). A sharded net (FSDP2) gathers its
+parameters from every rank in each forward, so every rank must run as many forwards: with
+``pad=True`` a rank with one batch fewer iterates one more, a copy of a batch another rank
+evaluates (:attr:`InferenceData.own` says how many are its own), whose forward runs and whose
+result is discarded.
 
 Used as it is, each rank iterating its own data: a loader whose sampler already shards without
 padding (:class:`estimatorch.samplers.DistributedSampler` / ``DistributedBatchSampler``) or
@@ -49,6 +53,8 @@ class InferenceData:
 
     ``split`` is True when they are this rank's round-robin share of ``total`` global batches
     (global batch ``i`` on rank ``i % world``); False when they are this rank's own data.
+    ``own``: how many of the batches are this rank's (None: all); those after it are padding,
+    run for a sharded net's collectives only.
     """
 
     batches: Iterable[Any]
@@ -56,6 +62,7 @@ class InferenceData:
     total: int = 0
     rank: int = 0
     world: int = 1
+    own: Optional[int] = None
 
     def merge(self, per_rank: Sequence[Sequence[Any]]) -> list[Any]:
         """Per-batch results of every rank (in rank order) back in the global batch order."""
@@ -64,22 +71,28 @@ class InferenceData:
 
 class _RoundRobin:
     """Rank ``rank``'s share of ``units`` (index batches, or single indices): unit ``i`` goes to
-    rank ``i % world``. ``units`` can be replaced between iterations (persistent workers)."""
+    rank ``i % world``. ``units`` can be replaced between iterations (persistent workers).
+    With ``pad``, every rank iterates as many units: a rank with one fewer ends with a copy of
+    unit ``i % len(units)`` (as ``DistributedSampler`` pads)."""
 
-    def __init__(self, units: Sequence[Any], rank: int, world: int):
-        self.units, self.rank, self.world = units, rank, world
+    def __init__(self, units: Sequence[Any], rank: int, world: int, pad: bool = False):
+        self.units, self.rank, self.world, self.pad = units, rank, world, pad
 
     def __len__(self) -> int:
-        return len(range(self.rank, len(self.units), self.world))
+        return len(self._indices())
+
+    def _indices(self) -> range:
+        end = -(-len(self.units) // self.world) * self.world if self.pad else len(self.units)
+        return range(self.rank, end, self.world)
 
     def __iter__(self) -> Iterator[Any]:
-        for i in range(self.rank, len(self.units), self.world):
-            unit = self.units[i]
+        for i in self._indices():
+            unit = self.units[i % len(self.units)]
             yield unit.tolist() if isinstance(unit, torch.Tensor) else unit
 
 
 #: rebuilt loaders of sources with persistent workers, so their workers persist across calls.
-_REBUILT: "weakref.WeakKeyDictionary[DataLoader, tuple[tuple[int, int], DataLoader, _RoundRobin]]" = \
+_REBUILT: "weakref.WeakKeyDictionary[DataLoader, tuple[tuple[int, int, bool], DataLoader, _RoundRobin]]" = \
     weakref.WeakKeyDictionary()
 
 
@@ -143,14 +156,14 @@ def _global_units(loader: DataLoader) -> Sequence[Any]:
     return units
 
 
-def _rebuilt(loader: DataLoader, units: Sequence[Any], rank: int, world: int) -> DataLoader:
-    key = (rank, world)
+def _rebuilt(loader: DataLoader, units: Sequence[Any], rank: int, world: int, pad: bool) -> DataLoader:
+    key = (rank, world, pad)
     if loader.persistent_workers:
         cached = _REBUILT.get(loader)
         if cached is not None and cached[0] == key:
             cached[2].units = units
             return cached[1]
-    share = _RoundRobin(units, rank, world)
+    share = _RoundRobin(units, rank, world, pad)
     kwargs = dict(collate_fn=loader.collate_fn, generator=loader.generator, **_loader_kwargs(loader))
     if loader.batch_sampler is not None:
         rebuilt = DataLoader(loader.dataset, batch_sampler=share, **kwargs)
@@ -161,8 +174,12 @@ def _rebuilt(loader: DataLoader, units: Sequence[Any], rank: int, world: int) ->
     return rebuilt
 
 
-def for_inference(data: Iterable[Any], arg: str) -> InferenceData:
+def for_inference(data: Iterable[Any], arg: str, pad: bool = False) -> InferenceData:
     """This rank's batches of ``data`` for ``evaluate`` / ``predict`` (see the module notes).
+
+    Args:
+        pad: every rank iterates as many batches (for a sharded net): a rank with fewer ends
+            with padding ones, after :attr:`InferenceData.own` of its own. Defaults to False.
 
     Raises:
         ValueError: a map-style loader that yields no batches at all (on every rank alike).
@@ -175,5 +192,6 @@ def for_inference(data: Iterable[Any], arg: str) -> InferenceData:
         raise ValueError(f"{arg} yields no batches: {len(cast(Sized, data.dataset))} samples with batch_size="
                          f"{data.batch_size} and drop_last={data.drop_last}")
     rank, world = distributed.get_rank(), distributed.get_world_size()
-    return InferenceData(_rebuilt(data, units, rank, world), split=True, total=len(units), rank=rank,
-                         world=world)
+    own = len(range(rank, len(units), world))
+    return InferenceData(_rebuilt(data, units, rank, world, pad), split=True, total=len(units), rank=rank,
+                         world=world, own=own)

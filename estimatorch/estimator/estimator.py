@@ -255,6 +255,9 @@ class Estimator(RunView):
         (SIGTERM: ``finally`` blocks run, the process exits with the status of a job ended by
         SIGTERM). A second Ctrl-C stops at once, mid-step. Only the main thread's default
         handlers are replaced, and they are restored when ``fit`` ends.
+        Under SLURM, SIGUSR1 (``sbatch --signal=USR1@90``) stops the same way, then rank 0
+        requeues the job (``scontrol requeue``) and ``fit`` raises ``SystemExit(138)``; see
+        :mod:`estimatorch.cluster`.
 
         Under torch.distributed every rank stops at the same step, agreed without a collective
         of its own per step: the ranks exchange their flags every :attr:`agree_every` steps
