@@ -36,8 +36,8 @@ class ProfilerHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, TrainEn
     A fit that ends in the middle of a cycle writes what that cycle recorded.
 
     Outside its cycles' steps the profiler is off: a step then costs one call to ``batch_begin`` and
-    ``batch_end`` each, which compare the step with the next cycle's start; after the last cycle,
-    and on the ranks not profiled, the handler is not called per step at all (``listens_to``).
+    ``batch_end`` each, which compare the step with the next cycle's start (also after the last
+    cycle); on the ranks not profiled the handler is not called at all (``listens_to``).
 
     Args:
         log_dir: the directory of the traces (created if missing; checked before any work).
