@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from .. import _console, distributed
+from .._checks import warn_user
 from ..event_handlers import (
     GradientUpdateHandler,
     LoggingHandler,
@@ -29,8 +30,28 @@ from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
 from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
 
-__all__ = ["default_handlers", "describe_stop", "interactive", "signal_guard", "torch_flags", "train_metric_list",
-           "val_metric_list"]
+__all__ = ["default_handlers", "default_optimizer", "describe_stop", "interactive", "signal_guard", "torch_flags",
+           "train_metric_list", "val_metric_list", "warn_default_optimizer"]
+
+#: the optimizer an ``Estimator`` built without one uses, as its warning shows it.
+DEFAULT_OPTIMIZER = "torch.optim.SGD(net.parameters(), lr=0.01)"
+
+
+def default_optimizer(net: nn.Module) -> Any:
+    """``Estimator(optimizer=None)``'s optimizer: SGD with lr 0.01 over ``net``'s trainable
+    parameters (None without any). Built silently: an estimator only used to evaluate or
+    predict never trains with it; ``fit`` warns (:func:`warn_default_optimizer`)."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=0.01) if params else None
+
+
+def warn_default_optimizer(estimator: Any) -> None:
+    """Warn at the user's ``fit`` line, once per estimator, when it trains with the default
+    optimizer (still the one it was built with)."""
+    default, estimator._default_optimizer = getattr(estimator, "_default_optimizer", None), None
+    if default is not None and estimator.optimizer is default:
+        warn_user(f"no optimizer given to Estimator: fit trains with {DEFAULT_OPTIMIZER}. Pass "
+                  "Estimator(..., optimizer=...) to choose one")
 
 
 def _rename(metric: Any, prefix: str) -> Any:

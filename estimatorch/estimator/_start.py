@@ -13,7 +13,7 @@ from ..events.monitor import resolve_monitors
 from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
 from ._elastic import configure_elastic
 from ._plan import plan_counts, schedule_length
-from ._setup import default_handlers, signal_guard
+from ._setup import default_handlers, signal_guard, warn_default_optimizer
 from ._state import Run, resume_plan
 from ._stop_agreement import agreement_period
 from ._streams import make_train_stream
@@ -31,6 +31,7 @@ def start_run(estimator: Any, train_data: Iterable[Any], val_data: Optional[Iter
     if estimator.optimizer is None:
         raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
     check_optimizer(estimator.optimizer, estimator.net)
+    warn_default_optimizer(estimator)
     rng.check_seed(estimator.seed)  # also one assigned after construction
     user = check_handlers(event_handlers)
     check_unique_handlers(user)

@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -30,7 +29,9 @@ from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, planned_steps
 from ._predict import run_prediction
 from ._run_view import RunView
+from ._sanity import sanity_pass
 from ._setup import (
+    default_optimizer,
     describe_stop,
     torch_flags,
     train_metric_list,
@@ -59,7 +60,8 @@ class Estimator(RunView):
             ``Accuracy`` when ``loss`` is ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``. A ``Loss``
             metric is always present. Names get a ``train_`` prefix.
         val_metrics: Defaults to deep copies of the train metrics. Names get a ``val_`` prefix.
-        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning. One over none
+        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning at the first
+            ``fit`` (none for an estimator that only evaluates or predicts). One over none
             of ``net``'s trainable parameters (built over another module) is a ``ValueError``.
         device: Defaults to CUDA (this process's local rank) when available, else the CPU. A
             device this machine cannot train on (``'meta'``, an absent ``'mps'``/``'xpu'``/CUDA
@@ -97,7 +99,7 @@ class Estimator(RunView):
         ...                 optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
         >>> data = [(torch.randn(16, 4), torch.randint(0, 2, (16,))) for _ in range(4)]
         >>> history = est.fit(data, epochs=2)  # doctest: +ELLIPSIS
-        Training begin: SGD (lr 0.1) on cpu, 2 epochs, seed 0, 1 process
+        Training begin: SGD (lr 0.1) on cpu, 2 epochs, seed 0, 1 process. Model: Linear, 10 parameters (10 trainable)...
         [Epoch 1/2] Finished in ...s, 4 batches: train_loss: ..., train_accuracy: ...
         [Epoch 2/2] Finished in ...s, 4 batches: train_loss: ..., train_accuracy: ...
         Train finished in ...s: 2 epochs, 8 batches. train_loss: ..., train_accuracy: ...
@@ -150,11 +152,8 @@ class Estimator(RunView):
             if callable(getattr(metric, "to", None)):
                 metric.to(self.device)
 
-        if optimizer is None:
-            params = [p for p in net.parameters() if p.requires_grad]
-            if params:
-                warnings.warn("no optimizer given: using torch.optim.SGD(net.parameters(), lr=0.01)", stacklevel=2)
-                optimizer = torch.optim.SGD(params, lr=0.01)
+        if optimizer is None:  # fit warns when it trains with it
+            optimizer = self._default_optimizer = default_optimizer(net)
         self.optimizer = optimizer
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
@@ -225,7 +224,7 @@ class Estimator(RunView):
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
             epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
             batch_axis: int = 0, *, resume: bool = False, batches_per_epoch: Optional[int] = None,
-            val_batches: Optional[int] = None) -> History:
+            val_batches: Optional[int] = None, num_sanity_val_steps: int = 1) -> History:
         """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
 
         The loop, with every event in place::
@@ -287,6 +286,12 @@ class Estimator(RunView):
                 where its data starts, and a resume continues exactly. Defaults to None (all).
             val_batches: evaluate at most this many batches at each validation during this fit
                 (per process). Defaults to None (all).
+            num_sanity_val_steps: before training, take this many batches of ``val_data``
+                through ``val_net``, ``val_loss`` and copies of the val metrics, so that a mistake
+                there (its structure, device, shapes, label format) is an error naming
+                ``val_data`` before the first step. It changes nothing of the run (metrics,
+                random streams, the data's position): a run is bitwise the same with it. 0 turns
+                it off. Defaults to 1.
         """
         distributed.init_from_env()
         error: Optional[Exception] = None
@@ -296,6 +301,7 @@ class Estimator(RunView):
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
+        sanity_pass(self, val_data, num_sanity_val_steps, batch_axis)  # the ranks agree on its outcome too
         return self._fit(run)
 
     def _fit(self, run: Run) -> History:

@@ -36,6 +36,7 @@ class DirectoryChecks:
     resume_from_checkpoint: bool
     max_checkpoints: Optional[int]
     sharded: Optional[bool]
+    storage_options: Optional[dict[str, Any]]
 
     def _refuse_existing(self, names: list[str], why: str = "") -> None:
         kind = "weights exports" if self.save_weights_only else "checkpoints"
@@ -61,6 +62,12 @@ class DirectoryChecks:
             raise ValueError("CheckpointHandler(sharded=False) but the net is sharded across ranks (FSDP2): its "
                              "checkpoints are directories every rank writes its part of; leave sharded=None")
         sharded = shards or self.sharded is True
+        url = checkpoint.is_url(self.model_dir)
+        if url:  # again in this process (a handler sent to a spawned one keeps its options only)
+            checkpoint.configure_store(self.model_dir, self.storage_options)
+            if sharded and not self.save_weights_only:
+                raise ValueError(f"model_dir {self.model_dir!r}: sharded (FSDP2) checkpoints are not written to "
+                                 "object storage yet; use a directory on a filesystem every rank sees")
         if sharded and not self.save_weights_only:
             for arg in ("save_best", "save_best_only"):
                 if getattr(self, arg):
@@ -71,7 +78,10 @@ class DirectoryChecks:
                                      "save_weights_only=True)")
         self._layout = dataclasses.replace(self._layout, sharded=sharded)
         if distributed.is_main_process():
-            check_output_dir(self.model_dir, "model_dir")
+            if url:  # protocol, endpoint, credentials, bucket: before any step, nothing written
+                checkpoint.check_reachable(self.model_dir)
+            else:
+                check_output_dir(self.model_dir, "model_dir")
             checkpoint.DirectoryLock(self.model_dir).check()
             if self._layout.resumable and not (self.resume_from_checkpoint or resume):
                 names = self._layout.existing()
@@ -79,7 +89,7 @@ class DirectoryChecks:
                     self._refuse_existing(names)
             if not self.save_weights_only:
                 checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
-        elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
+        elif not url and os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
             # the other ranks only read (their model_dir may be node-local, or not there yet)
             raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
 
@@ -94,7 +104,8 @@ class DirectoryChecks:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
         refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
         files retention owns."""
-        os.makedirs(self.model_dir, exist_ok=True)
+        if not checkpoint.is_url(self.model_dir):  # an object store has no directories to make
+            os.makedirs(self.model_dir, exist_ok=True)
         self._lock = checkpoint.DirectoryLock(self.model_dir)
         self._lock.acquire()
         names = self._layout.existing()  # again, under the lock: a fit may have written them since check_fit
@@ -107,7 +118,8 @@ class DirectoryChecks:
             self._refuse_existing(names)
         removed = checkpoint.remove_orphan_temporaries(self.model_dir)
         if removed:
-            logger.info("Removed %d temporary file(s) of interrupted writes from %s", len(removed), self.model_dir)
+            logger.info("Removed %d temporary file(s) or incomplete upload(s) of interrupted writes from %s",
+                        len(removed), self.model_dir)
         found: Optional[tuple[str, dict[str, Any]]] = None
         if not self.save_weights_only:
             versions = checkpoint.format_versions(self.model_dir, self.model_prefix)
@@ -125,6 +137,6 @@ class DirectoryChecks:
                           and path not in skipped]
             if found is not None:  # finish a prune a killed writer left undone (after its pointer)
                 checkpoint.prune(self.saved, self.max_checkpoints, keep=found[0])
-        estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(),
-                              os.path.abspath(self.model_dir))
+        estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(), self.model_dir
+                              if checkpoint.is_url(self.model_dir) else os.path.abspath(self.model_dir))
         return found

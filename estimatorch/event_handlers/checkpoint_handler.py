@@ -124,6 +124,16 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
     :func:`estimatorch.checkpoint.load_weights` returns the weights of any checkpoint, export,
     ``-latest`` pointer or directory.
 
+    **Object storage.** ``model_dir`` may be an fsspec URL, ``"s3://bucket/run"`` (the
+    ``estimatorch[s3]`` extra; ``gs://``, ``az://``... with their fsspec package), reached with
+    ``storage_options`` (endpoint, credentials), with the same guarantees by the store's own
+    means: each checkpoint is one object uploaded whole (written in memory first), the pointer
+    after it; a lease object with conditional writes stands for the lock; incomplete uploads of
+    a killed writer are aborted at the next fit start; a failed upload (after bounded retries)
+    keeps the previous checkpoint and pointer and raises naming the URL. The store is checked at
+    ``fit`` start (protocol, bucket, credentials, endpoint), before any step (docs/checkpoints.md).
+    Sharded (FSDP2) checkpoints are not written to object storage yet.
+
     **Counters.** ``current_epoch`` and ``current_batch`` are the epochs completed and batches
     trained in the current fit, those before a resume included, whatever the periods set: they
     are read from the estimator's position (during an event, as of the boundary before it; at a
@@ -131,7 +141,8 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
 
     Args:
         model_dir: the directory (created if missing); a file, a dangling symlink or a directory
-            this process cannot write is a ``ValueError`` at ``fit`` start.
+            this process cannot write is a ``ValueError`` at ``fit`` start. Or an fsspec URL of a
+            prefix on an object store (``"s3://bucket/run"``; ``file://`` is a plain path).
         model_prefix: file name prefix. Defaults to ``"model"``.
         monitor: a metric's name (e.g. ``"val_loss"``, resolved at ``fit`` start) or a metric
             the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
@@ -165,6 +176,9 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             None for a net sharded across ranks only, True also for a plain net (its checkpoints
             then load on any number of ranks, into a sharded net or a plain one), False never
             (refused for a sharded net). Defaults to None.
+        storage_options: for a URL ``model_dir``, fsspec's arguments of its filesystem (for S3:
+            ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``); None takes the
+            environment's. Defaults to None.
 
     Example:
         >>> import tempfile
@@ -183,7 +197,8 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
-                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None):
+                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None,
+                 storage_options: Optional[dict[str, Any]] = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
@@ -210,7 +225,8 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         if epoch_period is None and batch_period is None:
             raise ValueError("epoch_period and batch_period are both None: nothing would be saved")
         self.max_checkpoints = check_positive_int(max_checkpoints, "max_checkpoints", allow_none=True)
-        self.model_dir = os.fspath(model_dir)
+        self.storage_options = storage_options
+        self.model_dir = checkpoint.configure_store(os.fspath(model_dir), storage_options)  # a URL, or a path
         self.model_prefix = model_prefix
         self.monitor = monitor
         self.verbose = verbose

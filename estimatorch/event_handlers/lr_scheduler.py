@@ -4,6 +4,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from .._checks import check_state_keys
@@ -33,14 +34,27 @@ def _rates(optimizer: Any) -> list[float]:
     return [float(group["lr"]) for group in optimizer.param_groups]
 
 
+def _rates_of(held: list[Any]) -> list[float]:
+    return [float(rate) for rate in held]
+
+
+def _held_rates(optimizer: Any) -> list[Any]:
+    """The rates as they are now, without reading a tensor rate on the host (a per-step record:
+    :func:`epoch_learning_rates` reads it once per epoch)."""
+    return [group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+            for group in optimizer.param_groups]
+
+
 def epoch_learning_rates(estimator: EstimatorView) -> dict[str, float]:
     """The learning rate of each param group in the epoch that is ending, by
-    :func:`learning_rate_names`: the rate at the end of its batches, before any
-    :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end``. For a per-epoch schedule
-    or ``ReduceLROnPlateau`` that is the rate the epoch trained with (as Keras records
-    ``learning_rate``); a per-batch schedule shows the rate after the epoch's last step. This is
-    what ``History``, ``LoggingHandler``, ``CSVLoggerHandler`` and ``TensorBoardHandler`` show.
-    (A rate changed at ``epoch_end`` by your own handler shows as changed.)
+    :func:`learning_rate_names`: the rate the epoch trained with. For a per-epoch schedule or
+    ``ReduceLROnPlateau`` that is the rate at the end of its batches, before any
+    :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end`` (as Keras records
+    ``learning_rate``); for a per-batch schedule, the rate of the epoch's last optimizer step
+    (before the scheduler stepped after it: a cosine decayed to 0 shows the last rate a batch
+    trained with, not the 0 no batch used). This is what ``History``, ``LoggingHandler``,
+    ``CSVLoggerHandler`` and ``TensorBoardHandler`` show. (A rate changed at ``epoch_end`` by
+    your own handler shows as changed.)
 
     Call it from ``epoch_end`` (or after it, before the next epoch begins).
     """
@@ -48,7 +62,7 @@ def epoch_learning_rates(estimator: EstimatorView) -> dict[str, float]:
     for handler in estimator.handlers:
         if isinstance(handler, LRSchedulerHandler) and handler._before_step is not None \
                 and handler._before_step[0] == epoch:
-            rates = handler._before_step[1]  # the first to step: the rates the epoch ended with
+            rates = _rates_of(handler._before_step[1])  # the first to step: the epoch's rates
             break
     else:
         rates = _rates(estimator.optimizer)
@@ -120,7 +134,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self.monitor = monitor
         self._scheduler: Any = scheduler
         #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
-        self._before_step: Optional[tuple[int, list[float]]] = None
+        self._before_step: Optional[tuple[int, list[Any]]] = None
 
     def listens_to(self, event: str) -> bool:
         """Only the events it steps on (per batch: also an epoch's leftover accumulation step)."""
@@ -165,13 +179,20 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Subscribed with ``step_on="batch"``: after each optimizer step."""
         if not self._updaters or any(u.stepped for u in self._updaters):
-            self._step()
+            self._step_after_batch(estimator)
+
+    def _step_after_batch(self, estimator: Any) -> None:
+        """Step, keeping the rates the step just trained with (what the epoch line shows)."""
+        optimizer = getattr(self._scheduler, "optimizer", None)
+        if optimizer is estimator.optimizer:
+            self._before_step = (estimator.position.epoch, _held_rates(optimizer))
+        self._step()
 
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """With ``step_on="epoch"``; with ``"batch"``, after an epoch's leftover accumulation step."""
         if self.step_on == "batch":
             if any(u.stepped for u in self._updaters):  # GradientUpdateHandler ran first (-2000)
-                self._step()
+                self._step_after_batch(estimator)
             return
         optimizer = getattr(self._scheduler, "optimizer", None)
         ours = optimizer is estimator.optimizer
@@ -190,9 +211,13 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     def state_dict(self) -> dict[str, Any]:
         own = self.scheduler is not None
-        return {"scheduler": self.scheduler.state_dict() if own else None}
+        # the rates of the epoch's last step so far: a resume at an epoch's last batch shows them too
+        trained = None if self._before_step is None else [self._before_step[0], _rates_of(self._before_step[1])]
+        return {"scheduler": self.scheduler.state_dict() if own else None, "trained_rates": trained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, ("scheduler",), self.name)
+        trained = state.get("trained_rates")  # absent in a state saved by an older version
+        self._before_step = None if trained is None else (int(trained[0]), [float(r) for r in trained[1]])
         if state["scheduler"] is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -29,6 +29,7 @@ from tests.conftest import (
     losses_recorder,
     make_batches,
     make_estimator,
+    without_sanity_pass,
 )
 
 # -- the run that every exactness test resumes -------------------------------------------------
@@ -308,8 +309,8 @@ def fit_scripted(directory: Any, values: list[float], epochs: Optional[int] = No
     turn, with ``save_best`` on the validation loss at every epoch end."""
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3))
-    estimator = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                          val_loss=ScriptedValLoss(values))
+    estimator = without_sanity_pass(Estimator(net, nn.CrossEntropyLoss(), val_loss=ScriptedValLoss(values),
+                                              optimizer=torch.optim.SGD(net.parameters(), lr=0.1)))
     handler = CheckpointHandler(directory, monitor=estimator.val_metrics[0], save_best=True, **handler_kwargs)
     estimator.fit(make_batches(2), val_data=make_batches(1), epochs=epochs or len(values), event_handlers=[handler])
     return handler

@@ -426,3 +426,16 @@ def test_a_rerun_with_nothing_left_shows_the_restored_val_metrics_and_the_initia
     run()  # the same command again: nothing left to train
     assert any(line.startswith("Training begin: SGD (lr 0, initial 0.1)") for line in lines)
     assert "val_loss" in finished and lines[-1].split(". ", 1)[1] == finished.split(". ", 1)[1]
+
+
+def test_the_start_line_summarises_the_model(lines):
+    """Parameters (all, trainable), their dtype and device, the precision: counted here by hand."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[0].weight.requires_grad_(False)
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net[2].parameters(), lr=0.1),
+                    precision="bf16")
+    est.fit(make_batches(2), epochs=1, event_handlers=[LoggingHandler()])
+    total, frozen = 4 * 8 + 8 + 8 * 3 + 3, 4 * 8
+    assert lines[0].endswith(f". Model: Sequential, {total} parameters ({total - frozen} trainable), float32 on cpu, "
+                             "precision bf16-mixed")
