@@ -3,6 +3,7 @@ resumes bit-identically on the GPU. Skipped cleanly where there is no CUDA devic
 
 from __future__ import annotations
 
+import json
 import shutil
 
 import pytest
@@ -123,3 +124,43 @@ def test_async_save_copies_through_pinned_buffers_and_writes_the_boundarys_state
         saved = checkpoint.load(tmp_path / checkpoint.checkpoint_name("model", 0, step))["model"]
         for key, value in state.items():
             assert torch.equal(saved[key], value), (step, key)
+
+
+class _Hog(nn.Module):
+    """A forward that asks for more memory than any GPU has, at its second step."""
+
+    def __init__(self):
+        super().__init__()
+        self.body, self.calls = nn.Linear(32, 10), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls == 2:
+            x = x + torch.empty(1 << 45, device=x.device, dtype=torch.uint8).sum()  # 32 TiB
+        return self.body(x)
+
+
+def test_out_of_memory_names_step_phase_and_a_snapshot_it_wrote(tmp_path):
+    from estimatorch import ProfilerHandler
+
+    torch.cuda.memory._record_memory_history(max_entries=10_000)
+    try:
+        net = _Hog()
+        est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), device="cuda")
+        with pytest.raises(torch.cuda.OutOfMemoryError, match=r"out of memory in step 2 \(forward\), epoch 1; "
+                                                              r"memory snapshot: .*oom_snapshot_rank0_step2\.pickle"):
+            est.fit(_loader(), epochs=1, event_handlers=[ProfilerHandler(tmp_path, wait=100)])
+    finally:
+        torch.cuda.memory._record_memory_history(enabled=None)
+    assert (tmp_path / "oom_snapshot_rank0_step2.pickle").stat().st_size > 0
+
+
+def test_the_profiler_records_cuda_kernels(tmp_path):
+    from estimatorch import ProfilerHandler
+
+    profiler = ProfilerHandler(tmp_path, wait=1, warmup=1, active=2)
+    _estimator().fit(_loader(), epochs=1, event_handlers=[profiler])
+    with open(profiler.traces[0], encoding="utf-8") as f:
+        events = json.load(f)["traceEvents"]
+    assert any(e.get("cat") == "kernel" for e in events)
+    assert sorted(e["name"] for e in events if str(e.get("name", "")).startswith("step ")) == ["step 3", "step 4"]

@@ -9,6 +9,7 @@ test does, and writes them back with their outputs.
 
 from __future__ import annotations
 
+import ast
 import base64
 import os
 import pathlib
@@ -84,6 +85,47 @@ def test_committed_notebooks_hold_small_plain_outputs(path):
     assert [cell.execution_count for cell in code] == list(range(1, len(code) + 1))  # top to bottom, once
     assert sum(bool(cell.outputs) for cell in code) >= len(code) // 2, f"{path.name} was saved without outputs"
     check_outputs(notebook, path.name)
+
+
+def _notebook_imports(path: pathlib.Path) -> set[str]:
+    """The top-level modules a notebook's code cells import."""
+    import nbformat
+
+    modules = set()
+    for cell in nbformat.read(path, as_version=4).cells:
+        if cell.cell_type != "code":
+            continue
+        source = "\n".join(line for line in cell.source.splitlines() if not line.lstrip().startswith(("%", "!")))
+        for node in ast.walk(ast.parse(source)):
+            if isinstance(node, ast.Import):
+                modules.update(alias.name.split(".")[0] for alias in node.names)
+            elif isinstance(node, ast.ImportFrom) and node.level == 0 and node.module:
+                modules.add(node.module.split(".")[0])
+    return modules
+
+
+def _requirement_names(text: str) -> set[str]:
+    return {re.split(r"[<>=!~\[; ]", line.strip(), maxsplit=1)[0].lower()
+            for line in text.splitlines() if line.strip() and not line.strip().startswith("#")}
+
+
+def test_the_notebooks_extra_holds_what_the_notebooks_import():
+    """``pip install -e ".[notebooks]"`` once left notebook 04 without mlflow."""
+    import configparser
+    from importlib.metadata import packages_distributions
+
+    setup = configparser.ConfigParser()
+    setup.read(ROOT / "setup.cfg")
+    installed = _requirement_names(setup["options"]["install_requires"])
+    installed |= _requirement_names(setup["options.extras_require"]["notebooks"])
+    distributions = packages_distributions()
+    missing = {}
+    for path in NOTEBOOKS:
+        for module in _notebook_imports(path) - set(sys.stdlib_module_names) - {"estimatorch"}:
+            names = {d.lower() for d in distributions.get(module, [])}
+            if names and not names & installed:  # no distribution: a module the notebook writes itself
+                missing.setdefault(path.name, []).append(f"{module} ({', '.join(sorted(names))})")
+    assert not missing, f"the notebooks extra in setup.cfg lacks: {missing}"
 
 
 @pytest.mark.notebook

@@ -24,6 +24,7 @@ from ._evaluation import check_inference_args, evaluate_batches
 from ._interrupts import stop_exception
 from ._logging import default_logger as _default_logger
 from ._loop import end_run, run_loop
+from ._oom import describe_out_of_memory
 from ._payload import check_payload, payload_of, snapshot_to_resume
 from ._plan import build_scheduler, check_horizons, planned_steps
 from ._predict import run_prediction
@@ -324,6 +325,9 @@ class Estimator(RunView):
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
                     run_loop(self, run)
+                except torch.cuda.OutOfMemoryError as err:  # told where: no cost until it is raised
+                    failed, stopping = True, err
+                    raise describe_out_of_memory(self, run, err) from err
                 except BaseException as err:
                     failed, stopping = True, err
                     raise

@@ -29,6 +29,7 @@ from .lr_scheduler import LRSchedulerHandler
 from .meter import MeterHandler
 from .metric import MetricHandler
 from .mlflow_handler import MLflowHandler
+from .profiler import ProfilerHandler
 from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler
 from .tensorboard import TensorBoardHandler
@@ -57,6 +58,7 @@ __all__ = [
     "MLflowHandler",
     "MetricHandler",
     "NonFiniteError",
+    "ProfilerHandler",
     "ProgressBarHandler",
     "StatefulHandler",
     "StoppingHandler",

@@ -153,6 +153,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._resume_step: Optional[int] = None  # the step a resume continued from (known at its first boundary)
         self._resume_epoch: Optional[int] = None  # the epoch it resumed in, when mid-epoch
         self._resume_batch = 0
+        self._saved_validated: Optional[bool] = None  # whether the resumed run had validated (None: unknown)
 
     # -- helpers ---------------------------------------------------------------------------
     def _shown(self, estimator: EstimatorView, with_val: bool) -> list[Any]:
@@ -266,8 +267,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             position = estimator.position
             steps = position.step
             since = steps - self._resume_step if self._resume_step is not None else 0  # None: none ran
-            # a resumed run shows the val metrics it restored, also when nothing was left to train
-            with_val = self._validated or self._resumed
+            # a resumed run shows the val metrics it restored when it had validated, also when nothing
+            # was left to train (a state saved before that was recorded: whenever it resumed)
+            with_val = self._validated or (self._resumed and self._saved_validated is not False)
             at_boundary = position.stop or estimator.interruption is not None
             # a stop, or a signal every rank agreed on: every rank is here, the values reduce
             if at_boundary or not distributed.is_distributed():
@@ -304,6 +306,12 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         if position.batch > ran:  # it resumed in the middle of this epoch (or at its last batch)
             self._resume_epoch, self._resume_batch = self.current_epoch, position.batch - ran
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counts, the run's time stamp, and whether the run validated so far (``validated``;
+        optional on load: states saved without it resume as before)."""
+        validated = self._validated or bool(self._saved_validated)
+        return {**super().state_dict(), "validated": validated}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved counts; with ``log_dir``, continue the saved run's log file if this
         ``log_dir`` holds it (a state that names a path is not obeyed)."""
@@ -314,6 +322,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self.samples_in_epoch = None if state["samples_in_epoch"] is None else int(state["samples_in_epoch"])
         self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
+        validated = state.get("validated")
+        self._saved_validated = validated if isinstance(validated, bool) else None
         if self._in_fit:  # a resume: learn at its first boundary where it continued from
             self._resumed = True
             self._estimator.at_boundary(self._mark_resume)

@@ -118,6 +118,12 @@ class Handler:
         return None
 
     @property
+    def diagnostics_location(self) -> Optional[str]:
+        """Where this handler writes diagnostic files (traces, say), None when it writes none:
+        ``fit`` writes a CUDA memory snapshot there on an out-of-memory error."""
+        return None
+
+    @property
     def resumes_run(self) -> bool:
         """True when this handler resumes the fit from a checkpoint of its own in
         ``train_begin`` (a rerun of the script continues the run)."""

@@ -92,6 +92,7 @@ FACTORIES = {
     "LRSchedulerHandler[plateau]": lambda est, d: _plateau(est),
     "CheckpointHandler": lambda est, d: eh.CheckpointHandler(d / "ckpt", batch_period=3, save_best=True,
                                                              monitor=est.val_metrics[0]),
+    "ProfilerHandler": lambda est, d: eh.ProfilerHandler(d / "profile", wait=1, warmup=1, active=2, repeat=0),
     "ProgressBarHandler": lambda est, d: eh.ProgressBarHandler(file=io.StringIO()),
     "TensorBoardHandler": lambda est, d: eh.TensorBoardHandler(d / "tb", log_interval=2),
     "TerminateOnNaNHandler": lambda est, d: eh.TerminateOnNaNHandler(check_every=2, monitor=[est.train_metrics[0]]),

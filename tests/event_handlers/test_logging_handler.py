@@ -178,7 +178,8 @@ def test_state_round_trip():
     handler = LoggingHandler(log_interval=2)
     est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler])
     state = handler.state_dict()
-    assert state == {"current_epoch": 2, "batch_in_epoch": N_BATCHES, "samples_in_epoch": 32, "run_id": None}
+    assert state == {"current_epoch": 2, "batch_in_epoch": N_BATCHES, "samples_in_epoch": 32, "run_id": None,
+                     "validated": False}
     other = LoggingHandler(log_interval=2)
     other.load_state_dict(state)
     assert other.state_dict() == state
@@ -279,6 +280,30 @@ def test_a_resume_with_nothing_left_to_run_ran_nothing(lines):
     lines.clear()
     est.fit(make_batches(N_BATCHES), epochs=1, event_handlers=[LoggingHandler()], resume=True)
     assert lines[-1].startswith("Train finished in") and "(0 since resume)" in lines[-1]
+
+
+@pytest.mark.parametrize("validate", [False, True])
+def test_a_resumed_run_shows_val_metrics_only_when_the_run_validated(lines, tmp_path, validate):
+    """A resume of a fit without validation data once ended with ``val_loss: nan``."""
+    val = {"val_data": make_batches(2, seed=1)} if validate else {}
+    make_estimator().fit(make_batches(N_BATCHES), epochs=1, **val, event_handlers=[
+        LoggingHandler(), CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+    lines.clear()
+    make_estimator().fit(make_batches(N_BATCHES), epochs=2, event_handlers=[  # no val_data now
+        LoggingHandler(), CheckpointHandler(tmp_path, resume_from_checkpoint=True)])
+    assert lines[-1].startswith("Train finished in") and "since resume" in lines[-1], lines[-1]
+    assert ("val_loss" in lines[-1]) is validate and "nan" not in lines[-1], lines[-1]
+
+
+def test_a_state_saved_without_validated_resumes_as_before(lines):
+    """States of earlier versions lack ``validated``: the restored val metrics are shown."""
+    state = LoggingHandler().state_dict()
+    assert state.pop("validated") is False
+    handler = LoggingHandler()
+    handler.load_state_dict(state)
+    assert handler._saved_validated is None
+    handler.load_state_dict({**state, "validated": True})
+    assert handler._saved_validated is True
 
 
 # -- files come from the arguments ---------------------------------------------------------------
