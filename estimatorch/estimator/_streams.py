@@ -6,7 +6,9 @@ in :mod:`estimatorch._batches`).
 - a map-style :class:`~torch.utils.data.DataLoader` is rebuilt around a resumable sampler
   (settings kept) and a fetch that seeds every sample from ``(seed, epoch, index)``;
 - a list or tuple of batches is indexed directly;
-- an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state;
+- an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state
+  (Hugging Face ``datasets``' one with a shuffle buffer is replayed from its epoch's start:
+  ``_hf_streams``);
 - torchdata's ``StatefulDataLoader`` is taken as the ``DataLoader`` it replaces (``_torchdata``);
 - anything else is replayed (with a warning when a resume has to do it).
 """
@@ -42,6 +44,7 @@ from ..samplers.resumable import (
     ResumableSampler,
     ResumableSequentialSampler,
 )
+from ._hf_streams import hf_iterable_stream, is_hf_iterable
 from ._iterable_streams import StatefulIterableStream
 from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
 from ._torchdata import check_stateful_loader, torch_sampler
@@ -325,6 +328,8 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         check_stateful_loader(train_data)
         dataset = train_data.dataset
         if isinstance(dataset, IterableDataset):
+            if is_hf_iterable(dataset):
+                return hf_iterable_stream(dataset, train_data, seed)
             if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
                 return StatefulIterableStream(dataset, train_data, seed)
             return _ReplayStream(train_data, seed)
@@ -337,6 +342,8 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
                 f"{train_data.batch_size} and drop_last=True"
             )
         return stream
+    if is_hf_iterable(train_data):
+        return hf_iterable_stream(train_data, None, seed)
     if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
             and hasattr(train_data, "load_state_dict"):
         return StatefulIterableStream(train_data, None, seed)
