@@ -9,6 +9,8 @@ in :mod:`estimatorch._batches`).
 - an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state
   (Hugging Face ``datasets``' one with a shuffle buffer is replayed from its epoch's start:
   ``_hf_streams``);
+- MosaicML ``streaming``'s ``StreamingDataset`` is positioned by its own resume state
+  (``_mosaic_streams``);
 - torchdata's ``StatefulDataLoader`` is taken as the ``DataLoader`` it replaces (``_torchdata``);
 - anything else is replayed (with a warning when a resume has to do it).
 """
@@ -46,6 +48,7 @@ from ..samplers.resumable import (
 )
 from ._hf_streams import hf_iterable_stream, is_hf_iterable
 from ._iterable_streams import StatefulIterableStream
+from ._mosaic_streams import is_streaming_dataset, streaming_stream
 from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
 from ._torchdata import check_stateful_loader, torch_sampler
 
@@ -330,6 +333,8 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         if isinstance(dataset, IterableDataset):
             if is_hf_iterable(dataset):
                 return hf_iterable_stream(dataset, train_data, seed)
+            if is_streaming_dataset(dataset):
+                return streaming_stream(dataset, train_data, seed)
             if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
                 return StatefulIterableStream(dataset, train_data, seed)
             return _ReplayStream(train_data, seed)
@@ -344,6 +349,8 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         return stream
     if is_hf_iterable(train_data):
         return hf_iterable_stream(train_data, None, seed)
+    if is_streaming_dataset(train_data):
+        return streaming_stream(train_data, None, seed)
     if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
             and hasattr(train_data, "load_state_dict"):
         return StatefulIterableStream(train_data, None, seed)
