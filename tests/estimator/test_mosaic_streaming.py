@@ -167,3 +167,11 @@ def test_two_ranks_resume_exactly(tmp_path):
             assert resumed["losses"] == full["losses"][stop:], stop
             assert all(torch.equal(a, b) for a, b in zip(full["params"], resumed["params"])), stop
     assert ranks[0][0][1]["losses"] != ranks[1][0][1]["losses"]
+
+
+def test_another_world_size_is_refused_at_fit_start(tmp_path):
+    from estimatorch import CheckpointHandler
+
+    data = streamed(write_mds(tmp_path / "mds"))
+    with pytest.raises(ValueError, match="elastic=True lays the samples .* got train_data that is a MosaicML StreamingDataset"):
+        dropout_estimator().fit(data, epochs=1, event_handlers=[CheckpointHandler(tmp_path / "ckpt", elastic=True)])
