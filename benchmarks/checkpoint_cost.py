@@ -36,9 +36,16 @@ checkpointing every ``--batch-period`` batches, and reports
 - peak memory: the process's peak resident set, and its rise above the resident set at the first
   save (the staging copy of ``async_save`` shows there), with the staging buffers' size.
 
+With an object-store URL for ``--dir`` (``s3://bucket/prefix``, reached with
+``--storage-options`` JSON, fsspec's filesystem arguments) it times instead, for the 50.4M-parameter
+state of ``--stall`` (one Adam step): estimatorch's save (``build_payload`` + ``atomic_save`` to
+the URL, and ``atomic_save`` of a built payload) and ``checkpoint.load`` of the URL, against a
+plain s3fs put of ``torch.save``'s bytes of the same state and a plain get + ``torch.load``.
+
 Usage::
 
     python benchmarks/checkpoint_cost.py
+    python benchmarks/checkpoint_cost.py --dir s3://bucket/bench --storage-options '{"key": ..., ...}'
     python benchmarks/checkpoint_cost.py --repeats 9 --json
     python benchmarks/checkpoint_cost.py --stall [--small] [--steps 24 --batch-period 6] [--json]
 """
@@ -75,24 +82,24 @@ LOADS = ("estimatorch checkpoint.load", "raw torch.load(weights_only=True)")
 MODELS = {"small (1.05M params)": 1, "medium (25.2M params)": 24}  # Linear(1024, 1024) layers
 
 
-def make_model(layers: int) -> nn.Module:
+def make_model(layers: int, width: int = WIDTH) -> nn.Module:
     torch.manual_seed(common.SEED)
     modules: list[nn.Module] = []
     for i in range(layers):
-        modules.append(nn.Linear(WIDTH, WIDTH))
+        modules.append(nn.Linear(width, width))
         if i < layers - 1:
             modules.append(nn.ReLU())
     return nn.Sequential(*modules)
 
 
-def fit_one_step(layers: int, at_train_end: Callable[[Estimator], Any]) -> Any:
+def fit_one_step(layers: int, at_train_end: Callable[[Estimator], Any], width: int = WIDTH) -> Any:
     """One Adam step of fit (so model, optimizer and handlers hold state), then
     ``at_train_end(est)`` while the fit is still active: a payload is built through the
     estimator's seam, which only a fit in progress has. Returns what it returned."""
-    net = make_model(layers)
+    net = make_model(layers, width)
     est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-3),
                     device="cpu", seed=common.SEED)
-    data = [(torch.randn(8, WIDTH), torch.randn(8, WIDTH))]
+    data = [(torch.randn(8, width), torch.randn(8, width))]
     result: list[Any] = []
     measure_at_end = eh.LambdaHandler(train_end=lambda estimator, **_: result.append(at_train_end(estimator)))
     with contextlib.redirect_stdout(io.StringIO()):
@@ -159,6 +166,55 @@ def _measure(est: Estimator, directory: str, repeats: int) -> dict[str, Any]:
         "seconds": times,
         "bytes": {"estimatorch": os.path.getsize(est_path), "raw": os.path.getsize(raw_path)},
     }
+
+
+# -- --dir s3://...: an object store, against plain s3fs put/get of the same bytes -------------
+OBJECT_LOADS = ("estimatorch checkpoint.load", "raw s3fs get + torch.load")
+
+
+def measure_object_store(url: str, options: dict[str, Any], repeats: int) -> dict[str, Any]:
+    import fsspec  # optional: only this mode needs it
+
+    checkpoint.configure_store(url, options)
+    fs, root = fsspec.core.url_to_fs(url, **options)
+    layers, width = STALL_MODELS["50.4M params (12 x Linear(2048, 2048))"]
+
+    def run(est: Estimator) -> dict[str, Any]:
+        def raw_bytes() -> bytes:
+            buffer = io.BytesIO()
+            torch.save({"model": est.net.state_dict(), "optimizer": est.optimizer.state_dict()}, buffer)
+            return buffer.getvalue()
+
+        payload = checkpoint.build_payload(est)
+        times = time_round_robin({
+            "estimatorch build_payload + atomic_save":
+                lambda: checkpoint.atomic_save(checkpoint.build_payload(est), f"{url}/estimatorch.pt"),
+            "estimatorch atomic_save": lambda: checkpoint.atomic_save(payload, f"{url}/estimatorch-prebuilt.pt"),
+            "raw torch.save + s3fs put": lambda: fs.pipe_file(f"{root}/raw.pt", raw_bytes()),
+            "estimatorch checkpoint.load": lambda: checkpoint.load(f"{url}/estimatorch.pt"),
+            "raw s3fs get + torch.load": lambda: torch.load(io.BytesIO(fs.cat_file(f"{root}/raw.pt")),
+                                                            map_location="cpu", weights_only=True),
+        }, repeats)
+        return {"parameters": sum(p.numel() for p in est.net.parameters()), "seconds": times,
+                "bytes": {"estimatorch": fs.size(f"{root}/estimatorch.pt"), "raw": fs.size(f"{root}/raw.pt")}}
+
+    try:
+        return fit_one_step(layers, run, width)
+    finally:
+        fs.rm(root, recursive=True)
+
+
+def print_object_store(res: dict[str, Any], url: str) -> None:
+    secs = res["seconds"]
+    raw_save, raw_load = (statistics.median(secs[k]) for k in ("raw torch.save + s3fs put",
+                                                                "raw s3fs get + torch.load"))
+    rows = [[what, f"{statistics.median(v) * 1e3:.0f}", f"{min(v) * 1e3:.0f}", f"{max(v) * 1e3:.0f}",
+             f"{statistics.median(v) / (raw_load if what in OBJECT_LOADS else raw_save):.2f}"]
+            for what, v in secs.items()]
+    size = res["bytes"]
+    print(f"\n{res['parameters'] / 1e6:.1f}M parameters with Adam to {url}: estimatorch object "
+          f"{common.human_bytes(size['estimatorch'])}, raw object {common.human_bytes(size['raw'])}")
+    print(common.format_table(["operation", "median ms", "min", "max", "x raw put/get"], rows))
 
 
 # -- --stall: the step stall of a save, synchronous and async_save=True -------------------------
@@ -292,7 +348,10 @@ def print_stall(out: dict[str, Any], args: argparse.Namespace) -> None:
 def main(argv: Optional[list[str]] = None) -> int:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--repeats", type=int, default=5, help="timed runs per figure (default 5)")
-    parser.add_argument("--dir", default=None, help="where files are written (default: a temp dir)")
+    parser.add_argument("--dir", default=None, help="where files are written (default: a temp dir); an "
+                        "object-store URL (s3://bucket/prefix) times saves and loads there against plain s3fs")
+    parser.add_argument("--storage-options", default="{}", help="with a URL --dir: fsspec's filesystem "
+                        "arguments as JSON (endpoint, credentials)")
     parser.add_argument("--threads", type=int, default=1, help="torch.set_num_threads (default 1)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     parser.add_argument("--stall", action="store_true",
@@ -324,6 +383,16 @@ def main(argv: Optional[list[str]] = None) -> int:
             print_stall(stall, args)
         return 0
 
+    if args.dir is not None and checkpoint.is_url(args.dir):
+        result = measure_object_store(args.dir.rstrip("/"), json.loads(args.storage_options), args.repeats)
+        info = common.machine_info()
+        if args.json:
+            print(json.dumps({"machine": info, "settings": {"repeats": args.repeats, "dir": args.dir},
+                              "results": result}, indent=2))
+        else:
+            common.print_machine(info)
+            print_object_store(result, args.dir)
+        return 0
     out: dict[str, Any] = {}
     for name, layers in MODELS.items():
         directory = tempfile.mkdtemp(prefix="estimatorch-ckpt-", dir=args.dir)

@@ -3,11 +3,14 @@
 from __future__ import annotations
 
 import argparse
+import logging
+import os
 import sys
 from typing import Optional
 
 from ._demo import DESCRIPTION as _DEMO
 from ._demo import main as demo
+from ._shadow import shadow_message, shadowing_folder
 
 
 def _parser() -> argparse.ArgumentParser:
@@ -22,6 +25,9 @@ def _parser() -> argparse.ArgumentParser:
 
 def main(argv: Optional[list[str]] = None) -> int:
     argv = list(sys.argv[1:] if argv is None else argv)
+    shadow = shadowing_folder(os.getcwd())
+    if shadow is not None:  # where scripts beside it will fail to import the package: say why now
+        logging.getLogger("estimatorch").warning(shadow_message(shadow))
     if argv and argv[0] == "demo":
         return demo(argv[1:])
     parser = _parser()

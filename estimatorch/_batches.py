@@ -12,7 +12,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["batch_size_of", "call_net", "split_batch", "split_inputs", "to_device"]
+__all__ = ["batch_size_of", "call_loss", "call_net", "split_batch", "split_inputs", "to_device"]
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -107,6 +107,36 @@ def call_net(net: Callable[..., Any], data: Any) -> Any:
         if mismatch is None:  # a TypeError from inside forward: not ours to explain
             raise
         raise TypeError(mismatch) from err
+
+
+def call_loss(loss: Callable[..., Any], pred: Any, label: Any, data_arg: str) -> Any:
+    """``loss(pred, label)`` on a batch of ``data_arg`` (``"train_data"``, ``"val_data"``); a
+    failure the labels' dtype or shape explains (float or int32 class indices, a target of
+    another shape) is re-raised, as the same type, with the labels' format and the fix added."""
+    try:
+        return loss(pred, label)
+    except (RuntimeError, ValueError, IndexError) as err:
+        hint = _label_hint(pred, label, data_arg)
+        if hint is None or type(err) not in (RuntimeError, ValueError, IndexError):
+            raise
+        raise type(err)(f"{err}. {hint}") from err
+
+
+def _label_hint(pred: Any, label: Any, data_arg: str) -> Optional[str]:
+    """What the labels hold beside the predictions, and the formats the loss may want."""
+    if not isinstance(pred, torch.Tensor) or not isinstance(label, torch.Tensor):
+        return None
+    got = (f"The labels of {data_arg} (each batch's last element or its 'label' key) are {label.dtype} of shape "
+           f"{tuple(label.shape)} for predictions of shape {tuple(pred.shape)}")
+    if pred.dim() == label.dim() + 1:  # class indices beside (N, C, ...) scores
+        if label.is_floating_point() or label.dtype not in (torch.int64, torch.uint8):
+            return (f"{got}: class indices must be int64, so pass label.long() (in your Dataset, collate_fn or "
+                    f"batch), or one-hot/probability targets of shape {tuple(pred.shape)}")
+        return None
+    if pred.shape != label.shape:
+        return (f"{got}: the loss wants class indices of shape {tuple(pred.shape[:1] + pred.shape[2:])} "
+                f"(int64, label.long()) or targets of the predictions' shape {tuple(pred.shape)}")
+    return None
 
 
 def _inputs_mismatch(net: Any, args: tuple, kwargs: Mapping) -> Optional[str]:

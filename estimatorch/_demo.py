@@ -23,10 +23,9 @@ from torch import nn
 
 from . import rng
 from .checkpoint import list_checkpoints
-from .estimator import Estimator
-from .estimator.estimator import _default_logger
+from .estimator import Estimator, default_logger
 from .event_handlers import CheckpointHandler, EarlyStoppingHandler, TensorBoardHandler
-from .testing import _CrashAfter, _SimulatedCrash
+from .testing import CrashAfter, SimulatedCrash
 
 __all__ = ["DESCRIPTION", "DigitGlyphs", "build_parser", "main", "make_estimator"]
 
@@ -163,7 +162,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--workers must be a non-negative int, got {args.workers}")
     if not args.model_dir:
         parser.error("--model-dir must be a directory path, got ''")
-    log = _default_logger()  # before the first line: headings print from the start
+    log = default_logger()  # before the first line: headings print from the start
     try:
         return _run(args, log)
     except KeyboardInterrupt:
@@ -223,8 +222,8 @@ def _run(args: argparse.Namespace, log: Any) -> int:
         try:
             stopped.fit(train, val_data=val, epochs=args.epochs,
                         event_handlers=[*handlers(stopped, crashed_dir, "crashed", resume=False),
-                                        _CrashAfter(args.stop_at)])
-        except _SimulatedCrash:
+                                        CrashAfter(args.stop_at)])
+        except SimulatedCrash:
             log.info("Crashed after batch %d", args.stop_at)
     epoch, batch, last = list_checkpoints(crashed_dir, "model")[-1]
     log.info("Newest checkpoint: %s (epoch %d, batch %d)", last, epoch, batch)

@@ -241,11 +241,20 @@ def all_reduce_states(values: Mapping[str, Any], reductions: Mapping[str, str],
     return {k: out[k] for k in keys}
 
 
-_FLAG_GROUP: Any = None
-
-
 _THREAD = threading.local()  # .group: the group this thread's collectives use (see on_group)
-_SIDE_GROUPS: dict[int, Any] = {}  # id of the default group -> its side group
+#: the one cache of the groups this module creates: (id of the default group, purpose) -> (that
+#: default group, a gloo group of every rank). A new process group gets new ones.
+_GROUPS: dict[tuple[int, str], tuple[Any, Any]] = {}
+
+
+def _gloo_group(purpose: str) -> Any:
+    """The gloo group of every rank for ``purpose`` under the current default group: created at
+    the first call (a collective: every rank calls it at the same point), then reused."""
+    world = dist.group.WORLD
+    cached = _GROUPS.get((id(world), purpose))
+    if cached is None or cached[0] is not world:  # (an id a destroyed group had is no match)
+        cached = _GROUPS[(id(world), purpose)] = (world, dist.new_group(backend="gloo"))
+    return cached[1]
 
 
 def side_group() -> Any:
@@ -253,12 +262,7 @@ def side_group() -> Any:
     the steps go on): its collectives never interleave with those of the training thread, which
     use the default group. Created at the first call (a collective: every rank calls it at the
     same point), then reused; None without a process group."""
-    if not _initialized():
-        return None
-    key = id(dist.group.WORLD)
-    if key not in _SIDE_GROUPS:
-        _SIDE_GROUPS[key] = dist.new_group(backend="gloo")
-    return _SIDE_GROUPS[key]
+    return _gloo_group("side") if _initialized() else None
 
 
 @contextlib.contextmanager
@@ -277,15 +281,10 @@ def on_group(group: Any) -> Iterator[None]:
 def _flag_group() -> Any:
     """A gloo group for host-side flags, so deciding a stop never touches the GPU (or this
     thread's group, see :func:`on_group`)."""
-    global _FLAG_GROUP
     override = getattr(_THREAD, "group", None)
     if override is not None:
         return override
-    if dist.get_backend() == "gloo":
-        return None
-    if _FLAG_GROUP is None:
-        _FLAG_GROUP = dist.new_group(backend="gloo")
-    return _FLAG_GROUP
+    return None if dist.get_backend() == "gloo" else _gloo_group("flags")
 
 
 def any_rank(*flags: bool) -> Any:

@@ -69,7 +69,7 @@ def default_numpy_rng() -> np.random.Generator:
 _SEED_LIMIT = 1 << 64
 
 
-def _check_seed(seed: Any, arg: str = "seed") -> int:
+def check_seed(seed: Any, arg: str = "seed") -> int:
     """``seed`` as an int, checked to the range every generator accepts (before any is seeded)."""
     if isinstance(seed, bool) or not isinstance(seed, (int, np.integer)) or seed < 0:
         raise ValueError(f"{arg} must be a non-negative int, got {seed!r}")
@@ -126,7 +126,7 @@ def seed_everything(seed: Optional[int] = None) -> int:
     Returns:
         The seed used.
     """
-    seed = DEFAULT_SEED if seed is None else _check_seed(seed)
+    seed = DEFAULT_SEED if seed is None else check_seed(seed)
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device (lazily where not initialised)
     _NUMPY_RNG.bit_generator.state = np.random.PCG64(seed).state
@@ -352,3 +352,6 @@ def sample_seeding(seed: int, epoch: int, restore: bool) -> Iterator[Any]:
             random.setstate(saved[1])
             _NUMPY_RNG.bit_generator.state = saved[2]
             np.random.set_state(saved[3])
+
+
+_check_seed = check_seed  # the name of earlier releases

@@ -28,13 +28,13 @@ from typing import Any, Callable, Optional, Union
 
 import torch
 
-from .estimator._logging import default_logger
+from .estimator import default_logger
 from .event_handlers import BatchEnd, CheckpointHandler, ProgressBarHandler
 
 __all__ = ["assert_resumable"]
 
 
-class _SimulatedCrash(BaseException):
+class SimulatedCrash(BaseException):
     """Raised right after the checkpoint at the stop step, like a process killed there."""
 
 
@@ -56,7 +56,7 @@ class _Trace(BatchEnd):
         self.digests.append(h.hexdigest())
 
 
-class _CrashAfter(BatchEnd):
+class CrashAfter(BatchEnd):
     """Crashes at the boundary after step ``step``, once the checkpoint there is written."""
 
     priority = float("inf")
@@ -71,7 +71,7 @@ class _CrashAfter(BatchEnd):
             estimator.at_boundary(self._crash)
 
     def _crash(self) -> None:
-        raise _SimulatedCrash(self.step)
+        raise SimulatedCrash(self.step)
 
 
 def _tensors_equal(a: Any, b: Any, where: str) -> Optional[str]:
@@ -177,8 +177,8 @@ def assert_resumable(make_estimator: Callable[[], Any], train_data: Any, *, epoc
                 try:
                     stopped.fit(data(), val_data=val_data, **plan, event_handlers=[
                         *extra(), CheckpointHandler(directory, batch_period=k, epoch_period=None, max_checkpoints=1),
-                        _CrashAfter(k)])
-                except _SimulatedCrash:
+                        CrashAfter(k)])
+                except SimulatedCrash:
                     pass
                 resumed_trace = _Trace()
                 resumed = make_estimator()

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import errno
+import functools
 import logging
 import math
 import os
@@ -197,7 +198,8 @@ def ctrl_c_at(step: int) -> Any:
 
 
 class ScriptedValLoss:
-    """A validation loss that returns the next of ``values`` at each evaluation (one batch each)."""
+    """A validation loss that returns the next of ``values`` at each evaluation (one batch each):
+    build its estimator with :func:`without_sanity_pass`, since fit's sanity pass would take one."""
 
     def __init__(self, values: list[float]):
         self.values, self.calls = values, 0
@@ -206,6 +208,13 @@ class ScriptedValLoss:
         value = self.values[self.calls]
         self.calls += 1
         return torch.tensor(value)
+
+
+def without_sanity_pass(estimator: Estimator) -> Estimator:
+    """``estimator`` whose every ``fit`` skips the sanity pass (``num_sanity_val_steps=0``): for a
+    val loss that counts its calls, as :class:`ScriptedValLoss` does."""
+    estimator.fit = functools.partial(estimator.fit, num_sanity_val_steps=0)  # type: ignore[method-assign]
+    return estimator
 
 
 def free_port() -> int:
@@ -226,3 +235,6 @@ def fill_disk_at(name: str) -> None:
         real(obj, path, **kwargs)
 
     checkpoint.atomic_save = full_disk
+
+
+from tests.s3server import s3_dir, s3_server  # noqa: E402,F401 - the object-storage tests' S3 server

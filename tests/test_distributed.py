@@ -358,7 +358,7 @@ class RefuseOnRank(BatchEnd):
     def __init__(self, rank):
         self.rank = rank
 
-    def _check_fit(self, estimator, resume):
+    def check_fit(self, estimator, resume):
         if distributed.get_rank() == self.rank:
             raise ValueError(f"refused on rank {self.rank}")
 
@@ -394,3 +394,21 @@ def test_a_start_check_failing_on_one_rank_stops_every_rank_with_its_error(tmp_p
     for result in results:
         assert result["outcome"].startswith("ValueError") and expected in result["outcome"], result
         assert result["seconds"] < 60 and not result["fitting"] and result["handlers"] == 0
+
+
+def test_one_cache_of_process_groups_follows_the_default_group(tmp_path):
+    """The flag group and the side group come from one cache keyed by the default group: a new
+    process group (after destroy and init) gets new ones, never a group of the destroyed one."""
+    import torch.distributed as dist
+
+    seen = []
+    for attempt in range(2):
+        dist.init_process_group("gloo", init_method=f"file://{tmp_path / f'store{attempt}'}", rank=0, world_size=1)
+        try:
+            side = distributed.side_group()
+            assert distributed.side_group() is side  # reused within one process group
+            seen.append(side)
+        finally:
+            dist.destroy_process_group()
+    assert seen[0] is not seen[1]
+    assert distributed.side_group() is None  # no process group: none

@@ -203,3 +203,49 @@ def test_the_readme_example_gives_the_same_numbers_run_after_run(tmp_path):
     assert _run_example(second) == results  # a fresh run in a fresh directory: the same numbers
     assert _run_example(first) == results  # run again where it finished: resumes, the same numbers
     assert any(p.suffix == ".pt" for p in (first / "checkpoints").iterdir())
+
+
+def _guide_handler() -> type:
+    """The complete handler of docs/writing-handlers.md, run from the page's own code."""
+    code = re.search(r"```python\n(.*?)```", section(read(DOCS / "writing-handlers.md"), "A complete handler"),
+                     re.DOTALL)
+    assert code, "no code under 'A complete handler'"
+    namespace: dict = {"__name__": "writing_handlers_example"}
+    exec(compile(code.group(1), "docs/writing-handlers.md", "exec"), namespace)  # noqa: S102 - our own page
+    return namespace["LossLog"]
+
+
+def test_the_complete_handler_of_the_guide_takes_part_through_public_hooks_only(tmp_path):
+    """The page's handler is refused before any work by its check_fit, is not called per batch
+    without a period, lists the checkpoint a SIGTERM's stop wrote, continues its counters on a
+    resume, and declares the counter an elastic resume scales."""
+    import signal
+
+    from estimatorch import CheckpointHandler, LambdaHandler
+    from estimatorch.estimator._elastic_resume import batch_counters
+    from estimatorch.events import subscribes
+    from tests.conftest import make_batches, make_estimator
+
+    LossLog = _guide_handler()
+    assert batch_counters(LossLog(str(tmp_path / "x.txt"))) == ["batches"]
+    assert not subscribes(LossLog(str(tmp_path / "x.txt"), every=None), "batch_end")
+    steps = []
+    with pytest.raises(ValueError, match="is in no existing directory"):
+        make_estimator().fit(make_batches(4), epochs=1, event_handlers=[
+            LossLog(str(tmp_path / "missing" / "loss.txt")),
+            LambdaHandler(batch_end=lambda est, **kw: steps.append(1))])
+    assert steps == []  # refused before any step
+
+    log, ckpt = tmp_path / "loss.txt", tmp_path / "ckpt"
+    sigterm = LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGTERM), once=6)
+    with pytest.raises(SystemExit):
+        make_estimator().fit(make_batches(4), epochs=3, event_handlers=[
+            LossLog(str(log), every=2), CheckpointHandler(ckpt, resume_from_checkpoint=True), sigterm])
+    lines = log.read_text().splitlines()
+    assert [line.split()[0] for line in lines[:-1]] == ["2", "4", "6"]
+    assert lines[-1] == f"# resume from {ckpt / 'model-epoch1batch6.pt'}"
+    resumed = LossLog(str(log), every=2)
+    make_estimator().fit(make_batches(4), epochs=3, event_handlers=[
+        resumed, CheckpointHandler(ckpt, resume_from_checkpoint=True)])
+    assert (resumed.batches, resumed.lines) == (12, 6)  # 6 before the stop, continued from the checkpoint
+    assert [line.split()[0] for line in log.read_text().splitlines()[4:-1]] == ["8", "10", "12"]

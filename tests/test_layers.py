@@ -7,8 +7,8 @@ The layers, bottom to top (docs/architecture.md draws them):
 1. ``distributed``, ``rng``, the shared checks (``_checks``, ``_saved``), the batch conventions
    (``_batches``), the version;
 2. ``metrics``;  3. ``samplers``;  4. ``checkpoint`` (storage only);
-5. the handler core: mixins, base, subscription, schedule, dispatch, the monitor rule, and the
-   helpers the handlers share (paths, progress bars, event files);
+5. the handler contract (``events``: mixins, ``Handler``, the estimator's ``Protocol``, dispatch,
+   the monitor rule), and the helpers the handlers share (paths, progress bars, event files);
 6. ``statistics``;  7. the built-in handlers;  8. ``estimator``;
 9. ``testing``, the demo, the package ``__init__`` and ``__main__``.
 """
@@ -25,14 +25,16 @@ import pytest
 
 PACKAGE = pathlib.Path(__file__).resolve().parent.parent / "estimatorch"
 
-_CORE = ("mixins", "_base", "_subscribe", "_dispatch", "_monitor", "_paths", "_bars", "_event_files")
+_CORE = ("_paths", "_bars", "_event_files")
 #: module name prefix -> layer (the longest matching prefix decides).
 LAYERS: dict[str, int] = {
     "estimatorch._version": 1, "estimatorch._checks": 1, "estimatorch._schedule": 1, "estimatorch._saved": 1, "estimatorch._batches": 1,
-    "estimatorch.distributed": 1, "estimatorch._spawn": 1, "estimatorch.rng": 1,
+    "estimatorch._shadow": 1, "estimatorch.distributed": 1, "estimatorch._spawn": 1, "estimatorch.rng": 1,
+    "estimatorch._console": 1,
     "estimatorch.metrics": 2,
     "estimatorch.samplers": 3,
     "estimatorch.checkpoint": 4,
+    "estimatorch.events": 5,
     **{f"estimatorch.event_handlers.{name}": 5 for name in _CORE},
     "estimatorch.statistics": 6,
     "estimatorch.event_handlers": 7,
@@ -253,3 +255,76 @@ def test_upward_import_in_the_real_package_is_caught(tmp_path):
     assert any("estimatorch.checkpoint._format (layer 4) imports estimatorch.estimator (layer 8)" in p
                for p in problems), problems
     assert os.path.isfile(PACKAGE / "checkpoint" / "_format.py")
+
+
+def _owner(name: str) -> Optional[str]:
+    """Who may use the dotted ``name``: None when no part of it is private (``_x``), else the
+    package it belongs to (the top package for a private module of its own, such as
+    ``_checks``; else the sub-package or top-level module, such as ``estimator`` or ``rng``)."""
+    parts = name.split(".")
+    for i, part in enumerate(parts):
+        if part.startswith("_") and not part.startswith("__"):
+            return ".".join(parts[:1] if i == 1 else parts[:2])
+    return None
+
+
+def private_names(root: pathlib.Path) -> list[str]:
+    """``module:line name`` for every ``_``-prefixed name a module takes from another package,
+    by import or as an attribute of a module it imported."""
+    problems: list[str] = []
+    for path in sorted(root.rglob("*.py")):
+        module = module_name(path, root)
+        tree = ast.parse(path.read_text())
+        bound: dict[str, str] = {}
+        used: list[tuple[int, str]] = []
+        for node in ast.walk(tree):
+            if isinstance(node, ast.ImportFrom):
+                source = _import_source(node, module, path.name == "__init__.py")
+                if source.split(".")[0] != root.name:
+                    continue
+                for alias in node.names:
+                    bound[alias.asname or alias.name] = f"{source}.{alias.name}"
+                    used.append((node.lineno, f"{source}.{alias.name}"))
+            elif isinstance(node, ast.Import):
+                used += [(node.lineno, alias.name) for alias in node.names if alias.name.split(".")[0] == root.name]
+        for node in ast.walk(tree):
+            if isinstance(node, ast.Attribute) and isinstance(node.value, ast.Name) and node.value.id in bound:
+                used.append((node.lineno, f"{bound[node.value.id]}.{node.attr}"))
+        for line, name in sorted(set(used)):
+            owner = _owner(name)
+            if owner is not None and not (module == owner or module.startswith(owner + ".")):
+                problems.append(f"{module}:{line} uses {name}, private to {owner}")
+    return problems
+
+
+def _import_source(node: ast.ImportFrom, module: str, is_package: bool) -> str:
+    if not node.level:
+        return node.module or ""
+    base = module.split(".") if is_package else module.split(".")[:-1]
+    base = base[:len(base) - (node.level - 1)]
+    return ".".join(base + ([node.module] if node.module else []))
+
+
+def test_no_module_uses_a_private_name_of_another_package():
+    """What a package keeps private (``_``-prefixed modules, functions, classes) is used inside
+    it only: the estimator reaches the handlers through the public contract (``events``), not
+    through the handlers' private modules."""
+    assert private_names(PACKAGE) == []
+
+
+@pytest.mark.parametrize("files, expected", [
+    ({"__init__.py": "", "_checks.py": "", "rng.py": "def _seed(): pass\n",
+      "estimator/__init__.py": "from .._checks import x\nfrom . import _own\n", "estimator/_own.py": ""}, []),
+    ({"__init__.py": "", "event_handlers/__init__.py": "", "event_handlers/_dispatch.py": "",
+      "estimator/__init__.py": "from ..event_handlers._dispatch import Dispatch\n"},
+     ["estimatorch.event_handlers._dispatch.Dispatch, private to estimatorch.event_handlers"]),
+    ({"__init__.py": "", "rng.py": "", "samplers/__init__.py": "from .. import rng\nrng._check_seed(1)\n"},
+     ["estimatorch.rng._check_seed, private to estimatorch.rng"]),
+    ({"__init__.py": "", "metrics/__init__.py": "", "metrics/base.py": "",
+      "metrics/loss.py": "from .base import _ratio\n"}, []),
+], ids=["shared-and-own", "another-package-module", "another-module-attribute", "same-package"])
+def test_the_private_name_check_reports_each_breach(tmp_path, files, expected):
+    problems = private_names(_write(tmp_path, files))
+    assert len(problems) == len(expected), problems
+    for problem, words in zip(problems, expected):
+        assert words in problem, problem

@@ -31,9 +31,14 @@ written by every rank (``_sharded.py``, ``_sharded_run.py``) with the same guara
 aside, marked complete last, renamed; validated before restore; found, agreed on, pruned and
 pointed at like a file); :func:`load_weights` and ``inspect`` read one.
 
+A directory may also be a prefix on an object store, named by an fsspec URL (``s3://bucket/run``)
+and reached with ``storage_options`` (``_store.py``): the same files, as objects, each uploaded
+whole; a lease object (``_lease.py``) stands for the lock. ``file://`` URLs are plain paths.
+
 Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 
     python -m estimatorch.checkpoint inspect PATH      # a file, a {prefix}-latest pointer, or a directory
+    python -m estimatorch.checkpoint inspect s3://bucket/run --storage-option key=... # or a URL of one
     python -m estimatorch.checkpoint migrate DIR       # upgrade every older file in DIR in place
 """
 
@@ -73,12 +78,21 @@ from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
+from ._run_state import PHASES, PLAN_KEYS, POSITION_KEYS, SNAPSHOT, check_positions, check_snapshot_structure
 from ._sharded_run import read_checkpoint, save_fit_checkpoint
+from ._store import check_reachable, is_url
+from ._store import configure as configure_store
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
 
 __all__ = [
     "FORMAT_VERSION",
+    "PHASES",
+    "PLAN_KEYS",
+    "POSITION_KEYS",
+    "SNAPSHOT",
+    "check_positions",
+    "check_snapshot_structure",
     "LOCK_NAME",
     "BackgroundWriter",
     "CheckpointError",
@@ -91,6 +105,9 @@ __all__ = [
     "best_weights_name",
     "build_payload",
     "check_against_fit",
+    "check_reachable",
+    "configure_store",
+    "is_url",
     "checkpoint_name",
     "find_latest",
     "list_checkpoints",

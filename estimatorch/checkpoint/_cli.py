@@ -6,6 +6,7 @@ Exit status 0 when the command did its work, 2 on an error (the message goes to 
 from __future__ import annotations
 
 import argparse
+import json
 import math
 import os
 import shutil
@@ -18,7 +19,7 @@ from ._files import atomic_save
 from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
 from ._locate import Located, locate
 from ._lock import DirectoryLock, DirectoryLockedError
-from ._sharded import sharded_tensors
+from ._sharded import read_rank_state, sharded_tensors
 from ._sharded_run import read_sharded_payload
 from ._weights import is_weights
 
@@ -71,8 +72,32 @@ def _size(state: Any) -> str:
     return f"{len(tensors)} tensors, {sum(t.numel() for t in tensors)} values ({', '.join(dtypes) or 'no dtype'})"
 
 
-def _inspect(path: str) -> int:
-    found: Located = locate(path)
+def storage_options(pairs: list[str]) -> Optional[dict[str, Any]]:
+    """``--storage-option KEY=VALUE`` pairs over the JSON object of ``$ESTIMATORCH_STORAGE_OPTIONS``:
+    fsspec's arguments for a URL. A VALUE that reads as JSON is taken as such
+    (``client_kwargs={"endpoint_url": "http://127.0.0.1:8333"}``), else as a string."""
+    options: dict[str, Any] = {}
+    env = os.environ.get("ESTIMATORCH_STORAGE_OPTIONS")
+    if env:
+        try:
+            options = json.loads(env)
+        except ValueError as err:
+            raise CheckpointError(f"$ESTIMATORCH_STORAGE_OPTIONS is not a JSON object: {err}") from None
+        if not isinstance(options, dict):
+            raise CheckpointError(f"$ESTIMATORCH_STORAGE_OPTIONS must be a JSON object, got {env[:60]!r}")
+    for pair in pairs:
+        key, sep, value = pair.partition("=")
+        if not sep or not key:
+            raise CheckpointError(f"--storage-option takes KEY=VALUE, got {pair!r}")
+        try:
+            options[key] = json.loads(value)
+        except ValueError:
+            options[key] = value
+    return options or None
+
+
+def _inspect(path: str, options: Optional[dict[str, Any]] = None) -> int:
+    found: Located = locate(path, options)
     for reason in found.skipped:
         print(f"warning: skipped {reason}", file=sys.stderr)
     if found.how:
@@ -85,10 +110,13 @@ def _inspect(path: str) -> int:
         dtypes = ", ".join(sorted({str(dtype).replace("torch.", "") for _, dtype in tensors.values()}))
         print(f"model {len(tensors)} tensors, {sum(math.prod(shape) for shape, _ in tensors.values())} values "
               f"({dtypes or 'no dtype'}), in shards of {marker['world_size']} ranks")
-        try:  # a fit's (the storage layer alone writes other per-rank states)
+        try:
             payload = read_sharded_payload(found.path)
         except CheckpointError:
-            return 0
+            rank_state = read_rank_state(found.path, 0)
+            if isinstance(rank_state, dict) and "snapshot" in rank_state:
+                raise  # a fit's, damaged: what a resume refuses
+            return 0  # the storage layer alone wrote it: no run state
         _print_run(payload)
         print(f"optimizer {payload.get('optimizer_class', 'of unknown class')}")
         return 0
@@ -112,13 +140,43 @@ def _print_run(payload: dict[str, Any]) -> None:
     print(f"position {first.get('position', missing)}, plan {first.get('plan', missing)}")
     print(f"fingerprint {first.get('fingerprint', missing)}")
     print(f"handlers {sorted(first['handlers'])}")
+    _print_metrics(first)
+
+
+def _print_metrics(snapshot: dict[str, Any]) -> None:
+    """The metrics of the last epoch the snapshot's history recorded, and each handler's best
+    monitored value (``CheckpointHandler``'s ``best``, ``EarlyStoppingHandler``'s with its epoch)."""
+    history = snapshot.get("history")
+    if isinstance(history, dict) and history.get("epochs"):
+        values = {name: series[-1] for name, series in history.get("values", {}).items() if series}
+        shown = ", ".join(f"{name} {_number(value)}" for name, value in values.items())
+        print(f"metrics of epoch {history['epochs'][-1]}: {shown or '(none recorded)'}")
+    else:
+        print("metrics: none recorded yet (no epoch finished)")
+    bests = []
+    for name, state in sorted(snapshot.get("handlers", {}).items()):
+        best = state.get("best") if isinstance(state, dict) else None
+        if isinstance(best, (int, float)) and not isinstance(best, bool) and math.isfinite(best):
+            epoch = state.get("best_epoch")
+            bests.append(f"{name} {_number(best)}" + (f" (epoch {epoch})" if isinstance(epoch, int) and epoch else ""))
+    if bests:
+        print(f"best monitored value: {'; '.join(bests)}")
+
+
+def _number(value: Any) -> str:
+    return f"{value:.6g}" if isinstance(value, float) else str(value)
 
 
 def _parser() -> argparse.ArgumentParser:
     parser = argparse.ArgumentParser(prog="python -m estimatorch.checkpoint", description=DESCRIPTION)
     sub = parser.add_subparsers(dest="command", required=True, metavar="COMMAND")
     p_inspect = sub.add_parser("inspect", help=INSPECT_HELP, description=INSPECT_HELP)
-    p_inspect.add_argument("path", help="A checkpoint or export file, a {prefix}-latest pointer, or a directory.")
+    p_inspect.add_argument("path", help="A checkpoint or export file, a {prefix}-latest pointer, or a directory; "
+                           "or an fsspec URL of one (s3://bucket/run/model-latest).")
+    p_inspect.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
+                           help="For a URL: an fsspec argument of its filesystem (repeat it; a VALUE in JSON is "
+                           "parsed: client_kwargs='{\"endpoint_url\": \"http://host:8333\"}'). Also read from "
+                           "$ESTIMATORCH_STORAGE_OPTIONS (a JSON object); else the environment's credentials.")
     p_migrate = sub.add_parser("migrate", help=MIGRATE_HELP, description=MIGRATE_HELP)
     p_migrate.add_argument("directory",
                            help="The directory whose checkpoints to upgrade (no fit may be writing there).")
@@ -145,10 +203,10 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return _migrate_dir(args.directory)
             finally:
                 lock.release()
-        return _inspect(args.path)
+        return _inspect(args.path, storage_options(args.storage_option))
     except FileNotFoundError as err:
         print(f"error: {err.filename!r} does not exist" if err.filename else f"error: {err}", file=sys.stderr)
         return 2
-    except (CheckpointError, DirectoryLockedError, OSError) as err:
+    except (CheckpointError, DirectoryLockedError, OSError, ValueError, ImportError) as err:
         print(f"error: {err}", file=sys.stderr)
         return 2

@@ -15,9 +15,13 @@ import os
 import re
 import secrets
 import shutil
+import time
 from typing import Any, Callable, Optional, Union
 
 import torch
+
+from . import _store
+from ._lease import lease_of
 
 __all__ = [
     "atomic_save",
@@ -105,12 +109,13 @@ def list_weights(model_dir: PathLike, prefix: str) -> list[tuple[int, int, str]]
 
 def _list(model_dir: PathLike, pattern: re.Pattern) -> list[tuple[int, int, str]]:
     model_dir = os.fspath(model_dir)
-    if not os.path.isdir(model_dir):
+    url = _store.is_url(model_dir)
+    if not url and not os.path.isdir(model_dir):
         return []
     found = []
-    for name in os.listdir(model_dir):
+    for name in _store.listdir(model_dir):
         match = pattern.fullmatch(name)
-        if match and (not name.endswith(".dcp") or os.path.isdir(os.path.join(model_dir, name))):
+        if match and (not name.endswith(".dcp") or _store.isdir(os.path.join(model_dir, name))):
             found.append((int(match.group(1)), int(match.group(2)), os.path.join(model_dir, name)))
     return sorted(found)
 
@@ -190,12 +195,18 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
     The bytes go to a temporary file in the same directory, which is flushed and fsynced, then
     renamed over ``path`` with ``os.replace``; the directory is fsynced last.
 
+    At a URL (an object store), the bytes are made in memory and uploaded as one object, which
+    appears whole or not at all (``_store.write_bytes``).
+
     Raises:
-        OSError: the write failed (a full disk, an I/O error, a read-only filesystem): the
-            message names ``path`` and the reason, the errno is kept, ``path`` is unchanged and
-            no temporary file is left behind.
+        OSError: the write failed (a full disk, an I/O error, a read-only filesystem, an upload
+            that failed after its retries): the message names ``path`` and the reason, the errno
+            is kept, ``path`` is unchanged and no temporary file is left behind.
     """
     path = os.fspath(path)
+    if _store.is_url(path):
+        _store.save_to(path, obj, writer)
+        return
     directory = os.path.dirname(os.path.abspath(path))
     try:
         fd, tmp = _create_temporary(directory, os.path.basename(path))
@@ -238,9 +249,13 @@ def write_latest(model_dir: PathLike, prefix: str, path: PathLike) -> None:
 
 def read_latest(model_dir: PathLike, prefix: str) -> Optional[str]:
     """The file name ``{prefix}-latest`` names, or None when it is missing or unreadable."""
+    path = os.path.join(os.fspath(model_dir), latest_name(prefix))
     try:
-        with open(os.path.join(os.fspath(model_dir), latest_name(prefix)), encoding="utf-8") as f:
-            name = f.read().strip()
+        if _store.is_url(path):
+            name = _store.read_bytes(path).decode("utf-8").strip()
+        else:
+            with open(path, encoding="utf-8") as f:
+                name = f.read().strip()
     except (OSError, UnicodeDecodeError):
         return None
     return name or None
@@ -252,6 +267,9 @@ def remove_checkpoint(path: PathLike) -> None:
     removed; a kill in between leaves a temporary that :func:`remove_orphan_temporaries` clears.
     Nothing happens when it is gone already."""
     path = os.fspath(path)
+    if _store.is_url(path):  # one object, deleted at once
+        _store.remove(path)
+        return
     try:
         if not os.path.isdir(path) or os.path.islink(path):
             os.remove(path)
@@ -283,8 +301,18 @@ def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
     Only estimatorch's own pattern (``.{prefix}-epoch{E}batch{B}.pt.<hex>.tmp``, and the same
     for ``.dcp``, ``-best.pt`` and ``-latest``) is touched, never a temporary this process is
     writing. The caller holds the directory's lock, so no other live process writes here.
+
+    On an object store, a killed writer leaves no temporary object but an incomplete multipart
+    upload (never listed as an object): those begun before this process took the prefix's lease
+    are aborted, once per lease.
     """
     model_dir = os.fspath(model_dir)
+    if _store.is_url(model_dir):  # once per lease: this process leaves no upload incomplete but by dying
+        lease = lease_of(model_dir)
+        if lease.held and lease.swept:
+            return []
+        lease.swept = lease.held
+        return _store.abort_incomplete_uploads(model_dir, lease.since or time.time())
     try:
         names = os.listdir(model_dir)
     except FileNotFoundError:

@@ -4,6 +4,7 @@ checking its layout."""
 from __future__ import annotations
 
 import hashlib
+import io
 import os
 from collections import OrderedDict
 from typing import Any, Callable, Optional
@@ -13,7 +14,9 @@ import torch
 from .._checks import is_int
 from .._saved import CheckpointError
 from .._version import __version__
+from . import _store
 from ._files import PathLike
+from ._run_state import check_run_state
 
 __all__ = [
     "FORMAT_VERSION",
@@ -149,8 +152,10 @@ def migrate(payload: dict[str, Any], source: str = "checkpoint") -> dict[str, An
 def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
     """Raise :class:`CheckpointError` naming what a (current-version) payload lacks.
 
-    This checks the envelope only: the top-level keys, one entry per rank, and the ``handlers``
-    and ``shared`` entries the store itself reads (:func:`rank_snapshot`);
+    This checks the envelope (the top-level keys, one entry per rank, the ``handlers`` and
+    ``shared`` entries the store itself reads, :func:`rank_snapshot`) and the structure of every
+    rank's run state, as a resume checks it before reading it (``_run_state.check_run_state``:
+    positions, plan, data, handler and metric states, generators);
     :func:`estimatorch.checkpoint.check_against_fit` checks every key, type and shape a resume
     reads against the fit it resumes.
     """
@@ -175,6 +180,7 @@ def validate(payload: dict[str, Any], source: str = "checkpoint") -> None:
         shared = snapshot.get("shared", [])
         if not isinstance(shared, (list, tuple)) or not all(isinstance(name, str) for name in shared):
             raise CheckpointError(f"{source}: 'shared' of rank {rank} must be a list of handler names, got {shared!r}")
+    check_run_state(payload, source)
 
 
 #: how a file ``torch.save`` wrote starts: a zip archive, or (the legacy format) a pickle.
@@ -190,15 +196,21 @@ def _head(path: str) -> Optional[bytes]:
 
 
 def _read(path: str, **kwargs: Any) -> Any:
-    """``torch.load(weights_only=True)`` on the CPU, with the reason in words when it fails."""
-    if os.path.isdir(path):
+    """``torch.load(weights_only=True)`` on the CPU, with the reason in words when it fails. An
+    object (a URL) is read whole into memory first."""
+    data: Optional[bytes] = None
+    if _store.is_url(path):
+        data = _store.read_bytes(path)  # FileNotFoundError when there is none
+        kwargs.pop("mmap", None)
+    elif os.path.isdir(path):
         raise CheckpointError(f"cannot read checkpoint {path!r}: it is a directory")
     try:
-        return torch.load(path, map_location="cpu", weights_only=True, **kwargs)
+        return torch.load(path if data is None else io.BytesIO(data), map_location="cpu", weights_only=True,
+                          **kwargs)
     except FileNotFoundError:
         raise
     except Exception as err:  # truncated, corrupt, or holding objects weights_only refuses
-        head = _head(path)
+        head = _head(path) if data is None else data[:4]
         if head == b"":
             reason = "the file is empty (0 bytes): a write that never completed"
         elif head is not None and not head.startswith(_TORCH_MAGIC):
@@ -238,6 +250,9 @@ def read_format_version(path: PathLike) -> Optional[int]:
 def file_digest(path: PathLike) -> str:
     """A SHA-256 of the file's bytes: ranks compare it to know they read the same checkpoint."""
     h = hashlib.sha256()
+    if _store.is_url(os.fspath(path)):
+        h.update(_store.read_bytes(os.fspath(path)))
+        return h.hexdigest()
     with open(os.fspath(path), "rb") as f:
         for block in iter(lambda: f.read(1 << 20), b""):
             h.update(block)

@@ -5,6 +5,7 @@ from __future__ import annotations
 import dataclasses
 import os
 
+from . import _store
 from ._files import (
     best_name,
     best_weights_name,
@@ -65,7 +66,7 @@ class Layout:
         run's files of the same names are never mixed with this run's."""
         listed = (list_weights if self.weights else list_checkpoints)(self.model_dir, self.prefix)
         names = [os.path.basename(path) for _, _, path in listed]
-        if os.path.exists(os.path.join(self.model_dir, self.best_name())):
+        if _store.exists(os.path.join(self.model_dir, self.best_name())):
             names.append(self.best_name())
         return names
 

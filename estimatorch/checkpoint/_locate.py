@@ -8,8 +8,9 @@ import errno
 import logging
 import os
 import re
-from typing import Any
+from typing import Any, Optional
 
+from . import _store
 from ._files import PathLike
 from ._format import CheckpointError
 from ._sharded import check_sharded, is_sharded, read_sharded_weights
@@ -49,33 +50,36 @@ def saved_files(directory: PathLike) -> list[str]:
     Pointers, temporaries, incomplete sharded directories and other files are not listed."""
     directory = os.fspath(directory)
     periodic, best = [], []
-    for name in os.listdir(directory):
+    for name in _store.listdir(directory):
         path = os.path.join(directory, name)
         sharded = _PERIODIC_SHARDED.fullmatch(name)
         if sharded and is_sharded(path):
             periodic.append(((int(sharded.group(2)), int(sharded.group(1)), True, name), path))
             continue
-        if not os.path.isfile(path):
+        match, is_best = _PERIODIC.fullmatch(name), _BEST.fullmatch(name)
+        if not (match or is_best) or not _store.isfile(path):
             continue
-        match = _PERIODIC.fullmatch(name)
         if match:
             periodic.append(((int(match.group(2)), int(match.group(1)), match.group(3) is None, name), path))
-        elif _BEST.fullmatch(name):
-            best.append(((os.stat(path).st_mtime_ns, name), path))
+        else:
+            best.append(((_store.mtime(path), name), path))
     return [path for _, path in sorted(periodic, reverse=True)] + [path for _, path in sorted(best, reverse=True)]
 
 
 def _follow(pointer: str) -> str:
     """The file a ``{prefix}-latest`` pointer names (in the pointer's directory)."""
     try:
-        with open(pointer, encoding="utf-8") as f:
-            name = f.read().strip()
+        if _store.is_url(pointer):
+            name = _store.read_bytes(pointer).decode("utf-8").strip()
+        else:
+            with open(pointer, encoding="utf-8") as f:
+                name = f.read().strip()
     except UnicodeDecodeError:
         raise CheckpointError(f"{pointer!r} is not a {{prefix}}-latest pointer: it is not text") from None
     if not name or name in (".", "..") or os.path.basename(name) != name or (os.altsep and os.altsep in name):
         raise CheckpointError(f"pointer {pointer!r} should name a file in its directory, but holds {name[:80]!r}")
     target = os.path.join(os.path.dirname(pointer), name)
-    if not os.path.isfile(target) and not is_sharded(target):
+    if not _store.isfile(target) and not is_sharded(target):
         where = os.path.dirname(pointer) or "."
         raise CheckpointError(f"pointer {pointer!r} names {name!r}, which is not in {where!r} "
                               "(removed or moved since the pointer was written?)")
@@ -89,22 +93,25 @@ def _read(path: str) -> tuple[str, Any]:
     return read_saved(path)
 
 
-def locate(path: PathLike) -> Located:
+def locate(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> Located:
     """Read what ``path`` names, without running code: a checkpoint or weights export file; a
     sharded checkpoint directory (checked, not loaded); a ``{prefix}-latest`` pointer (what it
     names); or a directory: its newest checkpoint or export that can be read (see
     :func:`saved_files`; newer ones that cannot are listed in ``skipped``).
 
+    ``path`` may be an fsspec URL (``s3://bucket/prefix/model-latest``), reached with
+    ``storage_options`` (fsspec's: endpoint, credentials).
+
     Raises:
         FileNotFoundError: nothing is at ``path``.
         CheckpointError: saying why ``path`` names no readable checkpoint or export.
     """
-    path = os.fspath(path)
-    if not os.path.exists(path):
+    path = _store.configure(os.fspath(path), storage_options, arg="path")
+    if not _store.exists(path):
         raise FileNotFoundError(errno.ENOENT, "no such file or directory", path)
     if is_sharded(path):
         return Located(path, "sharded", check_sharded(path))
-    if os.path.isdir(path):
+    if _store.isdir(path):
         return _newest(path)
     if _POINTER.fullmatch(os.path.basename(path)):
         target = _follow(path)
@@ -134,7 +141,7 @@ def _newest(directory: str) -> Located:
                           + "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else ""))
 
 
-def load_weights(path: PathLike) -> Any:
+def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> Any:
     """The model's weights as a plain state dict (tensors on the CPU, the plain module's keys) from
     a checkpoint, a weights export, a sharded checkpoint directory (gathered in full in this
     process; no process group needed), a ``{prefix}-latest`` pointer or a directory (its newest
@@ -142,7 +149,12 @@ def load_weights(path: PathLike) -> Any:
     unpickled but tensors and plain values.
 
     Args:
-        path: a file or a directory.
+        path: a file or a directory; or an fsspec URL of an object or prefix on an object store
+            (``s3://bucket/run/model-latest``: needs the ``estimatorch[s3]`` extra, or the
+            protocol's fsspec package).
+        storage_options: for a URL, fsspec's arguments of its filesystem (endpoint, credentials),
+            e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``;
+            without them the environment's (``AWS_ACCESS_KEY_ID``...).
 
     Returns:
         A state dict for ``net.load_state_dict(...)`` on the plain module (not compiled, not
@@ -161,7 +173,7 @@ def load_weights(path: PathLike) -> Any:
         >>> net.load_state_dict(load_weights(path))
         <All keys matched successfully>
     """
-    found = locate(path)
+    found = locate(path, storage_options)
     for reason in found.skipped:
         logger.warning("load_weights: skipping %s", reason)
     if found.how:

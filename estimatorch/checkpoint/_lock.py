@@ -4,7 +4,8 @@ holds it (host, pid, since when).
 The kernel drops a ``flock`` when its process dies, however it dies: a lock file left by a dead
 process is therefore free, and the next writer takes it over with a warning naming the process
 that left it. Processes forked while the lock is held (``DataLoader`` workers) do not keep it.
-Without ``fcntl`` (Windows) there is no lock; a warning says so once.
+Without ``fcntl`` (Windows) there is no lock; a warning says so once. On an object store (a URL
+``model_dir``) the lease object of ``_lease.py`` stands for the lock, behind the same methods.
 """
 
 from __future__ import annotations
@@ -22,18 +23,16 @@ try:
 except ImportError:  # pragma: no cover - Windows
     fcntl = None  # type: ignore[assignment]
 
+from . import _store
+from ._lease import LOCK_NAME, DirectoryLockedError, lease_of
+
 __all__ = ["LOCK_NAME", "DirectoryLock", "DirectoryLockedError"]
 
-LOCK_NAME = ".estimatorch.lock"
 logger = logging.getLogger("estimatorch")
 
 #: locks this process holds: real path of the directory -> [fd, number of holders].
 _HELD: dict[str, list[int]] = {}
 _WARNED_NO_LOCK = False
-
-
-class DirectoryLockedError(RuntimeError):
-    """Another live process holds the lock of a checkpoint directory."""
 
 
 def _drop_in_child() -> None:
@@ -87,11 +86,14 @@ class DirectoryLock:
         self.directory = os.fspath(directory)
         self.path = os.path.join(self.directory, LOCK_NAME)
         self._key: Optional[str] = None
+        #: on an object store, the prefix's lease (``_lease.py``) stands for the lock
+        self._lease = lease_of(self.directory, LOCK_NAME) if _store.is_url(self.directory) else None
+        self._leased = False
 
     @property
     def held(self) -> bool:
         """True between :meth:`acquire` and :meth:`release`."""
-        return self._key is not None
+        return self._leased if self._lease is not None else self._key is not None
 
     def _locked_error(self, fd: int) -> DirectoryLockedError:
         record: dict[str, Any] = {}
@@ -108,6 +110,9 @@ class DirectoryLock:
     def check(self) -> None:
         """Raise :class:`DirectoryLockedError` when another live process holds the lock (this
         process holding it is fine); change nothing."""
+        if self._lease is not None:
+            self._lease.check()
+            return
         if fcntl is None or os.path.realpath(self.directory) in _HELD:
             return
         try:
@@ -128,6 +133,11 @@ class DirectoryLock:
         Raises:
             DirectoryLockedError: another live process holds it.
         """
+        if self._lease is not None:
+            if not self._leased:
+                self._lease.acquire()
+                self._leased = True
+            return
         if self._key is not None:
             return
         key = os.path.realpath(self.directory)
@@ -171,6 +181,11 @@ class DirectoryLock:
 
     def release(self) -> None:
         """Give the lock back (the last holder in this process removes the lock file)."""
+        if self._lease is not None:
+            if self._leased:
+                self._leased = False
+                self._lease.release()
+            return
         key, self._key = self._key, None
         if key is None or key not in _HELD:
             return

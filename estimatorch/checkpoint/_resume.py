@@ -13,6 +13,7 @@ import os
 from typing import Any, Callable, Optional
 
 from .. import distributed
+from . import _store
 from ._files import PathLike, best_name, list_checkpoints
 from ._format import FORMAT_VERSION, CheckpointError, NewerFormatError, newer_format_error
 from ._sharded_run import digest_of, read_checkpoint, version_of
@@ -66,7 +67,7 @@ def format_versions(model_dir: PathLike, prefix: str) -> dict[str, Optional[int]
     checkpoint."""
     paths = [path for _, _, path in list_checkpoints(model_dir, prefix)]
     best = os.path.join(os.fspath(model_dir), best_name(prefix))
-    if os.path.isfile(best):
+    if _store.isfile(best):
         paths.append(best)
     return {path: version_of(path) for path in paths}
 
@@ -107,7 +108,7 @@ def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, r
     path = os.path.join(os.fspath(model_dir), name)
     hint = ("every rank must see the checkpoints rank 0 writes: use a model_dir on a filesystem shared by "
             "all nodes, or copy the files to each node's model_dir before resuming")
-    if not os.path.exists(path):
+    if not _store.exists(path):
         raise CheckpointError(f"rank {rank} has no {name} in its model_dir {os.fspath(model_dir)!r}, the "
                               f"checkpoint rank 0 resumes from; {hint}")
     try:

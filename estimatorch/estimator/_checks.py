@@ -3,7 +3,8 @@ runs before any step and before any file is written."""
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
+import inspect
+from collections.abc import Callable, Iterable, Iterator, Mapping, Sequence, Sized
 from typing import Any, Optional, Union, cast
 
 import torch
@@ -11,7 +12,7 @@ from torch import nn
 
 from .. import distributed
 from .._checks import check_bool, check_positive_int, is_int
-from ..event_handlers._dispatch import handler_name
+from ..events import handler_name
 
 __all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
            "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]
@@ -175,9 +176,26 @@ def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, interval: Any) -> tupl
             raise ValueError("lr_scheduler must schedule this estimator's optimizer")
         return lr_scheduler, None
     if callable(lr_scheduler):
+        _check_factory_arity(lr_scheduler)
         return None, lr_scheduler
     raise TypeError("lr_scheduler must be a torch LR scheduler or a callable (optimizer, total_steps) -> "
                     f"scheduler, got {lr_scheduler!r}")
+
+
+def _check_factory_arity(factory: Callable[..., Any]) -> None:
+    """A factory ``fit`` will call as ``factory(optimizer, total_steps)``: one that cannot take
+    two positional arguments (``lambda optimizer: ...``) is refused now, not at fit start."""
+    try:
+        signature = inspect.signature(factory)
+    except (TypeError, ValueError):  # a builtin without a signature: fit will tell
+        return
+    try:
+        signature.bind(None, 0)
+    except TypeError:
+        raise TypeError(f"lr_scheduler is called as lr_scheduler(optimizer, total_steps), but {factory!r} takes "
+                        f"{signature}: give it both parameters, e.g. lambda optimizer, total_steps: "
+                        "torch.optim.lr_scheduler.CosineAnnealingLR(optimizer, T_max=total_steps), or pass a "
+                        "scheduler built over the optimizer") from None
 
 
 def check_limits(batches_per_epoch: Any, val_batches: Any) -> None:

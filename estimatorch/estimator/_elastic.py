@@ -51,8 +51,8 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .. import distributed, rng
-from ..event_handlers import GradientUpdateHandler
-from ..samplers._index_shuffle import check_permutation, order_fingerprint
+from ..events import accumulation_steps, declared
+from ..samplers import check_permutation, order_fingerprint
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
 from ._iterable_streams import check_num_workers
 from ._streams import _LoaderStream
@@ -173,9 +173,9 @@ _GIVEN = {"_SequenceStream": "a list or tuple of batches", "StatefulIterableStre
 
 def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device) -> None:
     """Lay ``stream`` out in global steps when one of ``handlers`` asks for elastic checkpoints
-    (an ``elastic`` attribute that is True); raises ``ValueError`` before any work when its data
+    (``elastic_checkpoints``); raises ``ValueError`` before any work when its data
     cannot be laid out so."""
-    if not any(getattr(h, "elastic", False) is True for h in handlers):
+    if not any(declared(h, "elastic_checkpoints") for h in handlers):
         return
     why = ("elastic=True lays the samples of every optimizer step out over the processes, so train_data "
            "must be a map-style DataLoader with a batch_size and a sampler estimatorch orders by (seed, "
@@ -189,7 +189,7 @@ def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device
     if found is None or batch_size is None:
         raise ValueError(f"{why}; got a DataLoader with batch_size={stream.batch_size!r} and a {stream.sampler_name}")
     order, key, sampler_drops = found
-    accumulation = next((h.accumulation_steps for h in handlers if isinstance(h, GradientUpdateHandler)), 1)
+    accumulation = accumulation_steps(handlers)
     layout = ElasticLayout(order, key, stream.dataset_len, batch_size, distributed.get_world_size(),
                            distributed.get_rank(), accumulation, stream.drop_last or sampler_drops, stream.seed,
                            device, getattr(stream.sampler, "permutation", None))

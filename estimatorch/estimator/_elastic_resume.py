@@ -38,7 +38,7 @@ from .. import distributed, rng
 from .._checks import is_int, warn_user
 from .._saved import CheckpointError
 from ..checkpoint import rank_snapshot
-from ..event_handlers import GradientUpdateHandler
+from ..events import declared
 from ..metrics.base import Metric, metric_name
 from ._elastic import check_fingerprint, is_elastic
 
@@ -81,7 +81,7 @@ def _remap(estimator: Any, run: Any, payload: dict[str, Any], layout: Any, sourc
     snapshots = [rank_snapshot(payload, rank) for rank in range(old_world)]
     first = snapshots[0]
     position = first["position"]
-    accumulators = [name for name, h in run.dispatch.by_name.items() if isinstance(h, GradientUpdateHandler)]
+    accumulators = [name for name, h in run.dispatch.by_name.items() if declared(h, "accumulation_steps") is not None]
     pending = [s["handlers"].get(name, {}).get("pending", 0) for s in snapshots for name in accumulators]
     if position["batch"] % old_k or any(pending):
         raise CheckpointError(

@@ -16,7 +16,7 @@ from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_in
 from .. import distributed, rng
 from .._batches import to_device
 from .._checks import is_int
-from ..event_handlers._dispatch import Dispatch, check_handlers, order_handlers
+from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
 from ._sharding import InferenceData, for_inference
 from ._stream_base import loader_kwargs

@@ -9,7 +9,8 @@ does ``fit`` raise what the signal would have: ``KeyboardInterrupt`` for Ctrl-C,
 ``SystemExit(143)`` (128 + SIGTERM, the status a shell reports for a job ended by SIGTERM) for
 SIGTERM, so ``finally`` blocks run and the process exits with the conventional status.
 
-- A second Ctrl-C stops at once (a plain ``KeyboardInterrupt`` in the middle of a step). A
+- A second Ctrl-C stops at once (a ``KeyboardInterrupt`` in the middle of a step, or of the
+  save of the stop, which leaves no file half-written), with a one-line message. A
   SIGTERM after a Ctrl-C turns the pending stop into a SIGTERM one (the process must end).
 - Handlers are installed only in the main thread, only over Python's defaults (SIGINT's
   ``default_int_handler``, SIGTERM's ``SIG_DFL``): an ignored SIGINT (a job started in the
@@ -33,7 +34,7 @@ from typing import Any, Callable, Optional
 from .. import distributed
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
-           "stop_exception", "stop_message"]
+           "stop_exception", "stop_message", "stopped_at_once"]
 
 #: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
@@ -77,6 +78,19 @@ def interrupted(message: str) -> KeyboardInterrupt:
     return error
 
 
+def stopped_at_once(*, saving: bool) -> KeyboardInterrupt:
+    """The ``KeyboardInterrupt`` of a second Ctrl-C, raised wherever it lands (in a step, or in a
+    ``torch.save`` of the checkpoint the first one asked for when ``saving``). Uncaught in a script
+    it ends with its one line, as a clean stop does (:func:`install_excepthook`): a checkpoint
+    file is written whole or not at all, so the line can say what is kept."""
+    where = "while fit saved the stop" if saving else "in the middle of a step"
+    error = KeyboardInterrupt(f"stopped at once by a second Ctrl-C {where}: a checkpoint being written was "
+                              "discarded (files are written whole or not at all); a resume continues from the "
+                              "last complete checkpoint")
+    error.estimatorch_one_line = True  # type: ignore[attr-defined]
+    return error
+
+
 def is_clean_stop(error: BaseException) -> bool:
     """Whether ``error`` is the ``KeyboardInterrupt`` of a stop at a step boundary (:func:`interrupted`)."""
     return isinstance(error, KeyboardInterrupt) and getattr(error, "estimatorch_stop", False) is True
@@ -91,7 +105,7 @@ def stop_exception(name: str) -> BaseException:
 
 def _one_line(previous: Callable[..., Any]) -> Callable[..., Any]:
     def excepthook(kind: type, value: BaseException, tb: Any) -> None:
-        if is_clean_stop(value):
+        if is_clean_stop(value) or getattr(value, "estimatorch_one_line", False) is True:
             if distributed.is_main_process():  # one line for the job, not one per process
                 sys.stderr.write(f"KeyboardInterrupt: {value}\n")  # then Python ends the process as Ctrl-C does
             sys.stderr.flush()
@@ -162,7 +176,7 @@ class SignalGuard:
                 raise stop_exception(name)
         elif name == "SIGINT":  # a second Ctrl-C: stop at once
             signal.signal(signal.SIGINT, signal.default_int_handler)
-            raise KeyboardInterrupt
+            raise stopped_at_once(saving=self.stopped is not None)
         elif self.code < SIGNAL_CODES[name]:  # SIGTERM after a Ctrl-C: the process must end
             self.code = SIGNAL_CODES[name]
             self._log("SIGTERM too: fit will end with SystemExit(143) once it has stopped")

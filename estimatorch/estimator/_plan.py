@@ -27,8 +27,8 @@ from torch.optim.lr_scheduler import (
 )
 
 from .._checks import check_positive_int, warn_user
-from ..event_handlers import GradientUpdateHandler, LRSchedulerHandler, StoppingHandler
-from ..event_handlers._dispatch import check_handlers
+from ..event_handlers import LRSchedulerHandler
+from ..events import accumulation_steps, check_handlers
 from ._elastic import configure_elastic
 from ._streams import make_train_stream
 
@@ -73,13 +73,15 @@ def _tighter(own: Optional[int], plan: Optional[int]) -> Optional[int]:
 def plan_counts(per_epoch: Optional[int], handlers: list[Any], epochs: Optional[int], batches: Optional[int],
                 batches_per_epoch: Optional[int]) -> PlanCounts:
     """The plan of a fit over data of ``per_epoch`` batches with ``handlers`` (its
-    ``GradientUpdateHandler``'s accumulation, its ``StoppingHandler``'s limits)."""
+    ``accumulation_steps``, their ``stop_limits``)."""
     if batches_per_epoch is not None:
         per_epoch = batches_per_epoch if per_epoch is None else min(per_epoch, batches_per_epoch)
-    accumulation = next((h.accumulation_steps for h in handlers if isinstance(h, GradientUpdateHandler)), 1)
+    accumulation = accumulation_steps(handlers)
     for handler in handlers:
-        if isinstance(handler, StoppingHandler):
-            epochs, batches = _tighter(handler.max_epoch, epochs), _tighter(handler.max_batch, batches)
+        limits = getattr(handler, "stop_limits", None)
+        if callable(limits):
+            max_epoch, max_batch = limits()
+            epochs, batches = _tighter(max_epoch, epochs), _tighter(max_batch, batches)
     return PlanCounts(per_epoch, accumulation, epochs, batches)
 
 

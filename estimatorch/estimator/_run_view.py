@@ -7,7 +7,7 @@ from __future__ import annotations
 import dataclasses
 from typing import Any, Callable, Optional
 
-from ..event_handlers._dispatch import Dispatch
+from ..events import Dispatch
 from ._state import Position, Run, resume_plan
 
 __all__ = ["RunView"]

@@ -14,9 +14,9 @@ from typing import Any
 import torch
 from torch import nn
 
-from .. import distributed
+from .. import _console, distributed
+from .._checks import warn_user
 from ..event_handlers import (
-    CheckpointHandler,
     GradientUpdateHandler,
     LoggingHandler,
     LRSchedulerHandler,
@@ -24,14 +24,34 @@ from ..event_handlers import (
     ProgressBarHandler,
     StoppingHandler,
     ValidationHandler,
-    _bars,
 )
+from ..events import declared
 from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
 from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
 
-__all__ = ["default_handlers", "describe_stop", "interactive", "signal_guard", "torch_flags", "train_metric_list",
-           "val_metric_list"]
+__all__ = ["default_handlers", "default_optimizer", "describe_stop", "interactive", "signal_guard", "torch_flags",
+           "train_metric_list", "val_metric_list", "warn_default_optimizer"]
+
+#: the optimizer an ``Estimator`` built without one uses, as its warning shows it.
+DEFAULT_OPTIMIZER = "torch.optim.SGD(net.parameters(), lr=0.01)"
+
+
+def default_optimizer(net: nn.Module) -> Any:
+    """``Estimator(optimizer=None)``'s optimizer: SGD with lr 0.01 over ``net``'s trainable
+    parameters (None without any). Built silently: an estimator only used to evaluate or
+    predict never trains with it; ``fit`` warns (:func:`warn_default_optimizer`)."""
+    params = [p for p in net.parameters() if p.requires_grad]
+    return torch.optim.SGD(params, lr=0.01) if params else None
+
+
+def warn_default_optimizer(estimator: Any) -> None:
+    """Warn at the user's ``fit`` line, once per estimator, when it trains with the default
+    optimizer (still the one it was built with)."""
+    default, estimator._default_optimizer = getattr(estimator, "_default_optimizer", None), None
+    if default is not None and estimator.optimizer is default:
+        warn_user(f"no optimizer given to Estimator: fit trains with {DEFAULT_OPTIMIZER}. Pass "
+                  "Estimator(..., optimizer=...) to choose one")
 
 
 def _rename(metric: Any, prefix: str) -> Any:
@@ -66,7 +86,7 @@ def val_metric_list(val_metrics: Any, train_metrics: list[Any]) -> list[Any]:
 
 def interactive() -> bool:
     """True in a terminal or a Jupyter kernel: where a progress bar is shown by default."""
-    if _bars.in_notebook():
+    if _console.in_notebook():
         return True
     stream = sys.stderr
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
@@ -131,15 +151,15 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
     """Defers SIGINT and SIGTERM to a step boundary, with a message that fits where we are,
     logged on every rank."""
     # only a handler writing resumable checkpoints saves the boundary (exporters do not)
-    savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
+    savers = [h for h in handlers if declared(h, "checkpoint_location") is not None]
 
     def describe(name: str) -> str:
         rank = f"[rank {distributed.get_rank()}] " if distributed.is_distributed() else ""
-        return rank + stop_message(name, notebook=_bars.in_notebook(), checkpointing=bool(savers),
-                                   resumes=any(h.resume_from_checkpoint for h in savers),
+        return rank + stop_message(name, notebook=_console.in_notebook(), checkpointing=bool(savers),
+                                   resumes=any(declared(h, "resumes_run") for h in savers),
                                    multi=distributed.is_distributed())
 
-    if not _bars.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
+    if not _console.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
         install_excepthook()
     return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}))
 
@@ -150,14 +170,14 @@ def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> 
     if not is_clean_stop(error):
         return error
     pos = estimator.position
-    savers = [h for h in handlers if isinstance(h, CheckpointHandler) and h.resumable]
+    savers = [h for h in handlers if declared(h, "checkpoint_location") is not None]
     where = f"stopped by Ctrl-C after step {pos.step} (epoch {pos.epoch + (pos.phase != 'epoch_end')})"
-    if _bars.in_notebook():
+    if _console.in_notebook():
         how = "fit(..., resume=True) continues from there"
-    elif any(h.resume_from_checkpoint for h in savers):
-        how = f"checkpoint in {savers[0].model_dir}: run the script again to resume"
+    elif any(declared(h, "resumes_run") for h in savers):
+        how = f"checkpoint in {declared(savers[0], 'checkpoint_location')}: run the script again to resume"
     elif savers:
-        how = (f"checkpoint in {savers[0].model_dir}: to resume, run again with "
+        how = (f"checkpoint in {declared(savers[0], 'checkpoint_location')}: to resume, run again with "
                "CheckpointHandler(..., resume_from_checkpoint=True)")
     else:
         how = "nothing saved: add CheckpointHandler(model_dir, resume_from_checkpoint=True) to resume after a stop"

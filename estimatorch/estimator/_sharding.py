@@ -89,7 +89,7 @@ def _active_sampler(loader: DataLoader) -> Any:
 
 def _shards_itself(loader: DataLoader) -> bool:
     """True when the loader's sampler already gives each rank its own share (used as it is)."""
-    for obj in composable._chain(_active_sampler(loader)):
+    for obj in composable.sampler_chain(_active_sampler(loader)):
         if type(obj) in (DistributedSampler, ResumableDistributedSampler):
             return False  # known: its unpadded order is reconstructed
         if isinstance(obj, composable.DistributedSampler):

@@ -5,9 +5,11 @@ A snapshot is a dict of tensors and plain python values (what :data:`SNAPSHOT` l
 rank. A checkpoint store moves a list of them, with the model and optimizer states, to and from
 disk through the estimator's seam (``Estimator.state_payload`` / ``check_payload`` /
 ``load_payload``); an elastic resume maps them onto another world size
-(:mod:`estimatorch.estimator._elastic_resume`). Nothing outside ``estimator/`` reads their keys,
-except ``handlers`` and ``shared``: a store may keep a state the handler declares the same on every
-rank (``shared_state``) once, and gives it back with ``checkpoint.rank_snapshot``.
+(:mod:`estimatorch.estimator._elastic_resume`). The store declares their keys and checks their
+structure (``checkpoint/_run_state.py``: what ``checkpoint.load`` and ``inspect`` check of any
+file); their meaning is read nowhere outside ``estimator/``, except ``handlers`` and ``shared``: a
+store may keep a state the handler declares the same on every rank (``shared_state``) once, and
+gives it back with ``checkpoint.rank_snapshot``.
 """
 
 from __future__ import annotations
@@ -19,10 +21,18 @@ from typing import Any, Callable, Optional
 import torch
 
 from .. import distributed, rng
-from .._checks import is_int, warn_user
-from .._saved import MISSING, CheckpointError, check_count, check_dict, check_keys, check_like, kind, show
-from ..event_handlers._dispatch import Dispatch
+from .._checks import warn_user
+from .._saved import CheckpointError, check_dict, check_like, show
+from ..checkpoint import (
+    PHASES,
+    PLAN_KEYS,
+    POSITION_KEYS,
+    SNAPSHOT,
+    check_positions,
+    check_snapshot_structure,
+)
 from ..event_handlers.lr_scheduler import epoch_learning_rates
+from ..events import Dispatch, state_attributes
 from ..metrics.base import Metric, metric_name
 from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
@@ -50,29 +60,8 @@ class Position:
     stop: bool = False
 
 
-#: the boundaries a position can be at (see :class:`Position`).
-PHASES = ("start", "batch_end", "epoch_end")
-#: the fields of a saved position.
-POSITION_KEYS = tuple(field.name for field in dataclasses.fields(Position))
-#: the fields of a saved plan (exactly one is set).
-PLAN_KEYS = ("epochs", "batches")
-#: the snapshot of one rank: key -> what it holds. Keys marked optional are absent from files of
-#: earlier versions; every other key is required.
-SNAPSHOT = {
-    "position": "where the loop stands (Position's fields)",
-    "plan": "the fit's plan: epochs or batches",
-    "partial": "True when taken in the middle of a step or an epoch end (resuming redoes it)",
-    "handlers": "every stateful handler's state_dict(), by handler name",
-    "metrics": "every metric's state_dict() (accumulators), by metric name",
-    "history": "History.state_dict(): the per-epoch values so far",
-    "evaluated": "whether the current epoch already ran validation",
-    "data": "the training stream's state_dict()",
-    "fingerprint": "what shapes the data stream (dataset length, batch size, drop_last, world size, seed...)",
-    "rng": "rng.get_state(): every generator of this rank",
-    "pending_stop": "optional: this rank asked to stop, not agreed yet (waiting for the next exchange or in flight)",
-    "shared": "optional: the handlers whose state is the same on every rank (stored once)",
-}
-_OPTIONAL = ("pending_stop", "shared")
+#: the fields of a saved position, which the store checks by name (``checkpoint/_run_state.py``).
+assert POSITION_KEYS == tuple(field.name for field in dataclasses.fields(Position))
 
 
 class Run:
@@ -153,94 +142,35 @@ def take_snapshot(estimator: Any, run: Run, partial: bool = False) -> dict[str, 
 
 
 # -- checking -------------------------------------------------------------------------------------
-def check_positions(ranks: list[Any]) -> None:
-    """Every rank's entry is a snapshot with every required key and a valid position."""
-    for rank, snapshot in enumerate(ranks):
-        if not isinstance(snapshot, dict):
-            raise CheckpointError(f"the snapshot of rank {rank} is a {type(snapshot).__name__}, not a dict")
-        for key in SNAPSHOT:
-            if key not in snapshot and key not in _OPTIONAL:
-                raise CheckpointError(f"the snapshot of rank {rank} is missing {key!r}")
-        _check_position(snapshot["position"], f"the position of rank {rank}")
+def check_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None:
+    """Check everything of one rank's snapshot that a resume of ``run`` reads (but the data
+    fingerprint and the plan, which :func:`resume_plan` judges), without changing anything: its
+    structure (what the store checks of any file, ``checkpoint.check_snapshot_structure``), then
+    its states against this fit's data stream, handlers, metrics and devices.
 
-
-def _check_position(position: Any, where: str) -> None:
-    position = check_dict(position, where)
-    missing = [key for key in POSITION_KEYS if key not in position]
-    if missing:
-        raise CheckpointError(f"{where} lacks {missing}")
-    unknown = [key for key in position if key not in POSITION_KEYS]
-    if unknown:
-        raise CheckpointError(f"{where} has unknown {unknown}")
-    for key in ("epoch", "batch", "step"):
-        check_count(position[key], f"{where}[{key!r}]")
-    if position["phase"] not in PHASES:
-        raise CheckpointError(f"{where}['phase'] must be one of {list(PHASES)}, got {show(position['phase'])}")
-    if not isinstance(position["stop"], bool):
-        raise CheckpointError(f"{where}['stop'] must be a bool, got {show(position['stop'])}")
-
-
-def _check_plan(plan: Any) -> None:
-    plan = check_dict(plan, "plan")
-    missing = [key for key in PLAN_KEYS if key not in plan]
-    if missing:
-        raise CheckpointError(f"plan lacks {missing}")
-    for key, value in plan.items():
-        if value is not None and (not is_int(value) or value < 1):
-            raise CheckpointError(f"plan[{key!r}] must be a positive int or None, got {show(value)}")
-
-
-def _check_history(history: Any) -> None:
-    history = check_dict(history, "history")
-    epochs, values = history.get("epochs", MISSING), history.get("values", MISSING)
-    if not isinstance(epochs, (list, tuple)) or not all(is_int(e) for e in epochs):
-        raise CheckpointError(f"history['epochs'] must be a list of ints, got "
-                              f"{'nothing' if epochs is MISSING else show(epochs)}")
-    for name, series in check_dict(values, "history['values']").items():
-        if not isinstance(series, (list, tuple)) or any(kind(v) != "number" for v in series):
-            raise CheckpointError(f"history['values'][{name!r}] must be a list of numbers, got {show(series)}")
-
-
-def _check_rng(state: Any) -> None:
-    state = check_dict(state, "rng")
-    reference = rng.get_state(cuda=False)
-    check_keys({k: v for k, v in state.items() if k != "cuda"}, reference, "rng")
-    python, want = state["python"], reference["python"]
-    if not (isinstance(python, (list, tuple)) and len(python) == 3 and isinstance(python[0], int)
-            and isinstance(python[1], (list, tuple)) and len(python[1]) == len(want[1])
-            and all(isinstance(x, int) for x in python[1]) and (python[2] is None or isinstance(python[2], float))):
-        raise CheckpointError(f"rng['python'] is not a state of python's random module: {show(python)}")
-    torch_state, want_torch = state["torch"], reference["torch"]
-    if not isinstance(torch_state, torch.Tensor) or torch_state.dtype != torch.uint8 \
-            or torch_state.shape != want_torch.shape:
-        raise CheckpointError(f"rng['torch'] must be {show(want_torch)}, got {show(torch_state)}")
-    numpy_state, want_numpy = check_dict(state["numpy"], "rng['numpy']"), reference["numpy"]
-    if numpy_state.get("bit_generator") != want_numpy["bit_generator"]:
-        raise CheckpointError(f"rng['numpy'] is a state of {numpy_state.get('bit_generator')!r}, "
-                              f"expected {want_numpy['bit_generator']!r}")
-    check_keys(numpy_state, want_numpy, "rng['numpy']")
-    inner = check_dict(numpy_state["state"], "rng['numpy']['state']")
-    check_keys(inner, want_numpy["state"], "rng['numpy']['state']")
-    extra = [("has_uint32", numpy_state["has_uint32"]), ("uinteger", numpy_state["uinteger"])]
-    for key, value in [*inner.items(), *extra]:
-        if not is_int(value):
-            raise CheckpointError(f"rng['numpy'] entry {key!r} must be an int, got {show(value)}")
-    cuda = state.get("cuda")
-    if cuda is not None:
-        have = torch.cuda.device_count() if torch.cuda.is_available() else 0
-        if not isinstance(cuda, (list, tuple)) or not all(
-                isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda):
-            raise CheckpointError(f"rng['cuda'] must be a list of uint8 tensors, got {show(cuda)}")
-        if len(cuda) != have:
-            raise CheckpointError(f"rng['cuda'] holds {len(cuda)} CUDA generator states but this process sees "
-                                  f"{have} CUDA devices")
+    Raises:
+        CheckpointError: saying what is wrong, in words.
+    """
+    check_snapshot_structure(snapshot)
+    data, want = snapshot["data"], run.stream.state_dict()
+    for key, value in want.items():
+        if key not in data:
+            raise CheckpointError(f"the data state lacks {key!r}")
+        check_like(data[key], value, f"the data state[{key!r}]")
+    _check_handlers(snapshot["handlers"], run.dispatch.by_name)
+    _check_metrics(snapshot["metrics"], estimator.train_metrics + estimator.val_metrics)
+    cuda = snapshot["rng"].get("cuda")
+    have = torch.cuda.device_count() if torch.cuda.is_available() else 0
+    if cuda is not None and len(cuda) != have:
+        raise CheckpointError(f"rng['cuda'] holds {len(cuda)} CUDA generator states but this process sees "
+                              f"{have} CUDA devices")
 
 
 def _check_handlers(saved: dict[str, Any], handlers: Mapping[str, Any]) -> None:
     for name, handler in handlers.items():
         if name not in saved or not callable(getattr(handler, "load_state_dict", None)):
             continue  # a handler without saved state starts fresh (the estimator warns)
-        attrs = getattr(handler, "_state_attrs", None)
+        attrs = state_attributes(handler)
         if not attrs:
             continue  # a handler of yours: its load_state_dict is the judge
         state = check_dict(saved[name], f"the state of handler {name!r}")
@@ -266,33 +196,6 @@ def _check_metrics(saved: Any, metrics: list[Any]) -> None:
         if not isinstance(state.get("pending", []), (list, tuple)):
             raise CheckpointError(f"the state of metric {name!r}['pending'] must be a list, "
                                   f"got {show(state['pending'])}")
-
-
-def check_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None:
-    """Check everything of one rank's snapshot that a resume of ``run`` reads (but the data
-    fingerprint and the plan, which :func:`resume_plan` judges), without changing anything.
-
-    Raises:
-        CheckpointError: saying what is wrong, in words.
-    """
-    _check_plan(snapshot["plan"])
-    for key in ("partial", "evaluated"):
-        if not isinstance(snapshot[key], bool):
-            raise CheckpointError(f"{key!r} must be a bool, got {show(snapshot[key])}")
-    if not isinstance(snapshot.get("pending_stop", False), bool):  # absent in files of earlier versions
-        raise CheckpointError(f"'pending_stop' must be a bool, got {show(snapshot['pending_stop'])}")
-    fingerprint = check_dict(snapshot["fingerprint"], "fingerprint")
-    if not all(isinstance(key, str) for key in fingerprint):
-        raise CheckpointError(f"fingerprint keys must be strings, got {list(fingerprint)}")
-    _check_history(snapshot["history"])
-    data, want = check_dict(snapshot["data"], "data"), run.stream.state_dict()
-    for key, value in want.items():
-        if key not in data:
-            raise CheckpointError(f"the data state lacks {key!r}")
-        check_like(data[key], value, f"the data state[{key!r}]")
-    _check_handlers(snapshot["handlers"], run.dispatch.by_name)
-    _check_metrics(snapshot["metrics"], estimator.train_metrics + estimator.val_metrics)
-    _check_rng(snapshot["rng"])
 
 
 # -- resuming -------------------------------------------------------------------------------------

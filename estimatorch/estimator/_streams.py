@@ -39,7 +39,7 @@ from torch.utils.data._utils.collate import default_collate, default_convert
 
 from .. import distributed, rng
 from .._checks import warn_user
-from ..samplers._index_shuffle import order_fingerprint
+from ..samplers import order_fingerprint
 from ..samplers.resumable import (
     ResumableDistributedSampler,
     ResumableRandomSampler,

@@ -4,7 +4,7 @@ from __future__ import annotations
 
 from typing import Any
 
-from .._batches import call_net, split_batch, split_inputs
+from .._batches import call_loss, call_net, split_batch, split_inputs
 
 __all__ = ["BatchProcessor"]
 
@@ -48,7 +48,7 @@ class BatchProcessor:
             estimator.fire("forward_begin", batch=batch)
         with estimator.autocast():
             pred = call_net(estimator.train_net, data)
-            loss = estimator.loss(pred, label)
+            loss = call_loss(estimator.loss, pred, label, "train_data")
         if listeners.forward_end:
             estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
         if listeners.backward_begin:
@@ -67,7 +67,7 @@ class BatchProcessor:
         data, label = split_batch(batch)
         with estimator.autocast():
             pred = call_net(estimator.val_net, data)
-            loss = estimator.val_loss(pred, label)
+            loss = call_loss(estimator.val_loss, pred, label, "val_data")
         return data, label, pred, loss
 
     def predict_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> Any:

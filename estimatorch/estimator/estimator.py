@@ -3,7 +3,6 @@
 from __future__ import annotations
 
 import contextlib
-import warnings
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -11,49 +10,37 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
-from .._batches import to_device
-from .._checks import check_bool, warn_user
-from ..event_handlers._dispatch import Dispatch, check_handlers, check_metric_references, order_handlers
-from ..event_handlers._monitor import resolve_monitors
+from .._checks import check_bool
+from ..events import Dispatch
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
     check_estimator_arguments,
-    check_fit_arguments,
-    check_limits,
     check_lr_scheduler,
-    check_optimizer,
-    check_unique_handlers,
     precision_name,
     resolve_device,
 )
-from ._elastic import configure_elastic
 from ._evaluation import check_inference_args, evaluate_batches
-from ._interrupts import SIGNAL_NAMES, stop_exception
-from ._logging import default_logger as _default_logger  # the demo imports it from here
+from ._interrupts import stop_exception
+from ._logging import default_logger as _default_logger
+from ._loop import end_run, run_loop
 from ._payload import check_payload, payload_of, snapshot_to_resume
-from ._plan import build_scheduler, check_horizons, limited, plan_counts, planned_steps, schedule_length
+from ._plan import build_scheduler, check_horizons, planned_steps
 from ._predict import run_prediction
 from ._run_view import RunView
+from ._sanity import sanity_pass
 from ._setup import (
-    default_handlers,
+    default_optimizer,
     describe_stop,
-    signal_guard,
     torch_flags,
     train_metric_list,
     val_metric_list,
 )
+from ._start import start_run
 from ._state import (
     Run,
-    describe_plan,
-    record_history,
-    restore_snapshot,
-    resume_plan,
-    take_snapshot,
 )
-from ._stop_agreement import agreement_period, rank_identical_stops
 from ._strategy import check_strategy, train_wrapper, wraps
-from ._streams import make_train_stream
 from .batch_processor import BatchProcessor
 from .history import History
 
@@ -72,7 +59,8 @@ class Estimator(RunView):
             ``Accuracy`` when ``loss`` is ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``. A ``Loss``
             metric is always present. Names get a ``train_`` prefix.
         val_metrics: Defaults to deep copies of the train metrics. Names get a ``val_`` prefix.
-        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning. One over none
+        optimizer: Defaults to ``SGD(net.parameters(), lr=0.01)``, with a warning at the first
+            ``fit`` (none for an estimator that only evaluates or predicts). One over none
             of ``net``'s trainable parameters (built over another module) is a ``ValueError``.
         device: Defaults to CUDA (this process's local rank) when available, else the CPU. A
             device this machine cannot train on (``'meta'``, an absent ``'mps'``/``'xpu'``/CUDA
@@ -110,7 +98,7 @@ class Estimator(RunView):
         ...                 optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
         >>> data = [(torch.randn(16, 4), torch.randint(0, 2, (16,))) for _ in range(4)]
         >>> history = est.fit(data, epochs=2)  # doctest: +ELLIPSIS
-        Training begin: SGD (lr 0.1) on cpu, 2 epochs, seed 0, 1 process
+        Training begin: SGD (lr 0.1) on cpu, 2 epochs, seed 0, 1 process. Model: Linear, 10 parameters (10 trainable)...
         [Epoch 1/2] Finished in ...s, 4 batches: train_loss: ..., train_accuracy: ...
         [Epoch 2/2] Finished in ...s, 4 batches: train_loss: ..., train_accuracy: ...
         Train finished in ...s: 2 epochs, 8 batches. train_loss: ..., train_accuracy: ...
@@ -140,7 +128,7 @@ class Estimator(RunView):
         if deterministic and cudnn_benchmark:
             raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
-        seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.device = resolve_device(device)
         self.net = net.to(self.device)
         self.loss = loss
@@ -163,11 +151,8 @@ class Estimator(RunView):
             if callable(getattr(metric, "to", None)):
                 metric.to(self.device)
 
-        if optimizer is None:
-            params = [p for p in net.parameters() if p.requires_grad]
-            if params:
-                warnings.warn("no optimizer given: using torch.optim.SGD(net.parameters(), lr=0.01)", stacklevel=2)
-                optimizer = torch.optim.SGD(params, lr=0.01)
+        if optimizer is None:  # fit warns when it trains with it
+            optimizer = self._default_optimizer = default_optimizer(net)
         self.optimizer = optimizer
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
@@ -238,7 +223,7 @@ class Estimator(RunView):
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
             epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
             batch_axis: int = 0, *, resume: bool = False, batches_per_epoch: Optional[int] = None,
-            val_batches: Optional[int] = None) -> History:
+            val_batches: Optional[int] = None, num_sanity_val_steps: int = 1) -> History:
         """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
 
         The loop, with every event in place::
@@ -300,55 +285,23 @@ class Estimator(RunView):
                 where its data starts, and a resume continues exactly. Defaults to None (all).
             val_batches: evaluate at most this many batches at each validation during this fit
                 (per process). Defaults to None (all).
+            num_sanity_val_steps: before training, take this many batches of ``val_data``
+                through ``val_net``, ``val_loss`` and copies of the val metrics, so that a mistake
+                there (its structure, device, shapes, label format) is an error naming
+                ``val_data`` before the first step. It changes nothing of the run (metrics,
+                random streams, the data's position): a run is bitwise the same with it. 0 turns
+                it off. Defaults to 1.
         """
         distributed.init_from_env()
         error: Optional[Exception] = None
         try:
-            run = self._start_run(train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
-                                  (batches_per_epoch, val_batches))
+            run = start_run(self, train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
+                            (batches_per_epoch, val_batches))
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
+        sanity_pass(self, val_data, num_sanity_val_steps, batch_axis)  # the ranks agree on its outcome too
         return self._fit(run)
-
-    def _start_run(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
-                   event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool,
-                   limits: tuple[Optional[int], Optional[int]]) -> Run:
-        """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
-        rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
-        check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
-        check_limits(*limits)
-        if self.optimizer is None:
-            raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
-        check_optimizer(self.optimizer, self.net)
-        rng._check_seed(self.seed)  # also one assigned after construction
-        user = check_handlers(event_handlers)
-        check_unique_handlers(user)
-        if resume and self._last is None:
-            raise ValueError("resume=True but this estimator has no earlier fit to continue")
-        stream = make_train_stream(train_data, self.seed)
-        handlers = order_handlers(user, default_handlers(self, user, val_data))
-        resolve_monitors(handlers, self.train_metrics + self.val_metrics)  # monitors given by name
-        check_metric_references(handlers, self.train_metrics + self.val_metrics)
-        for handler in handlers:
-            check = getattr(handler, "_check_fit", None)
-            if check is not None:
-                check(self, resume=resume)
-        configure_elastic(stream, handlers, self.device)  # CheckpointHandler(..., elastic=True)
-        resumes = resume or any(getattr(h, "resume_from_checkpoint", None) is not None for h in handlers)
-        if not stream.exact and resumes:
-            warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
-                      "and discard) the batches before the saved position, exact only if it yields the same batches "
-                      "each time. Use a map-style DataLoader, or give the IterableDataset state_dict()/"
-                      "load_state_dict().")
-        run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
-                  signal_guard(handlers, self.logger), limits)
-        run.agreement.period = agreement_period(self.agree_every)
-        run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
-        schedule_length(self, run.counts)  # a callable lr_scheduler can be sized: checked before any work
-        if resume and self._last is not None:  # checked above: a resume has a fit to continue
-            run.pending = resume_plan(run, self._last, source="the previous fit")
-        return run
 
     def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
@@ -367,12 +320,12 @@ class Estimator(RunView):
                     run.at_boundary, run.began = False, True
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
-                    self._loop(run)
+                    run_loop(self, run)
                 except BaseException as err:
                     failed, stopping = True, err
                     raise
                 finally:
-                    self._end(run, failed)
+                    end_run(self, run, failed)
                     describe_stop(stopping, self, run.dispatch.handlers)  # a clean Ctrl-C stop's one line
                 if run.signals.received is not None:  # it came after the last agreed boundary
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
@@ -381,119 +334,6 @@ class Estimator(RunView):
             self._dispatch, self._fitting = Dispatch([]), False
             if not run.started:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
-
-    def _end(self, run: Run, failed: bool) -> None:
-        """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
-        snapshot_error = self._final_snapshot(run, failed)
-        try:
-            if run.began:
-                run.dispatch.fire_train_end(self, failed or snapshot_error is not None)
-        finally:
-            run.stream.close()
-        if snapshot_error is not None and not failed:
-            raise snapshot_error
-
-    def _final_snapshot(self, run: Run, failed: bool) -> Optional[Exception]:
-        """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
-        held any state of its own); return the error if a handler's ``state_dict`` fails, so
-        that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
-        if not run.started:
-            return None
-        try:
-            self._last = take_snapshot(self, run, partial=not run.at_boundary)
-            return None
-        except Exception as err:  # reported after train_end, or logged if another error is on its way
-            self._last = None
-            if failed:
-                self.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
-            return err
-
-    def _loop(self, run: Run) -> None:
-        dispatch, pos, stream, signals, agreement = run.dispatch, run.pos, run.stream, run.signals, run.agreement
-        processor, device, axis, multi = self.batch_processor, self.device, run.batch_axis, agreement.multi
-        marked = rank_identical_stops(dispatch.batch_end)  # stops needing no exchange under DDP
-        pending, run.pending = run.pending, None
-        if pending is not None and pending["position"]["phase"] != "batch_end":
-            restore_snapshot(self, run, pending)
-            pending = None
-            if pos.stop:
-                self.logger.warning("Nothing to resume: the saved run already finished its plan "
-                                    "(%s). Pass a larger epochs= or batches= to train further.",
-                                    describe_plan(run.plan))
-                return
-        if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
-            pos.epoch = pending["position"]["epoch"]
-        else:
-            run.started = True
-        while True:
-            epoch = pos.epoch
-            run.at_boundary = False
-            dispatch.fire("epoch_begin", self)
-            if pending is not None:
-                restore_snapshot(self, run, pending)
-                pending = None
-            if not pos.stop:
-                batch_begin, batch_end = dispatch.batch_begin, dispatch.batch_end
-                started = pos.batch
-                for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
-                    signals.stoppable = run.at_boundary = False
-                    batch = to_device(batch, device)
-                    for fn in batch_begin:
-                        fn(self, batch=batch)
-                    _, label, pred, loss = processor.fit_batch(self, batch, axis)
-                    stop = identical = False
-                    for fn in batch_end:
-                        if fn(self, batch=batch, pred=pred, label=label, loss=loss):
-                            if fn in marked:
-                                identical = True
-                            else:
-                                stop = True
-                    if multi:  # every rank stops at the same step: see _stop_agreement
-                        stop, code = agreement.after_batch(pos.step + 1, stop, identical, signals.code)
-                    else:
-                        stop = stop or identical
-                    pos.batch += 1
-                    pos.step += 1
-                    pos.phase, pos.stop = "batch_end", stop
-                    run.at_boundary = True
-                    if run.boundary_actions:
-                        self._run_boundary_actions(run)
-                    if not multi:  # one process: a signal now stops here, one while waiting for data at once
-                        signals.stoppable = True
-                        code = signals.code
-                    if code:
-                        self._stop_for(run, code)
-                    if stop:
-                        break
-                signals.stoppable = False
-                if started == 0 and pos.batch == 0:
-                    raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
-                                     "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
-            run.at_boundary = False
-            stop = dispatch.fire("epoch_end", self)
-            record_history(self, run, epoch)
-            stop, code = agreement.after_epoch(stop, signals.code)
-            pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
-            pos.stop = pos.stop or stop
-            run.at_boundary = True
-            if run.boundary_actions:
-                self._run_boundary_actions(run)
-            if code or (not multi and signals.code):
-                self._stop_for(run, code or signals.code)
-            if pos.stop:
-                return
-
-    @staticmethod
-    def _stop_for(run: Run, code: int) -> None:
-        """Leave the loop at this boundary because of a signal (agreed by every rank)."""
-        run.signals.stoppable = False
-        run.signals.stopped = SIGNAL_NAMES[code]
-        raise stop_exception(run.signals.stopped)
-
-    def _run_boundary_actions(self, run: Run) -> None:
-        actions, run.boundary_actions = run.boundary_actions, []
-        for action in actions:
-            action()
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:

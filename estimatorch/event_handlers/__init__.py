@@ -5,17 +5,7 @@ handlers by ``priority`` (lower first).
 """
 
 from .._schedule import EventFilter
-from ._base import StatefulHandler
-from .checkpoint_handler import CheckpointHandler
-from .csv_logger import CSVLoggerHandler
-from .early_stopping import EarlyStoppingHandler
-from .gradient_update import GradientUpdateHandler
-from .lambda_handler import LambdaHandler
-from .logging_handler import LoggingHandler
-from .lr_scheduler import LRSchedulerHandler
-from .meter import MeterHandler
-from .metric import MetricHandler
-from .mixins import (
+from ..events import (
     EVENTS,
     BackwardBegin,
     BackwardEnd,
@@ -25,9 +15,19 @@ from .mixins import (
     EpochEnd,
     ForwardBegin,
     ForwardEnd,
+    StatefulHandler,
     TrainBegin,
     TrainEnd,
 )
+from .checkpoint_handler import CheckpointHandler
+from .csv_logger import CSVLoggerHandler
+from .early_stopping import EarlyStoppingHandler
+from .gradient_update import GradientUpdateHandler
+from .lambda_handler import LambdaHandler
+from .logging_handler import LoggingHandler
+from .lr_scheduler import LRSchedulerHandler
+from .meter import MeterHandler
+from .metric import MetricHandler
 from .mlflow_handler import MLflowHandler
 from .progress_bar import ProgressBarHandler
 from .stopping import StoppingHandler

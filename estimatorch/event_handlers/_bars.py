@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 from tqdm import tqdm
 from tqdm.utils import _screen_shape_wrapper
 
-__all__ = ["ConsoleRedirect", "NotebookDisplay", "bar", "bar_class", "fit_postfix", "in_notebook", "short_name"]
+__all__ = ["ConsoleRedirect", "NotebookDisplay", "bar", "bar_class", "fit_postfix", "short_name"]
 
 #: the line width postfixes are fitted to when the output's width is unknown (a file, a notebook).
 DEFAULT_WIDTH = 80
@@ -61,14 +61,6 @@ def fit_postfix(values: dict[str, str], room: int) -> dict[str, str]:
         shown[short] = value
         used += cost
     return shown
-
-
-def in_notebook() -> bool:
-    """True in a Jupyter kernel (where bars go to a display output instead of a stream)."""
-    if "ipykernel" not in sys.modules:
-        return False
-    shell = getattr(sys.modules.get("IPython"), "get_ipython", lambda: None)()
-    return shell is not None and getattr(shell, "kernel", None) is not None
 
 
 @functools.lru_cache(maxsize=None)

@@ -13,6 +13,7 @@ from typing import Any, Optional
 import torch
 
 from .. import checkpoint, distributed
+from ..events import EstimatorView, declared
 from ._paths import check_output_dir
 
 __all__ = ["DirectoryChecks"]
@@ -35,6 +36,7 @@ class DirectoryChecks:
     resume_from_checkpoint: bool
     max_checkpoints: Optional[int]
     sharded: Optional[bool]
+    storage_options: Optional[dict[str, Any]]
 
     def _refuse_existing(self, names: list[str], why: str = "") -> None:
         kind = "weights exports" if self.save_weights_only else "checkpoints"
@@ -46,7 +48,7 @@ class DirectoryChecks:
             f"({', '.join(names[:3])}{', ...' if len(names) > 3 else ''}){why}; {remedy}, or choose another "
             "model_dir or model_prefix (nothing was changed)")
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: ``model_dir`` is usable, no other fit writes there, and nothing saved
         would be overwritten (``fit(..., resume=True)`` continues this estimator's own run, which
         may have written those files) or is of a newer format. (An export's files are checked in
@@ -60,6 +62,12 @@ class DirectoryChecks:
             raise ValueError("CheckpointHandler(sharded=False) but the net is sharded across ranks (FSDP2): its "
                              "checkpoints are directories every rank writes its part of; leave sharded=None")
         sharded = shards or self.sharded is True
+        url = checkpoint.is_url(self.model_dir)
+        if url:  # again in this process (a handler sent to a spawned one keeps its options only)
+            checkpoint.configure_store(self.model_dir, self.storage_options)
+            if sharded and not self.save_weights_only:
+                raise ValueError(f"model_dir {self.model_dir!r}: sharded (FSDP2) checkpoints are not written to "
+                                 "object storage yet; use a directory on a filesystem every rank sees")
         if sharded and not self.save_weights_only:
             for arg in ("save_best", "save_best_only"):
                 if getattr(self, arg):
@@ -70,7 +78,10 @@ class DirectoryChecks:
                                      "save_weights_only=True)")
         self._layout = dataclasses.replace(self._layout, sharded=sharded)
         if distributed.is_main_process():
-            check_output_dir(self.model_dir, "model_dir")
+            if url:  # protocol, endpoint, credentials, bucket: before any step, nothing written
+                checkpoint.check_reachable(self.model_dir)
+            else:
+                check_output_dir(self.model_dir, "model_dir")
             checkpoint.DirectoryLock(self.model_dir).check()
             if self._layout.resumable and not (self.resume_from_checkpoint or resume):
                 names = self._layout.existing()
@@ -78,36 +89,37 @@ class DirectoryChecks:
                     self._refuse_existing(names)
             if not self.save_weights_only:
                 checkpoint.refuse_newer(checkpoint.format_versions(self.model_dir, self.model_prefix))
-        elif os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
+        elif not url and os.path.lexists(self.model_dir) and not os.path.isdir(self.model_dir):
             # the other ranks only read (their model_dir may be node-local, or not there yet)
             raise ValueError(f"model_dir {self.model_dir!r} is not a directory on rank {distributed.get_rank()}")
 
-    def _check_siblings(self, estimator: Any) -> None:
+    def _check_siblings(self, estimator: EstimatorView) -> None:
         for other in estimator.handlers:
             if other is not self and isinstance(other, DirectoryChecks) \
                     and self._layout.shares_files_with(other._layout):
                 raise ValueError(f"two CheckpointHandlers of this fit write the same files ({self._layout.describe()} "
                                  f"in {self.model_dir!r}): give one of them another model_prefix")
 
-    def _open_directory(self, estimator: Any) -> Optional[tuple[str, dict[str, Any]]]:
+    def _open_directory(self, estimator: EstimatorView) -> Optional[tuple[str, dict[str, Any]]]:
         """On rank 0: lock ``model_dir``, refuse another run's files, clear orphaned temporaries,
         refuse newer-format files, choose the checkpoint to resume from (when asked), and list the
         files retention owns."""
-        os.makedirs(self.model_dir, exist_ok=True)
+        if not checkpoint.is_url(self.model_dir):  # an object store has no directories to make
+            os.makedirs(self.model_dir, exist_ok=True)
         self._lock = checkpoint.DirectoryLock(self.model_dir)
         self._lock.acquire()
-        names = self._layout.existing()  # again, under the lock: a fit may have written them since _check_fit
+        names = self._layout.existing()  # again, under the lock: a fit may have written them since check_fit
         resuming = self.resume_from_checkpoint or estimator.resume_pending
         if names and not self._layout.resumable:
-            if not (estimator.resume_pending or any(getattr(h, "resume_from_checkpoint", False) is True
-                                                    and isinstance(h, DirectoryChecks) for h in estimator.handlers)):
+            if not (estimator.resume_pending or any(declared(h, "resumes_run") for h in estimator.handlers)):
                 self._refuse_existing(names, " and this fit resumes no run")
             self._foreign = frozenset(names)
         elif names and not resuming:
             self._refuse_existing(names)
         removed = checkpoint.remove_orphan_temporaries(self.model_dir)
         if removed:
-            logger.info("Removed %d temporary file(s) of interrupted writes from %s", len(removed), self.model_dir)
+            logger.info("Removed %d temporary file(s) or incomplete upload(s) of interrupted writes from %s",
+                        len(removed), self.model_dir)
         found: Optional[tuple[str, dict[str, Any]]] = None
         if not self.save_weights_only:
             versions = checkpoint.format_versions(self.model_dir, self.model_prefix)
@@ -125,6 +137,6 @@ class DirectoryChecks:
                           and path not in skipped]
             if found is not None:  # finish a prune a killed writer left undone (after its pointer)
                 checkpoint.prune(self.saved, self.max_checkpoints, keep=found[0])
-        estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(),
-                              os.path.abspath(self.model_dir))
+        estimator.logger.info("CheckpointHandler writes %s to %s", self._layout.describe(), self.model_dir
+                              if checkpoint.is_url(self.model_dir) else os.path.abspath(self.model_dir))
         return found

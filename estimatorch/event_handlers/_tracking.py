@@ -19,6 +19,7 @@ import signal
 import socket
 import sys
 import time
+from collections.abc import Sequence
 from typing import Any, Optional
 from urllib.parse import urlsplit
 
@@ -28,11 +29,19 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
+from ..events import (
+    AfterTrainEnd,
+    BatchEnd,
+    CheckpointSaved,
+    EpochEnd,
+    EstimatorView,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+)
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._paths import check_run_id
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
-from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["Outcome", "Row", "TrackingHandler", "check_reachable", "require"]
 
@@ -113,7 +122,7 @@ class Outcome:
     checkpoints: list[str]
 
 
-def _outcome(estimator: Any) -> tuple[str, int, bool]:
+def _outcome(estimator: EstimatorView) -> tuple[str, int, bool]:
     if estimator.position.stop:  # the loop ends without an error only once a stop was decided
         return "FINISHED", 0, False
     reason = estimator.interruption  # a signal at a step boundary
@@ -142,7 +151,7 @@ def _param_value(value: Any) -> Optional[str]:
     return text if len(text) <= MAX_PARAM_CHARS else text[:MAX_PARAM_CHARS - 3] + "..."
 
 
-def run_params(estimator: Any) -> dict[str, Any]:
+def run_params(estimator: EstimatorView) -> dict[str, Any]:
     """The run's parameters as ``fit`` begins (the learning rate before any step): model, loss,
     optimizer and its hyper-parameters, schedule, plan, world size, seed, precision, and every
     handler's options."""
@@ -178,22 +187,7 @@ def param_texts(params: dict[str, Any]) -> dict[str, str]:
     return {key: text for key, text in texts.items() if text is not None}
 
 
-def _checkpoints_since(estimator: Any, since: float) -> list[str]:
-    """Checkpoint and weights files the fit's checkpoint handlers hold that were written since
-    ``since`` (a wall-clock time): every ``<model_prefix>-*.pt`` in their ``model_dir``."""
-    found: set[str] = set()
-    for handler in estimator.handlers:
-        directory, prefix = getattr(handler, "model_dir", None), getattr(handler, "model_prefix", None)
-        if not isinstance(directory, str) or not isinstance(prefix, str) or not os.path.isdir(directory):
-            continue
-        for entry in os.scandir(directory):
-            if entry.name.startswith(f"{prefix}-") and entry.name.endswith(".pt") and entry.is_file() \
-                    and entry.stat().st_mtime >= since:
-                found.add(os.path.abspath(entry.path))
-    return sorted(found)
-
-
-class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd):
+class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd, CheckpointSaved, AfterTrainEnd):
     """Base of the experiment-tracker handlers (see :class:`~.MLflowHandler` for what they log).
 
     Subclasses implement :meth:`_check_tracker` (checks before any work, on rank 0) and
@@ -202,7 +196,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
     """
 
     priority = -500  # after the optimizer step and validation, before an LR scheduler at 0
-    _state_attrs = ("run_id", "current_epoch", "total_batches", "history")
+    state_attributes = ("run_id", "current_epoch", "total_batches", "history")
 
     def __init__(self, log_interval: Optional[int], log_checkpoints: bool):
         self.log_interval = check_positive_int(log_interval, "log_interval", allow_none=True)
@@ -218,22 +212,24 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
         self._pending: list[Row] = []
         self._batch_size: Optional[int] = None
         self._params: dict[str, Any] = {}
-        self._started = self._sent = 0.0
+        self._sent = 0.0
+        #: the checkpoints the fit's handlers wrote and still hold (``checkpoint_saved``), in order
+        self._checkpoints: dict[str, None] = {}
 
     # -- what subclasses provide -------------------------------------------------------------
-    def _check_tracker(self, estimator: Any) -> None:
+    def _check_tracker(self, estimator: EstimatorView) -> None:
         raise NotImplementedError
 
-    def _open_session(self, estimator: Any, params: dict[str, str]) -> Any:
+    def _open_session(self, estimator: EstimatorView, params: dict[str, str]) -> Any:
         raise NotImplementedError
 
     # -- the session --------------------------------------------------------------------------
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work, on rank 0 (which writes): the tracker's arguments are usable."""
         if distributed.is_main_process():
             self._check_tracker(estimator)
 
-    def _open(self, estimator: Any) -> None:
+    def _open(self, estimator: EstimatorView) -> None:
         """At the first step's end, once a resume (if any) brought the run id back."""
         params = param_texts({**self._params, "batch_size": self._batch_size})
         self._session = distributed.rank_zero_writer(lambda: self._open_session(estimator, params))
@@ -248,14 +244,14 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
             self._pending = rows  # the run opens at the first step's end: they wait for it
 
     # -- events -------------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._session, self._pending, self._batch_size = None, [], None
         self._params = run_params(estimator) if distributed.is_main_process() else {}
         self.run_id, self.current_epoch, self.total_batches, self.history = None, 0, 0, {}
-        self._started, self._sent = time.time(), time.perf_counter()
+        self._sent, self._checkpoints = time.perf_counter(), {}
         estimator.at_boundary(lambda: self._open(estimator))
 
-    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
         self.total_batches += 1
         if self._batch_size is None:
             self._batch_size = batch_size_of(label, estimator.batch_axis)
@@ -269,7 +265,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
             if time.perf_counter() - self._sent >= SEND_SECS:
                 self._send()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch += 1
         metrics = list(estimator.train_metrics) + (list(estimator.val_metrics) if estimator.validated else [])
         values: dict[str, Any] = {metric_name(m): m.compute() for m in metrics}  # every rank: a collective
@@ -290,22 +286,33 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd)
             if len(column) == n:
                 column.append(math.nan)
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
-        session = self._session
-        if session is None:  # fit ended before the first step's end: no run was opened
-            return
-        try:
+    def checkpoint_saved(self, estimator: EstimatorView, *, written: Sequence[str], removed: Sequence[str],
+                         **kwargs: Any) -> None:
+        """Keep the list of checkpoints the run ends with: what the fit wrote, less what it removed."""
+        for path in removed:
+            self._checkpoints.pop(path, None)
+        for path in written:
+            self._checkpoints.pop(path, None)
+            self._checkpoints[path] = None
+
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        if self._session is not None:  # else the fit ended before the first step's end: no run was opened
             self._send()  # what waited, also past a checkpoint: a resume does not log it twice
-        finally:
-            self._session, self._pending = None, []
-            status, code, preempted = _outcome(estimator)
-            checkpoints = _checkpoints_since(estimator, self._started) if distributed.is_main_process() else []
-            session.finish(Outcome(status, code, preempted, self.history, checkpoints))
+
+    def after_train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        """End the run once every ``train_end`` is done: the checkpoint a signal's stop writes
+        there is listed too."""
+        session = self._session
+        if session is None:
+            return
+        self._session, self._pending = None, []
+        status, code, preempted = _outcome(estimator)
+        session.finish(Outcome(status, code, preempted, self.history, sorted(self._checkpoints)))
 
     # -- state --------------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved run: its id (checked to be an id, not a path), counters and history."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         self.run_id = check_run_id(state["run_id"])
         self.current_epoch = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch",
                                                 minimum=0)

@@ -12,19 +12,17 @@ from typing import Any, Optional, Union
 from .. import checkpoint, distributed
 from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real, warn_user
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ..events.monitor import check_monitor, check_threshold, improved, resolve_mode
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._checkpoint_directory import DirectoryChecks
-from ._monitor import check_monitor, check_threshold, improved, resolve_mode
-from ._subscribe import periodic_events, with_events
-from .mixins import TrainBegin, TrainEnd
 
 __all__ = ["CheckpointHandler"]
 
 logger = logging.getLogger("estimatorch")
 
 
-class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
+class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEnd):
     """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
@@ -126,6 +124,16 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     :func:`estimatorch.checkpoint.load_weights` returns the weights of any checkpoint, export,
     ``-latest`` pointer or directory.
 
+    **Object storage.** ``model_dir`` may be an fsspec URL, ``"s3://bucket/run"`` (the
+    ``estimatorch[s3]`` extra; ``gs://``, ``az://``... with their fsspec package), reached with
+    ``storage_options`` (endpoint, credentials), with the same guarantees by the store's own
+    means: each checkpoint is one object uploaded whole (written in memory first), the pointer
+    after it; a lease object with conditional writes stands for the lock; incomplete uploads of
+    a killed writer are aborted at the next fit start; a failed upload (after bounded retries)
+    keeps the previous checkpoint and pointer and raises naming the URL. The store is checked at
+    ``fit`` start (protocol, bucket, credentials, endpoint), before any step (docs/checkpoints.md).
+    Sharded (FSDP2) checkpoints are not written to object storage yet.
+
     **Counters.** ``current_epoch`` and ``current_batch`` are the epochs completed and batches
     trained in the current fit, those before a resume included, whatever the periods set: they
     are read from the estimator's position (during an event, as of the boundary before it; at a
@@ -133,7 +141,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
 
     Args:
         model_dir: the directory (created if missing); a file, a dangling symlink or a directory
-            this process cannot write is a ``ValueError`` at ``fit`` start.
+            this process cannot write is a ``ValueError`` at ``fit`` start. Or an fsspec URL of a
+            prefix on an object store (``"s3://bucket/run"``; ``file://`` is a plain path).
         model_prefix: file name prefix. Defaults to ``"model"``.
         monitor: a metric's name (e.g. ``"val_loss"``, resolved at ``fit`` start) or a metric
             the estimator owns, for ``save_best`` / ``save_best_only``. Defaults
@@ -167,6 +176,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
             None for a net sharded across ranks only, True also for a plain net (its checkpoints
             then load on any number of ranks, into a sharded net or a plain one), False never
             (refused for a sharded net). Defaults to None.
+        storage_options: for a URL ``model_dir``, fsspec's arguments of its filesystem (for S3:
+            ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``); None takes the
+            environment's. Defaults to None.
 
     Example:
         >>> import tempfile
@@ -178,17 +190,15 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     #: state keys counting this process's batches (scaled by an elastic resume on another world size).
     elastic_batch_counters = ("current_batch",)
 
-    _state_attrs = ("current_epoch", "current_batch", "best")
-
-    def __new__(cls, *args: Any, **kwargs: Any) -> "CheckpointHandler":
-        return super().__new__(with_events(cls, periodic_events(cls, args, kwargs)))  # only the periods set
+    state_attributes = ("current_epoch", "current_batch", "best")
 
     def __init__(self, model_dir: Union[str, os.PathLike], model_prefix: str = "model", monitor: Any = None,
                  verbose: int = 0, save_best: bool = False, mode: str = "auto", epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
-                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None):
+                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None,
+                 storage_options: Optional[dict[str, Any]] = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
         check_file_prefix(model_prefix, "model_prefix")
@@ -215,7 +225,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         if epoch_period is None and batch_period is None:
             raise ValueError("epoch_period and batch_period are both None: nothing would be saved")
         self.max_checkpoints = check_positive_int(max_checkpoints, "max_checkpoints", allow_none=True)
-        self.model_dir = os.fspath(model_dir)
+        self.storage_options = storage_options
+        self.model_dir = checkpoint.configure_store(os.fspath(model_dir), storage_options)  # a URL, or a path
         self.model_prefix = model_prefix
         self.monitor = monitor
         self.verbose = verbose
@@ -226,7 +237,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         self.resume_from_checkpoint = resume_from_checkpoint
         self.save_best_only = save_best_only
         self.save_weights_only = save_weights_only
-        self.elastic = elastic  # read by the estimator at fit start (_elastic.configure_elastic)
+        self.elastic = elastic  # the estimator reads elastic_checkpoints at fit start
         self.async_save = async_save
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"sharded must be None, True or False, got {sharded!r}")
@@ -257,6 +268,25 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
         self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
+
+    def listens_to(self, event: str) -> bool:
+        """Only the events of the periods set: no call per batch without a ``batch_period``."""
+        return {"batch_end": self.batch_period, "epoch_end": self.epoch_period}.get(event, True) is not None
+
+    @property
+    def checkpoint_location(self) -> Optional[str]:
+        """``model_dir`` when this handler writes checkpoints a fit resumes from (not only exports)."""
+        return self.model_dir if self._layout.resumable else None
+
+    @property
+    def resumes_run(self) -> bool:
+        """``resume_from_checkpoint``: ``train_begin`` resumes from the newest checkpoint."""
+        return self.resume_from_checkpoint
+
+    @property
+    def elastic_checkpoints(self) -> bool:
+        """``elastic``: the checkpoints resume on another world size."""
+        return self.elastic
 
     @property
     def resumable(self) -> bool:
@@ -300,7 +330,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (during a resume the counters follow the restored
         position, which holds the same numbers); raises ``ValueError`` naming a missing key."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         epochs = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch", minimum=0)
         batches = check_positive_int(state["current_batch"], f"state of {self.name}: current_batch", minimum=0)
         best = state["best"]
@@ -311,7 +341,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
             self._foreign = frozenset()  # this run's exports: the resumed state knows their best
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._writer is not None:
             self._writer.reset()  # (waits for a write a second Ctrl-C left running)
         self._reset()
@@ -332,9 +362,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         checkpoint.restore_training_state(estimator, found[1])
         self._step_file = (estimator.resume_step, found[0])
         # that boundary is saved already: a signal before the first step saves nothing again
-        self._resumed_step = estimator.resume_step
+        self._resumed_step = -1 if estimator.resume_step is None else estimator.resume_step
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
             self._finish_writes(estimator)
             self._save_interrupted(estimator)
@@ -345,7 +375,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
                 self._writer.join()  # the lock is held until the last file is durable
             self._release_lock()
 
-    def _finish_writes(self, estimator: Any) -> None:
+    def _finish_writes(self, estimator: EstimatorView) -> None:
         """Wait for the background write in flight and raise its failure: on every rank where
         every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
         no error on its way), else (an error, maybe on this rank only: no collective) where it
@@ -369,7 +399,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         elif distributed.is_main_process():
             self._writer.wait()
 
-    def _save_interrupted(self, estimator: Any) -> None:
+    def _save_interrupted(self, estimator: EstimatorView) -> None:
         """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
         boundary (``estimator.interruption``), save that boundary, unless this fit just did or
         trained nothing (exports, which no fit resumes from, are left alone). Every rank calls it
@@ -388,11 +418,11 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         if lock is not None:
             lock.release()
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._batch_filter is not None and self._batch_filter(estimator.position.step + 1):  # with this batch
             estimator.at_boundary(lambda: self._save(estimator))
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._epoch_filter is None:
             return
         pos = estimator.position
@@ -422,7 +452,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
             return False, value
         return improved(value, self.best, self.mode), value
 
-    def _save(self, estimator: Any, background: bool = True) -> None:
+    def _save(self, estimator: EstimatorView, background: bool = True) -> None:
         """Write what is due at the current boundary (with ``async_save``, and ``background``,
         hand it to the writer thread). A collective: every rank calls it."""
         pos = estimator.position
@@ -459,7 +489,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
                                                                                             names, best, step)),
                                     "CheckpointHandler writing a checkpoint")
 
-    def _save_sharded(self, estimator: Any, names: list[str], step: int, background: bool) -> None:
+    def _save_sharded(self, estimator: EstimatorView, names: list[str], step: int, background: bool) -> None:
         """A sharded net's checkpoint directory, written by every rank (a collective; with
         ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
         and retention. A directory of the same name (one the resume skipped as unusable, as a
@@ -473,7 +503,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
 
         checkpoint.save_fit_checkpoint(estimator, path, writer=self._writer if background else None, then=settle)
 
-    def _write(self, estimator: Any, state: Any, names: list[str], best: Optional[float], step_now: int,
+    def _write(self, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float], step_now: int,
                written: bool = False) -> None:
         """On rank 0: the files of one save (at step ``step_now``; already ``written`` for a
         sharded checkpoint), the periodic one first, then the best one; then the pointer,
@@ -481,6 +511,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths if not written else ():
             checkpoint.atomic_save(state, path)
+        kept = list(self.saved)
         if self._layout.resumable:
             if paths[0] in self.saved:
                 self.saved.remove(paths[0])
@@ -493,6 +524,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, DirectoryChecks):
                 checkpoint.remove_checkpoint(earlier)
             checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
+        removed = [path for path in kept if path not in self.saved and path not in paths]
+        estimator.fire("checkpoint_saved", written=[os.path.abspath(path) for path in paths],
+                       removed=[os.path.abspath(path) for path in removed])
         if self.verbose:
             note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
             estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",

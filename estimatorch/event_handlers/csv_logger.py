@@ -8,16 +8,15 @@ from typing import Any, Optional, Union
 
 from .. import distributed
 from .._checks import check_bool, check_positive_int, check_state_keys, warn_user
+from ..events import EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._paths import check_output_file, path_argument
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
-from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["CSVLoggerHandler"]
 
 
-def _columns(estimator: Any) -> list[str]:
+def _columns(estimator: EstimatorView) -> list[str]:
     metrics = [metric_name(m) for m in list(estimator.train_metrics) + list(estimator.val_metrics)]
     return ["epoch", *metrics, *learning_rate_names(len(estimator.optimizer.param_groups))]
 
@@ -61,7 +60,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
     """
 
     priority = float("inf")
-    _state_attrs = ("rows", "size")
+    state_attributes = ("rows", "size")
 
     def __init__(self, path: Union[str, "os.PathLike[str]"], separator: str = ",", append: bool = False):
         self.path = path_argument(path, "path")
@@ -79,7 +78,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self._active = False
 
     # -- checks ----------------------------------------------------------------------------
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: the file can be written and, when appending, holds these columns."""
         if not distributed.is_main_process():
             return
@@ -93,7 +92,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
                                  "another path")
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.rows = 0
         self._columns = _columns(estimator)
         self._active = distributed.is_main_process()
@@ -107,7 +106,7 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self.size = os.path.getsize(self.path) if exists else 0
         estimator.logger.info("CSV log: %s", self.path)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         values = {metric_name(m): float(m.compute()) for m in estimator.train_metrics}  # every rank: a collective
         if estimator.validated:
             values.update((metric_name(m), float(m.compute())) for m in estimator.val_metrics)
@@ -127,14 +126,14 @@ class CSVLoggerHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
             f.flush()
             self.size = f.tell()
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._active = False  # a state loaded outside fit never touches the file
 
     # -- state -----------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Continue the saved counts; on rank 0 during ``fit``, cut ``path`` back to the saved
         length (the rows written after the resume point go)."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         rows = check_positive_int(state["rows"], f"state of {self.name}: rows", minimum=0)
         size = check_positive_int(state["size"], f"state of {self.name}: size", minimum=0)
         if self._active:

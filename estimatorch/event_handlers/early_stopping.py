@@ -9,10 +9,9 @@ import torch
 
 from .._checks import check_bool, check_positive_int, is_real, warn_user
 from ..checkpoint import load_model_state, model_state
+from ..events import EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ..events.monitor import check_monitor, improved, resolve_mode
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
-from ._monitor import check_monitor, improved, resolve_mode
-from .mixins import EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["EarlyStoppingHandler", "improved", "resolve_mode"]
 
@@ -51,7 +50,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         'min'
     """
 
-    _state_attrs = ("current_epoch", "best", "best_epoch", "wait", "stopped_epoch", "best_weights")
+    state_attributes = ("current_epoch", "best", "best_epoch", "wait", "stopped_epoch", "best_weights")
     shared_state = True  # decided on reduced values; best weights are DDP's common weights
 
     def __init__(self, monitor: Any, min_delta: float = 0, patience: int = 0, mode: str = "auto",
@@ -93,13 +92,13 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         self.stopped_epoch = 0
         self.best_weights: Optional[dict[str, torch.Tensor]] = None
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset()
 
     def _beats_baseline(self, value: float) -> bool:
         return self.baseline is None or improved(value, self.baseline, self.mode, self.min_delta)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> bool:
         self.current_epoch += 1
         if self.current_epoch <= self.start_from_epoch:
             return False  # warming up: not even read
@@ -126,7 +125,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
             return True
         return False
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         position = getattr(estimator, "position", None)
         if position is not None and not position.stop:
             return  # interrupted: the weights must stay those a resume continues from

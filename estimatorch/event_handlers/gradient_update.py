@@ -9,14 +9,12 @@ from torch.nn.parallel import DistributedDataParallel
 
 from .. import distributed
 from .._checks import check_positive_int, check_state_keys, is_real
-from ._base import StatefulHandler
-from ._subscribe import subscribe
-from .mixins import BatchEnd, EpochEnd, TrainBegin, TrainEnd
+from ..events import BatchBegin, BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 
 __all__ = ["GradientUpdateHandler"]
 
 
-class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, TrainEnd):
+class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, EpochEnd, TrainEnd):
     """Step the optimizer (and the grad scaler under ``"16-mixed"``), then zero the gradients.
 
     Runs at priority -2000, first in ``batch_end``. With ``accumulation_steps=k`` the gradients
@@ -40,7 +38,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
     """
 
     priority = -2000
-    _state_attrs = ("pending",)
+    accumulation_steps: int
+    state_attributes = ("pending",)
     # gradients accumulated under DDP's no_sync differ per rank: saved for every rank
 
     def __init__(self, accumulation_steps: int = 1, clip_grad_norm: Optional[float] = None):
@@ -55,13 +54,12 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
         #: whether the optimizer stepped at the last batch_end (read by handlers that follow
         #: optimizer steps, e.g. a per-batch LR schedule under gradient accumulation)
         self.stepped = False
-        self._subscribe()
 
-    def _subscribe(self) -> None:
-        # batch_begin (choosing whether DDP synchronises this batch) only with accumulation
-        subscribe(self, ["batch_begin"] if self.accumulation_steps > 1 else [])
+    def listens_to(self, event: str) -> bool:
+        """``batch_begin`` (choosing whether DDP synchronises this batch) only with accumulation."""
+        return event != "batch_begin" or self.accumulation_steps > 1
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.pending = 0
         self._params = [p for group in estimator.optimizer.param_groups for p in group["params"]]
         # Gradients left by earlier work (a fit that failed mid-accumulation, a manual backward)
@@ -72,18 +70,18 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
         net = estimator.train_net
         self._ddp = net if self.accumulation_steps > 1 and isinstance(net, DistributedDataParallel) else None
 
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Under DDP, let only the batch that completes a window synchronise its gradients (DDP
         reads the flag in its forward, which must see it as well as the backward)."""
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = self.pending + 1 >= self.accumulation_steps
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True  # DDP's default, for whatever runs next
             self._ddp = None
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         optimizer = self._plain_optimizer
         if optimizer is not None:  # the common case, kept short: it runs every step
             optimizer.step()
@@ -95,12 +93,12 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd, Tra
         if self.stepped:
             self._step(estimator)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.stepped = bool(self.pending)  # an epoch's leftover batches: one more step
         if self.pending:
             self._step(estimator)
 
-    def _step(self, estimator: Any) -> None:
+    def _step(self, estimator: EstimatorView) -> None:
         optimizer, scaler = estimator.optimizer, estimator.grad_scaler
         if self._ddp is not None and self.pending < self.accumulation_steps:
             self._synchronise(self._ddp)  # a window cut short: its batches ran under no_sync

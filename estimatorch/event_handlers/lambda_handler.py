@@ -6,15 +6,28 @@ from typing import Any, Callable, Optional
 
 from .._checks import check_state_keys, is_real
 from .._schedule import EventFilter
-from ._base import StatefulHandler
-from ._subscribe import subscribe
-from .mixins import BATCH_EVENTS, EVENTS, TrainBegin
+from ..events import (
+    BATCH_EVENTS,
+    EVENTS,
+    BackwardBegin,
+    BackwardEnd,
+    BatchBegin,
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    EstimatorView,
+    ForwardBegin,
+    ForwardEnd,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+)
 
 __all__ = ["LambdaHandler"]
 
 
 def _event_method(event: str) -> Callable[..., Any]:
-    def method(self: "LambdaHandler", estimator: Any, **kwargs: Any) -> Any:
+    def method(self: "LambdaHandler", estimator: EstimatorView, **kwargs: Any) -> Any:
         count = self.counts[event] = self.counts[event] + 1
         if self._filter(count):
             return self._fns[event](estimator, **kwargs)
@@ -24,7 +37,8 @@ def _event_method(event: str) -> Callable[..., Any]:
     return method
 
 
-class LambdaHandler(StatefulHandler, TrainBegin):
+class LambdaHandler(StatefulHandler, TrainBegin, EpochBegin, BatchBegin, ForwardBegin, ForwardEnd, BackwardBegin,
+                    BackwardEnd, BatchEnd, EpochEnd, TrainEnd):
     """Run plain functions on events: ``LambdaHandler(batch_end=fn, every=100)``.
 
     Each function is called as ``fn(estimator, **kwargs)`` with the event's keywords; a
@@ -55,7 +69,7 @@ class LambdaHandler(StatefulHandler, TrainBegin):
     #: state keys counting this process's batches (scaled by an elastic resume on another world size).
     elastic_batch_counters = tuple(f"counts.{event}" for event in BATCH_EVENTS)
 
-    _state_attrs = ("counts",)
+    state_attributes = ("counts",)
 
     def __init__(self, *, every: Optional[int] = None, once: Any = None, before: Optional[int] = None,
                  after: Optional[int] = None, predicate: Optional[Callable[[int], bool]] = None,
@@ -74,16 +88,19 @@ class LambdaHandler(StatefulHandler, TrainBegin):
             raise ValueError(f"priority must be a real number, got {priority!r}")
         self.priority = priority
         self.counts = dict.fromkeys(self._fns, 0)
-        subscribe(self, self._fns)  # exactly the events it has functions for
+
+    def listens_to(self, event: str) -> bool:
+        """The events it has functions for, and ``train_begin`` (every fit counts afresh)."""
+        return event == "train_begin" or event in self._fns
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore the counts; the next events continue from them."""
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         counts = state["counts"]
         check_state_keys(counts, self._fns, f"{self.name}.counts")
         self.counts = {event: int(counts[event]) for event in self._fns}
 
-    def __reduce__(self) -> Any:  # dynamic classes pickle through the base
+    def __reduce__(self) -> Any:
         raise TypeError("LambdaHandler holds plain functions and cannot be pickled")
 
     def __deepcopy__(self, memo: dict) -> "LambdaHandler":
@@ -91,13 +108,13 @@ class LambdaHandler(StatefulHandler, TrainBegin):
         new.__dict__.update({k: (dict(v) if k == "counts" else v) for k, v in self.__dict__.items()})
         return new
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.counts = dict.fromkeys(self._fns, 0)  # every fit counts afresh
         if "train_begin" in self._fns:
             _fire_train_begin(self, estimator, **kwargs)
 
 
 _fire_train_begin = _event_method("train_begin")
-for _event in EVENTS:  # one method per event; only the given events' mixins subscribe them
+for _event in EVENTS:  # one method per event; listens_to keeps only the given events
     if _event != "train_begin":
         setattr(LambdaHandler, _event, _event_method(_event))

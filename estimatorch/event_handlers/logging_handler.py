@@ -12,14 +12,12 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_state_keys, is_int
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
-from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates
-from .mixins import EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
-__all__ = ["LoggingHandler", "format_metrics"]
+__all__ = ["LoggingHandler", "format_metrics", "model_summary"]
 
 
 def format_metrics(values: dict[str, float]) -> str:
@@ -32,7 +30,39 @@ def _format_rates(rates: dict[str, float]) -> str:
     return ", ".join(f"{name}: {value:.4g}" for name, value in rates.items())
 
 
-class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd):
+def model_summary(net: Any, precision: str) -> str:
+    """One line on ``net`` for the start summary: its class, parameters (all and trainable,
+    counted once when shared), their dtypes and devices, and the training precision.
+
+    Example:
+        >>> import torch
+        >>> net = torch.nn.Sequential(torch.nn.Linear(4, 8), torch.nn.Linear(8, 2))
+        >>> net[0].requires_grad_(False)  # doctest: +ELLIPSIS
+        Linear(...)
+        >>> model_summary(net, "32")
+        'Sequential, 58 parameters (18 trainable), float32 on cpu, precision 32'
+        >>> model_summary(torch.nn.Linear(1000, 1000), "bf16-mixed")
+        'Linear, 1.0M parameters (1.0M trainable), float32 on cpu, precision bf16-mixed'
+    """
+    params = list(net.parameters())  # each shared parameter once
+    total = sum(p.numel() for p in params)
+    trainable = sum(p.numel() for p in params if p.requires_grad)
+    dtypes = "+".join(dict.fromkeys(str(p.dtype).replace("torch.", "") for p in params)) or "no parameters"
+    devices = "+".join(dict.fromkeys(str(p.device) for p in params))
+    where = f" on {devices}" if devices else ""
+    return (f"{type(net).__name__}, {_count(total)} parameters ({_count(trainable)} trainable), {dtypes}{where}, "
+            f"precision {precision}")
+
+
+def _count(n: int) -> str:
+    """``58``, ``12,345``, ``1.0M``, ``7.2B``: exact below a million."""
+    for size, unit in ((10**9, "B"), (10**6, "M")):
+        if n >= size:
+            return f"{n / size:.1f}{unit}"
+    return f"{n:,}"
+
+
+class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
@@ -40,9 +70,10 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     ``torch.distributed``: every rank computes, rank 0 prints); val metrics are shown in the
     epochs that validated, and the epoch line ends with the learning rate the epoch trained with
     (``lr``, or ``lr_group<i>`` per param group: the values ``History`` records). Runs last
-    (priority +inf), after validation and checkpoints. What a run prints::
+    (priority +inf), after validation and checkpoints. The start line ends with a summary of
+    the model (:func:`model_summary`). What a run prints::
 
-        Training begin: SGD (lr 0.1) on cpu, 3 epochs, seed 0, 1 process
+        Training begin: SGD (lr 0.1) on cpu, 3 epochs, seed 0, 1 process. Model: Sequential, 67 parameters (...
         [Epoch 1/3][Batch 50][Samples 400] 0.120s/50 batches, train_loss: 1.0321, ...
         [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123, lr: 0.1
         Train finished in 0.760s: 3 epochs, 300 batches. train_loss: 0.5012, ...
@@ -77,7 +108,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     elastic_batch_counters = ("batch_in_epoch", "samples_in_epoch")
 
     priority = float("inf")
-    _state_attrs = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
+    state_attributes = ("current_epoch", "batch_in_epoch", "samples_in_epoch", "run_id")
 
     def __init__(self, log_interval: Union[str, int] = "epoch", metrics: Any = None, *,
                  log_dir: Union[str, os.PathLike, None] = None, run_name: str = "train"):
@@ -98,12 +129,14 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._file_handler: Optional[logging.FileHandler] = None
         self._logger: Optional[logging.Logger] = None
         self._estimator: Any = None
-        self._in_fit = False
+        self._in_fit = self._looped = False
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
         self._reset_counts()
-        # a line per epoch needs nothing per step: batch_end is subscribed only for batch lines
-        subscribe(self, [] if log_interval == "epoch" else ["batch_end"])
+
+    def listens_to(self, event: str) -> bool:
+        """A line per epoch needs nothing per step: ``batch_end`` only for batch lines."""
+        return event != "batch_end" or self.log_interval != "epoch"
 
     @property
     def batch_lines(self) -> bool:
@@ -122,7 +155,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._resume_batch = 0
 
     # -- helpers ---------------------------------------------------------------------------
-    def _shown(self, estimator: Any, with_val: bool) -> list[Any]:
+    def _shown(self, estimator: EstimatorView, with_val: bool) -> list[Any]:
         metrics = self.metrics if self.metrics is not None else estimator.train_metrics + estimator.val_metrics
         if not with_val:  # val metrics hold a value only after a validation
             val = {id(m) for m in estimator.val_metrics}
@@ -132,7 +165,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     def _values(self, metrics: list[Any]) -> dict[str, float]:
         return {metric_name(m): float(m.compute()) for m in metrics}
 
-    def _epoch_label(self, estimator: Any) -> str:
+    def _epoch_label(self, estimator: EstimatorView) -> str:
         total = f"/{estimator.max_epoch}" if estimator.max_epoch else ""
         return f"[Epoch {self.current_epoch + 1}{total}]"
 
@@ -151,17 +184,17 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self._file_handler.close()
         self._file_handler = None
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: the log directory can be written (on rank 0, which writes it)."""
         if self.log_dir is not None and distributed.is_main_process():
             check_output_dir(self.log_dir, "log_dir")
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch = 0
         self._reset_counts()
         self._validated = False  # any validation in this fit: the final line shows val metrics
-        self._train_start = time.perf_counter()
+        self._train_start, self._looped = time.perf_counter(), False
         self._logger, self._estimator, self._in_fit = estimator.logger, estimator, True
         self._close_file()
         self.log_file = self.run_id = None
@@ -173,9 +206,10 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         optimizer = estimator.optimizer
         lrs = "; ".join(dict.fromkeys(_group_rate(g) for g in optimizer.param_groups))  # alike groups once
         plan = f"{estimator.max_epoch} epochs" if estimator.max_epoch else f"{estimator.max_batch} batches"
-        estimator.logger.info("Training begin: %s (lr %s) on %s, %s, seed %d, %d process%s",
+        estimator.logger.info("Training begin: %s (lr %s) on %s, %s, seed %d, %d process%s. Model: %s",
                               type(optimizer).__name__, lrs, estimator.device, plan, estimator.seed,
-                              distributed.get_world_size(), "es" if distributed.get_world_size() > 1 else "")
+                              distributed.get_world_size(), "es" if distributed.get_world_size() > 1 else "",
+                              model_summary(estimator.net, estimator.precision))
         if self.log_file is not None:
             if estimator.resume_pending:  # it may continue the resumed run's file: say which once known
                 estimator.at_boundary(self._announce_file)
@@ -186,13 +220,14 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         if self._logger is not None and self.log_file is not None:
             self._logger.info("Log file: %s%s", "continuing " if self._continued else "", self.log_file)
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self.batch_lines:
             self.batch_in_epoch = self.samples_in_epoch = 0
         self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
+        self._looped = True
 
-    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
         """Subscribed only with an int ``log_interval``."""
         if self.batch_in_epoch is None:  # resumed from a state that did not count them
             self.batch_in_epoch = estimator.position.batch
@@ -210,7 +245,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                               self._interval_batches, format_metrics(values))
         self._interval_start, self._interval_batches = now, 0
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._resumed and self._resume_step is None:  # resumed at this epoch's last batch: none ran
             self._mark_resume(ran=0)
         elapsed = time.perf_counter() - self._epoch_start
@@ -223,7 +258,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                               elapsed, batches, ran, ", ".join(v for v in (values, rates) if v))
         self.current_epoch += 1
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        if not self._in_fit:  # an earlier handler's train_begin failed (a refused resume): its error says it all
+            return
         try:
             elapsed = time.perf_counter() - self._train_start
             position = estimator.position
@@ -238,6 +275,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             else:  # stopped by an error or a second Ctrl-C: other ranks may not be here to reduce
                 values = "(stopped early; values not reduced across processes)"
             ran = f" ({since} since resume)" if self._resumed else ""
+            if not at_boundary and not self._looped:  # failed in train_begin, before any step
+                estimator.logger.info("Train failed before its first step after %.3fs", elapsed)
+                return
             if not at_boundary:  # the loop returns only at a stop: an error (or a second Ctrl-C) ended a step
                 trained = since if self._resumed else steps
                 estimator.logger.info("Train failed in step %d after %.3fs: %d epochs, %d batches completed%s. %s",

@@ -4,15 +4,14 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
+import torch
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from .._checks import check_state_keys
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin
+from ..events.monitor import check_monitor
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
-from ._monitor import check_monitor
-from ._subscribe import subscribe
 from .gradient_update import GradientUpdateHandler
-from .mixins import TrainBegin
 
 __all__ = ["LRSchedulerHandler", "epoch_learning_rates", "learning_rate_names"]
 
@@ -35,14 +34,27 @@ def _rates(optimizer: Any) -> list[float]:
     return [float(group["lr"]) for group in optimizer.param_groups]
 
 
-def epoch_learning_rates(estimator: Any) -> dict[str, float]:
+def _rates_of(held: list[Any]) -> list[float]:
+    return [float(rate) for rate in held]
+
+
+def _held_rates(optimizer: Any) -> list[Any]:
+    """The rates as they are now, without reading a tensor rate on the host (a per-step record:
+    :func:`epoch_learning_rates` reads it once per epoch)."""
+    return [group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
+            for group in optimizer.param_groups]
+
+
+def epoch_learning_rates(estimator: EstimatorView) -> dict[str, float]:
     """The learning rate of each param group in the epoch that is ending, by
-    :func:`learning_rate_names`: the rate at the end of its batches, before any
-    :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end``. For a per-epoch schedule
-    or ``ReduceLROnPlateau`` that is the rate the epoch trained with (as Keras records
-    ``learning_rate``); a per-batch schedule shows the rate after the epoch's last step. This is
-    what ``History``, ``LoggingHandler``, ``CSVLoggerHandler`` and ``TensorBoardHandler`` show.
-    (A rate changed at ``epoch_end`` by your own handler shows as changed.)
+    :func:`learning_rate_names`: the rate the epoch trained with. For a per-epoch schedule or
+    ``ReduceLROnPlateau`` that is the rate at the end of its batches, before any
+    :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end`` (as Keras records
+    ``learning_rate``); for a per-batch schedule, the rate of the epoch's last optimizer step
+    (before the scheduler stepped after it: a cosine decayed to 0 shows the last rate a batch
+    trained with, not the 0 no batch used). This is what ``History``, ``LoggingHandler``,
+    ``CSVLoggerHandler`` and ``TensorBoardHandler`` show. (A rate changed at ``epoch_end`` by
+    your own handler shows as changed.)
 
     Call it from ``epoch_end`` (or after it, before the next epoch begins).
     """
@@ -50,7 +62,7 @@ def epoch_learning_rates(estimator: Any) -> dict[str, float]:
     for handler in estimator.handlers:
         if isinstance(handler, LRSchedulerHandler) and handler._before_step is not None \
                 and handler._before_step[0] == epoch:
-            rates = handler._before_step[1]  # the first to step: the rates the epoch ended with
+            rates = _rates_of(handler._before_step[1])  # the first to step: the epoch's rates
             break
     else:
         rates = _rates(estimator.optimizer)
@@ -74,7 +86,7 @@ def _describe_rates(before: list[float], after: list[float]) -> str:
                      if b != a)
 
 
-class LRSchedulerHandler(StatefulHandler, TrainBegin):
+class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     """Step a learning-rate scheduler after every epoch (after validation) or after every
     optimizer step. ``ReduceLROnPlateau`` is stepped with ``monitor``'s value.
 
@@ -122,9 +134,11 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self.monitor = monitor
         self._scheduler: Any = scheduler
         #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
-        self._before_step: Optional[tuple[int, list[float]]] = None
-        # only the events it steps on (per batch: also an epoch's leftover accumulation step)
-        subscribe(self, ["batch_end", "epoch_end"] if step_on == "batch" else ["epoch_end"])
+        self._before_step: Optional[tuple[int, list[Any]]] = None
+
+    def listens_to(self, event: str) -> bool:
+        """Only the events it steps on (per batch: also an epoch's leftover accumulation step)."""
+        return event != "batch_end" or self.step_on == "batch"
 
     def resolve_monitor(self, metric: Any) -> None:
         """Watch ``metric``, the estimator's metric of the name given (at ``fit`` start)."""
@@ -137,7 +151,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         if not _is_plateau(scheduler) and monitor is not None:
             raise ValueError(f"monitor= only applies to ReduceLROnPlateau, not {type(scheduler).__name__}")
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         if scheduler is None and getattr(estimator, "lr_scheduler_factory", None) is not None:
             return  # built at fit start, after these checks
@@ -145,7 +159,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
             raise ValueError("LRSchedulerHandler has no scheduler: pass one, or Estimator(lr_scheduler=...)")
         self._check_monitor(scheduler, self.monitor)
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
         self._updaters = [h for h in estimator.handlers if isinstance(h, GradientUpdateHandler)]
         self._before_step = None
@@ -162,16 +176,23 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
         self._scheduler.step()
         return None
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Subscribed with ``step_on="batch"``: after each optimizer step."""
         if not self._updaters or any(u.stepped for u in self._updaters):
-            self._step()
+            self._step_after_batch(estimator)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def _step_after_batch(self, estimator: Any) -> None:
+        """Step, keeping the rates the step just trained with (what the epoch line shows)."""
+        optimizer = getattr(self._scheduler, "optimizer", None)
+        if optimizer is estimator.optimizer:
+            self._before_step = (estimator.position.epoch, _held_rates(optimizer))
+        self._step()
+
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """With ``step_on="epoch"``; with ``"batch"``, after an epoch's leftover accumulation step."""
         if self.step_on == "batch":
             if any(u.stepped for u in self._updaters):  # GradientUpdateHandler ran first (-2000)
-                self._step()
+                self._step_after_batch(estimator)
             return
         optimizer = getattr(self._scheduler, "optimizer", None)
         ours = optimizer is estimator.optimizer
@@ -190,9 +211,13 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin):
 
     def state_dict(self) -> dict[str, Any]:
         own = self.scheduler is not None
-        return {"scheduler": self.scheduler.state_dict() if own else None}
+        # the rates of the epoch's last step so far: a resume at an epoch's last batch shows them too
+        trained = None if self._before_step is None else [self._before_step[0], _rates_of(self._before_step[1])]
+        return {"scheduler": self.scheduler.state_dict() if own else None, "trained_rates": trained}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         check_state_keys(state, ("scheduler",), self.name)
+        trained = state.get("trained_rates")  # absent in a state saved by an older version
+        self._before_step = None if trained is None else (int(trained[0]), [float(r) for r in trained[1]])
         if state["scheduler"] is not None and self.scheduler is not None:
             self.scheduler.load_state_dict(state["scheduler"])

@@ -9,11 +9,22 @@ import torch
 
 from .. import distributed
 from .._checks import check_state_keys
+from ..events import (
+    BackwardBegin,
+    BackwardEnd,
+    BatchBegin,
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    EstimatorView,
+    ForwardBegin,
+    ForwardEnd,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+)
 from ..statistics.base import STEP_EVENTS, Statistic
 from ..statistics.callback import CallbackStatistic
-from ._base import StatefulHandler
-from ._subscribe import subscribe
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from .tensorboard import EPOCH_PREFIX, TensorBoardHandler
 
 __all__ = ["MeterHandler"]
@@ -38,7 +49,8 @@ def _to_host(values: dict[str, Any]) -> dict[str, float]:
     return {tag: out[tag] for tag in values}
 
 
-class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBegin, ForwardBegin, ForwardEnd,
+                   BackwardBegin, BackwardEnd, BatchEnd):
     """Measure :mod:`estimatorch.statistics` during training and write them (QuantLab's meter).
 
     The handler forwards the loop's events to its statistics: every step to running statistics
@@ -104,7 +116,11 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
         events: set[str] = set()
         for stat in items:
             events |= set(getattr(stat, "events", ())) & STEP_EVENTS
-        subscribe(self, events)
+        self._events = frozenset(events)
+
+    def listens_to(self, event: str) -> bool:
+        """The per-step events besides ``batch_end`` only when a statistic needs them."""
+        return event not in STEP_EVENTS or event in self._events
 
     # -- schedule --------------------------------------------------------------------------
     def _schedule(self, force: bool = False) -> None:
@@ -156,38 +172,38 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
             writer.add_histogram(tag, value.detach(), step)
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._detach()
         self.step = self.epoch = 0
         for stat in self.statistics:
             stat.setup(estimator)
         self._schedule(force=True)
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._running:
             stat.epoch_begin(estimator)
 
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["batch_begin"]:
             stat.batch_begin(estimator, **kwargs)
 
-    def forward_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def forward_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["forward_begin"]:
             stat.forward_begin(estimator, **kwargs)
 
-    def forward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def forward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["forward_end"]:
             stat.forward_end(estimator, **kwargs)
 
-    def backward_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["backward_begin"]:
             stat.backward_begin(estimator, **kwargs)
 
-    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for stat in self._on["backward_end"]:
             stat.backward_end(estimator, **kwargs)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         instant = self._instant
         try:
             for stat in self._firing:
@@ -202,12 +218,12 @@ class MeterHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, 
                 stat.reset()
         self._schedule()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.epoch += 1
         if self._running:
             self._write(self._running, EPOCH_PREFIX, self.epoch)
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
             for stat in self.statistics:
                 stat.teardown()

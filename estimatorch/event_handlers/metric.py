@@ -4,15 +4,13 @@ from __future__ import annotations
 
 from typing import Any
 
+from ..events import BatchEnd, EpochBegin, EstimatorView, StatefulHandler
 from ..metrics.base import as_metric_list, split_loss_metrics, update_metrics
-from ._base import StatefulHandler
-from ._subscribe import subscribe
-from .mixins import EpochBegin
 
 __all__ = ["MetricHandler"]
 
 
-class MetricHandler(StatefulHandler, EpochBegin):
+class MetricHandler(StatefulHandler, EpochBegin, BatchEnd):
     """Reset the metrics at each epoch's start and update them after every batch.
 
     Loss metrics are updated with the batch loss, the others with ``(pred, label)``; the values
@@ -41,11 +39,14 @@ class MetricHandler(StatefulHandler, EpochBegin):
         items = as_metric_list(metrics, "metrics")
         self.metrics = items
         self._loss_metrics, self._other_metrics = split_loss_metrics(items)
-        subscribe(self, ["batch_end"] if items else [])  # nothing to update: no call per step
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def listens_to(self, event: str) -> bool:
+        """Nothing to update: no call per step."""
+        return event != "batch_end" or bool(self.metrics)
+
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for metric in self.metrics:
             metric.reset()
 
-    def batch_end(self, estimator: Any, *, pred: Any, label: Any, loss: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, pred: Any, label: Any, loss: Any, **kwargs: Any) -> None:
         update_metrics(self._loss_metrics, self._other_metrics, pred, label, loss)

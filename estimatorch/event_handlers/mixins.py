@@ -1,30 +1,20 @@
-"""The event mixins. A handler subscribes to an event by inheriting its mixin.
+"""The event mixins, kept here for the import path of earlier releases: they live in
+:mod:`estimatorch.events.mixins`, the handler contract."""
 
-Each mixin holds one documented method and no state. ``fit`` sorts the handlers it is given into
-one list per event, keeping only those that inherit the event's mixin, so a step never calls a
-handler that does not listen.
-
-The loop (see :meth:`estimatorch.Estimator.fit`)::
-
-    train_begin
-    for epoch:
-        epoch_begin
-        for batch in train_data:
-            batch_begin
-            forward_begin -> forward -> forward_end
-            backward_begin -> backward -> backward_end
-            batch_end          (a truthy return from any handler stops after this batch)
-        epoch_end              (a truthy return from any handler stops after this epoch)
-    train_end                  (always, also when an exception escapes)
-
-Handlers receive the estimator first and everything else by keyword; accept ``**kwargs`` so new
-keywords never break you. ``batch_end`` and ``epoch_end`` return a python bool (never a tensor:
-testing a tensor would force a host-device sync).
-"""
-
-from __future__ import annotations
-
-from typing import Any, Optional
+from ..events.mixins import (  # BATCH_EVENTS: for imports of earlier releases
+    BATCH_EVENTS,  # noqa: F401
+    EVENTS,
+    BackwardBegin,
+    BackwardEnd,
+    BatchBegin,
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    ForwardBegin,
+    ForwardEnd,
+    TrainBegin,
+    TrainEnd,
+)
 
 __all__ = [
     "EVENTS",
@@ -39,74 +29,3 @@ __all__ = [
     "TrainBegin",
     "TrainEnd",
 ]
-
-
-class TrainBegin:
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
-        """Called once when ``fit`` starts, before any data is read. Reset per-run state here."""
-
-
-class TrainEnd:
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
-        """Called once when ``fit`` ends, also when an exception escapes the loop."""
-
-
-class EpochBegin:
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
-        """Called at the start of every epoch (and of every ``evaluate`` pass)."""
-
-
-class EpochEnd:
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> Optional[bool]:
-        """Called at the end of every epoch, also one cut short by a stop. Return True to stop."""
-        return None
-
-
-class BatchBegin:
-    def batch_begin(self, estimator: Any, *, batch: Any, **kwargs: Any) -> None:
-        """Called before each batch is processed. ``batch`` is already on the device."""
-
-
-class BatchEnd:
-    def batch_end(self, estimator: Any, *, batch: Any, pred: Any, label: Any, loss: Any,
-                  **kwargs: Any) -> Optional[bool]:
-        """Called after each batch's forward and backward. Return True to stop training."""
-        return None
-
-
-class ForwardBegin:
-    def forward_begin(self, estimator: Any, *, batch: Any, **kwargs: Any) -> None:
-        """Called before the network's forward pass."""
-
-
-class ForwardEnd:
-    def forward_end(self, estimator: Any, *, batch: Any, pred: Any, loss: Any, **kwargs: Any) -> None:
-        """Called after the forward pass and the loss, before backward."""
-
-
-class BackwardBegin:
-    def backward_begin(self, estimator: Any, *, batch: Any, loss: Any, **kwargs: Any) -> None:
-        """Called before ``loss.backward()``."""
-
-
-class BackwardEnd:
-    def backward_end(self, estimator: Any, *, batch: Any, **kwargs: Any) -> None:
-        """Called after ``loss.backward()``, before ``batch_end`` (where the optimizer steps)."""
-
-
-#: event name -> mixin, in the order the loop first fires them.
-EVENTS: dict[str, type] = {
-    "train_begin": TrainBegin,
-    "epoch_begin": EpochBegin,
-    "batch_begin": BatchBegin,
-    "forward_begin": ForwardBegin,
-    "forward_end": ForwardEnd,
-    "backward_begin": BackwardBegin,
-    "backward_end": BackwardEnd,
-    "batch_end": BatchEnd,
-    "epoch_end": EpochEnd,
-    "train_end": TrainEnd,
-}
-
-#: the events fired once per training batch (a handler counting them counts batches).
-BATCH_EVENTS = ("batch_begin", "forward_begin", "forward_end", "backward_begin", "backward_end", "batch_end")

@@ -7,6 +7,7 @@ import time
 from typing import Any, Optional, Union
 from urllib.parse import urlsplit
 
+from ..events import EstimatorView
 from ._paths import check_output_dir, check_output_file, path_argument
 from ._tracking import Outcome, Row, TrackingHandler, check_reachable, require
 
@@ -53,7 +54,10 @@ class _MLflowRun:
                 self.client.set_tag(self.run_id, "estimatorch.checkpoints", "\n".join(outcome.checkpoints))
             if self.log_checkpoints:
                 for path in outcome.checkpoints:
-                    self.client.log_artifact(self.run_id, path, "checkpoints")
+                    if os.path.isdir(path):  # a sharded checkpoint: the directory, under its name
+                        self.client.log_artifacts(self.run_id, path, f"checkpoints/{os.path.basename(path)}")
+                    else:
+                        self.client.log_artifact(self.run_id, path, "checkpoints")
         finally:
             self.client.set_terminated(self.run_id, outcome.status)
 
@@ -131,7 +135,7 @@ class MLflowHandler(TrackingHandler):
         self._uri = tracking_uri
 
     # -- checks before any work ---------------------------------------------------------------
-    def _check_tracker(self, estimator: Any) -> None:
+    def _check_tracker(self, estimator: EstimatorView) -> None:
         uri = self._uri = self.tracking_uri or self._mlflow.get_tracking_uri()
         arg = "tracking_uri" if self.tracking_uri else "tracking_uri (MLflow's default)"
         scheme = urlsplit(uri).scheme.split("+")[0].lower()
@@ -164,7 +168,7 @@ class MLflowHandler(TrackingHandler):
                              "choose another name")
         return experiment.experiment_id
 
-    def _open_session(self, estimator: Any, params: dict[str, str]) -> _MLflowRun:
+    def _open_session(self, estimator: EstimatorView, params: dict[str, str]) -> _MLflowRun:
         mlflow, entities = self._mlflow, require("mlflow.entities", "mlflow", "MLflowHandler")
         client = mlflow.MlflowClient(self._uri)
         run = None

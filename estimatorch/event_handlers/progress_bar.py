@@ -6,12 +6,11 @@ import sys
 import time
 from typing import Any, Callable, Optional
 
-from .. import distributed
+from .. import _console, distributed
 from .._checks import check_state_keys, is_real
+from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import Metric, as_metric_list, metric_name
 from . import _bars
-from ._base import StatefulHandler
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["ProgressBarHandler"]
 
@@ -44,16 +43,16 @@ class _ValidationBar(EpochBegin, BatchEnd, EpochEnd):
         self.owner = owner
         self.total = len(val_data) if hasattr(val_data, "__len__") else None
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.owner._catch_up()  # validation may take a while: the batch bar shows where training is
         metrics = list(estimator.val_metrics)
         self.owner._val_bar = _bar(lambda: _values(metrics), total=self.total, desc="validation", unit="batch",
                                    leave=False, file=self.owner._output(), mininterval=self.owner.refresh_interval)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.owner._val_bar.update(1)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.owner._close_val_bar()
 
 
@@ -93,7 +92,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     elastic_batch_counters = ("batch_in_epoch", "total_batches")
 
     priority = float("inf")
-    _state_attrs = ("batch_in_epoch", "epochs_done", "total_batches")
+    state_attributes = ("batch_in_epoch", "epochs_done", "total_batches")
 
     def __init__(self, refresh_interval: float = 0.5, metrics: Any = None, file: Any = None):
         if not is_real(refresh_interval) \
@@ -172,14 +171,14 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     def _epoch_desc(self, epoch: int) -> str:
         return f"epoch {epoch + 1}/{self._max_epoch}"
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._close()
         self.batch_in_epoch = self.epochs_done = self.total_batches = 0
         self._active = distributed.is_main_process()
         if not self._active:
             return
         self._file = self.file if self.file is not None else sys.stderr
-        if self.file is None and _bars.in_notebook():
+        if self.file is None and _console.in_notebook():
             self._display = _bars.NotebookDisplay()  # bars as text in the cell: no console to share
         else:
             self._redirect = _bars.ConsoleRedirect(estimator.logger, _bars.bar_class())
@@ -197,7 +196,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         """The handlers ``evaluate`` attaches during fit: a validation bar (rank 0 only)."""
         return [_ValidationBar(self, val_data)] if self._active else []
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.batch_in_epoch = 0
         if not self._active or self._epoch_bar is None:
             return
@@ -208,7 +207,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._batch_bar = self._new_batch_bar(total=self._per_epoch, desc=self._epoch_desc(estimator.position.epoch),
                                               leave=False)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.batch_in_epoch += 1
         self.total_batches += 1
         if self._active:
@@ -216,7 +215,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             if time.monotonic() >= self._next_draw:
                 self._pass_batches()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.epochs_done += 1
         if not self._active or self._epoch_bar is None:
             return
@@ -229,7 +228,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._epoch_bar.set_postfix(_bars.fit_postfix(_values(shown), room), refresh=False)
         self._epoch_bar.update(1)
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         position = getattr(estimator, "position", None)
         if self._batch_bar is not None and position is not None and not position.stop:
             self._batch_bar.leave = True  # ended by an error or Ctrl-C: the bar stays to say where
@@ -248,7 +247,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             bar.read_postfix = read
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         self.batch_in_epoch, self.epochs_done, self.total_batches = (
             int(state["batch_in_epoch"]), int(state["epochs_done"]), int(state["total_batches"]))
         if not self._active:

@@ -5,8 +5,7 @@ from __future__ import annotations
 from typing import Any, Optional
 
 from .._checks import check_positive_int
-from ._base import StatefulHandler, rank_identical_stop
-from .mixins import BatchEnd, EpochEnd, TrainBegin
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, rank_identical_stop
 
 __all__ = ["StoppingHandler"]
 
@@ -36,7 +35,7 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     #: state keys counting this process's batches (scaled by an elastic resume on another world size).
     elastic_batch_counters = ("current_batch",)
 
-    _state_attrs = ("current_epoch", "current_batch")
+    state_attributes = ("current_epoch", "current_batch")
 
     def __init__(self, max_epoch: Optional[int] = None, max_batch: Optional[int] = None):
         self.max_epoch = check_positive_int(max_epoch, "max_epoch", allow_none=True)
@@ -46,18 +45,22 @@ class StoppingHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self._max_epoch = max_epoch
         self._max_batch = max_batch
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def stop_limits(self) -> tuple[Optional[int], Optional[int]]:
+        """``(max_epoch, max_batch)``."""
+        return self.max_epoch, self.max_batch
+
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch = 0
         self.current_batch = 0
         self._max_epoch = _tighter(self.max_epoch, estimator.max_epoch)
         self._max_batch = _tighter(self.max_batch, estimator.max_batch)
 
     @rank_identical_stop
-    def batch_end(self, estimator: Any, **kwargs: Any) -> bool:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> bool:
         self.current_batch += 1
         return self._max_batch is not None and self.current_batch >= self._max_batch
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> bool:
         self.current_epoch += 1
         return self._max_epoch is not None and self.current_epoch >= self._max_epoch
 

@@ -10,13 +10,11 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_positive_int, check_state_keys
 from .._schedule import EventFilter
+from ..events import BackwardEnd, BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
 from ..metrics.base import metric_name
-from ._base import StatefulHandler
 from ._event_files import carry_over_events, event_files
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
-from ._subscribe import subscribe
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 
 __all__ = ["TensorBoardHandler"]
 
@@ -33,7 +31,7 @@ def _claim(path: str) -> bool:
         return True
 
 
-class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd, BackwardEnd):
     """Write training curves to TensorBoard with ``torch.utils.tensorboard.SummaryWriter``.
 
     Tags and their step axis:
@@ -86,7 +84,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     elastic_batch_counters = ("total_batches",)
 
     priority = -500
-    _state_attrs = ("current_epoch", "total_batches", "run_id")
+    state_attributes = ("current_epoch", "total_batches", "run_id")
 
     def __init__(self, log_dir: Union[str, os.PathLike], *, run_name: str = "train",
                  log_interval: Optional[int] = None, histogram_period: Optional[int] = None,
@@ -109,8 +107,10 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._logger: Any = None
         self._resume_at: Optional[tuple[int, int]] = None
         self._reset_counters()
-        if self.histogram_period is not None:  # gradients are read at backward_end
-            subscribe(self, ["backward_end"])
+
+    def listens_to(self, event: str) -> bool:
+        """Gradients are read at ``backward_end``: heard only with ``histogram_period``."""
+        return event != "backward_end" or self.histogram_period is not None
 
     # -- the writer ------------------------------------------------------------------------
     @property
@@ -157,12 +157,12 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._epoch_start = self._interval_start = now
         self._epoch_samples = self._interval_samples = 0
 
-    def _check_fit(self, estimator: Any, resume: bool) -> None:
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         """Before any work: the log directory can be written (on rank 0, which writes it)."""
         if distributed.is_main_process():
             check_output_dir(self.log_dir, "log_dir")
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._close()
         self.run_dir = self.run_id = None
         self.current_epoch = self.total_batches = 0
@@ -175,7 +175,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     def _open_writer(self) -> None:
         self.writer  # noqa: B018 (opens it)
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset_counters()
 
     # -- writes ----------------------------------------------------------------------------
@@ -185,7 +185,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         elapsed = time.perf_counter() - since
         return samples / elapsed if elapsed > 0 else float("nan")
 
-    def _write_lrs(self, estimator: Any, prefix: str, step: int) -> None:
+    def _write_lrs(self, estimator: EstimatorView, prefix: str, step: int) -> None:
         if prefix == EPOCH_PREFIX:
             rates = epoch_learning_rates(estimator)
         else:
@@ -194,7 +194,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         for name, rate in rates.items():
             self.writer.add_scalar(f"{prefix}{name}", rate, step)
 
-    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Gradient histograms (subscribed only with ``histogram_period``)."""
         step = self.total_batches + 1
         if self._histogram_filter is None or not self._histogram_filter(step):
@@ -204,7 +204,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
             if param.grad is not None:
                 writer.add_histogram(f"gradients/{name}", param.grad.detach(), step)
 
-    def batch_end(self, estimator: Any, *, label: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
         self.total_batches += 1
         samples = batch_size_of(label, estimator.batch_axis)
         self._epoch_samples += samples
@@ -223,7 +223,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
                           self._samples_per_sec(self._interval_samples, self._interval_start), step)
         self._interval_samples, self._interval_start = 0, time.perf_counter()
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch += 1
         step, writer = self.current_epoch, self.writer
         metrics = list(estimator.train_metrics) + (list(estimator.val_metrics) if estimator.validated else [])
@@ -234,7 +234,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
                           self._samples_per_sec(self._epoch_samples, self._epoch_start), step)
         writer.flush()  # the epoch's curves show up now, not at the next timed flush
 
-    def train_end(self, estimator: Any, **kwargs: Any) -> None:
+    def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._close()
 
     # -- state -----------------------------------------------------------------------------

@@ -10,9 +10,8 @@ import torch
 from .. import distributed
 from .._checks import check_bool, check_positive_int, check_state_keys
 from .._schedule import EventFilter
+from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, rank_identical_stop
 from ..metrics.base import as_metric_list, metric_name
-from ._base import StatefulHandler, rank_identical_stop
-from .mixins import BatchEnd, EpochBegin, EpochEnd, TrainBegin
 
 __all__ = ["NonFiniteError", "TerminateOnNaNHandler"]
 
@@ -85,7 +84,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
     elastic_batch_counters = ("total_batches", "batch_in_epoch", "checked")
 
     priority = 1000
-    _state_attrs = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
+    state_attributes = ("total_batches", "batch_in_epoch", "checked", "finite", "good")
 
     def __init__(self, check_every: int = 100, monitor: Any = None, *, raise_error: bool = False):
         self.check_every = check_positive_int(check_every, "check_every")
@@ -106,15 +105,15 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         self.reason: Optional[str] = None
 
     # -- events ----------------------------------------------------------------------------
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset()
         self._val_ids = {id(m) for m in estimator.val_metrics}
 
-    def epoch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.batch_in_epoch = 0
 
     @rank_identical_stop
-    def batch_end(self, estimator: Any, *, loss: Any, **kwargs: Any) -> bool:
+    def batch_end(self, estimator: EstimatorView, *, loss: Any, **kwargs: Any) -> bool:
         self.total_batches += 1
         self.batch_in_epoch += 1
         if isinstance(loss, torch.Tensor):
@@ -131,7 +130,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
             return False
         return self._check(estimator, at_epoch_end=False)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> bool:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> bool:
         if self.reason is not None:
             return True
         return self._check(estimator, at_epoch_end=True)
@@ -143,7 +142,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         self.finite, self.good = finite, good
         return finite, good
 
-    def _check(self, estimator: Any, at_epoch_end: bool) -> bool:
+    def _check(self, estimator: EstimatorView, at_epoch_end: bool) -> bool:
         since = self.total_batches - self.checked
         if since and self.good is not None and self.finite is not None:
             good = int(self.good)
@@ -163,7 +162,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
                 return self._stop(estimator, metric_name(metric), value, self.total_batches, self.batch_in_epoch)
         return False
 
-    def _stop(self, estimator: Any, what: str, value: float, batch: int, batch_in_epoch: int) -> bool:
+    def _stop(self, estimator: EstimatorView, what: str, value: float, batch: int, batch_in_epoch: int) -> bool:
         self.reason, self.stopped_batch = what, batch
         shown = "the loss is not finite (nan or inf)" if what == "loss" else f"{what} is {value}"
         found = "" if batch == self.total_batches else f", found at the check after batch {self.total_batches}"
@@ -175,6 +174,6 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
 
     # -- state -----------------------------------------------------------------------------
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        check_state_keys(state, self._state_attrs, self.name)
+        check_state_keys(state, self.state_attributes, self.name)
         super().load_state_dict(state)
         self.reason = self.stopped_batch = None

@@ -7,15 +7,12 @@ from typing import Any, Callable, Optional
 
 from .._checks import check_positive_int, check_state_keys
 from .._schedule import EventFilter
-from ._base import StatefulHandler
-from ._dispatch import check_handlers
-from ._subscribe import subscribe
-from .mixins import TrainBegin
+from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, check_handlers
 
 __all__ = ["ValidationHandler"]
 
 
-class ValidationHandler(StatefulHandler, TrainBegin):
+class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     """Call ``eval_fn(val_data, batch_axis=..., event_handlers=...)`` on a schedule.
 
     Runs at priority -1000: after the optimizer step and metric updates, before checkpoints and
@@ -68,20 +65,27 @@ class ValidationHandler(StatefulHandler, TrainBegin):
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
         self._reset()
-        subscribe(self, [e for e, period in (("batch_end", batch_period), ("epoch_end", epoch_period)) if period])
+
+    def listens_to(self, event: str) -> bool:
+        """Only the events of the periods set."""
+        if event == "batch_end":
+            return self.batch_period is not None
+        if event == "epoch_end":
+            return self.epoch_period is not None
+        return True
 
     def _reset(self) -> None:
-        # counted only for a period that is set: the events of the others are not subscribed
+        # counted only for a period that is set: the events of the others are not heard
         self._epochs: Optional[int] = 0 if self._epoch_filter is not None else None
         self._batches: Optional[int] = 0 if self._batch_filter is not None else None
 
-    def train_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset()
 
-    def _evaluate(self, estimator: Any) -> None:
+    def _evaluate(self, estimator: EstimatorView) -> None:
         self.eval_fn(self.val_data, batch_axis=estimator.batch_axis, event_handlers=self.event_handlers)
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._batch_filter is None:
             return
         if self._batches is None:  # resumed from a state that did not count them
@@ -90,7 +94,7 @@ class ValidationHandler(StatefulHandler, TrainBegin):
         if self._batch_filter(self._batches):
             self._evaluate(estimator)
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._epoch_filter is None:
             return
         if self._epochs is None:  # resumed from a state that did not count them

@@ -7,6 +7,7 @@ import os
 import re
 from typing import Any, Optional
 
+from ..events import EstimatorView
 from ._paths import check_output_dir, path_argument
 from ._tracking import Outcome, Row, TrackingHandler, check_reachable, require
 
@@ -37,7 +38,10 @@ class _WandbRun:
             if self.log_checkpoints and outcome.checkpoints:
                 artifact = self.wandb.Artifact(re.sub(r"[^\w.-]", "_", f"checkpoints-{run.id}"), type="model")
                 for path in outcome.checkpoints:
-                    artifact.add_file(path)
+                    if os.path.isdir(path):  # a sharded checkpoint: the directory, under its name
+                        artifact.add_dir(path, name=os.path.basename(path))
+                    else:
+                        artifact.add_file(path)
                 run.log_artifact(artifact)
             if outcome.preempted:
                 run.mark_preempting()
@@ -107,7 +111,7 @@ class WandbHandler(TrackingHandler):
         return (self.init_kwargs.get("mode") or getattr(settings, "mode", None) or os.environ.get("WANDB_MODE")
                 or "online")
 
-    def _check_tracker(self, estimator: Any) -> None:
+    def _check_tracker(self, estimator: EstimatorView) -> None:
         mode = self._mode()
         try:
             self._wandb.Settings(mode=mode)
@@ -122,7 +126,7 @@ class WandbHandler(TrackingHandler):
             url = getattr(settings, "base_url", None) or os.environ.get("WANDB_BASE_URL") or "https://api.wandb.ai"
             check_reachable(url, f"the W&B server (mode={mode!r}; use mode='offline' without a network)")
 
-    def _open_session(self, estimator: Any, params: dict[str, str]) -> _WandbRun:
+    def _open_session(self, estimator: EstimatorView, params: dict[str, str]) -> _WandbRun:
         wandb = self._wandb
         kwargs = dict(self.init_kwargs)
         if kwargs.get("dir") is not None:

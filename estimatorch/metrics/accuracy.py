@@ -1,4 +1,9 @@
-"""Classification metrics: :class:`Accuracy` and :class:`TopKAccuracy`."""
+"""Classification metrics: :class:`Accuracy` and :class:`TopKAccuracy`.
+
+Both follow the format of the labels (the formats ``nn.CrossEntropyLoss`` accepts, and binary or
+multi-label targets for :class:`Accuracy`); a pair of shapes or a dtype they cannot interpret is
+a ``ValueError`` naming the metric, both shapes and the fix, never a silent number.
+"""
 
 from __future__ import annotations
 
@@ -11,18 +16,31 @@ from .base import Metric, _ratio
 
 __all__ = ["Accuracy", "TopKAccuracy"]
 
+FORMATS = ("class indices (N, ...) of an integer dtype for scores (N, C, ...), one-hot or probability "
+           "targets of the scores' shape, or binary labels of the predictions' shape")
+
 
 class Accuracy(Metric):
-    """Fraction of samples whose predicted class equals the target.
+    """Fraction of samples whose predicted class equals the target's.
 
-    ``preds`` may be scores with a class dimension at axis 1 (``(N, C, ...)``, argmax is taken),
-    class indices of the target's shape, or probabilities of the target's shape for binary
-    problems (thresholded at ``threshold``). A class dimension of size 1 (``(N, 1)`` for an
-    ``(N,)`` target) holds binary probabilities too.
+    ``preds`` are scores with a class dimension at axis 1 (``(N, C, ...)``, argmax is taken),
+    class indices, or binary probabilities (thresholded at ``threshold``; a class dimension of
+    size 1, ``(N, 1)``, holds them too). The target may be:
+
+    - class indices ``(N, ...)`` of an integer dtype (``.long()`` them when they are floats);
+    - one-hot or soft (probability, label-smoothed, mixed) targets of the scores' shape
+      ``(N, C, ...)``: their argmax over axis 1 is the class. Each target row must sum to 1;
+      rows that do not (multi-hot labels) make :meth:`compute` raise, pointing at
+      ``multilabel=True``;
+    - binary labels of the probabilities' shape (0/1, or probabilities thresholded at 0.5);
+    - with ``multilabel=True``: 0/1 labels of the predictions' shape, each compared with its
+      thresholded probability (the fraction of right (sample, label) pairs).
 
     Args:
         name: Defaults to ``"accuracy"``.
         threshold: for binary probabilities. Defaults to 0.5.
+        multilabel: predictions and targets of one shape hold independent binary labels.
+            Defaults to False.
         device: Defaults to the CPU.
 
     Example:
@@ -31,53 +49,85 @@ class Accuracy(Metric):
         >>> m.update(torch.tensor([[2.0, 1.0], [0.0, 3.0]]), torch.tensor([0, 0]))
         >>> m.compute()
         0.5
+        >>> m.update(torch.tensor([[2.0, 1.0]]), torch.tensor([[0.9, 0.1]]))  # a soft target
+        >>> m.compute()
+        0.6666666666666666
     """
 
     # accumulators (declared with add_state)
     correct: torch.Tensor
     count: int
+    unnormalised: torch.Tensor
 
     default_name = "accuracy"
     higher_is_better = True
     max_pending = 32
     _fold_order_free = True
 
-    def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, device: Any = None):
+    def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, multilabel: bool = False,
+                 device: Any = None):
         super().__init__(name, device=device)
         if not is_real(threshold) or not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
+        if not isinstance(multilabel, bool):
+            raise ValueError(f"multilabel must be a bool, got {multilabel!r}")
         self.threshold = float(threshold)
+        self.multilabel = multilabel
         self.add_state("correct", torch.zeros((), dtype=torch.int64))
         self.add_state("count", 0)
+        self.add_state("unnormalised", torch.zeros((), dtype=torch.int64))  # target rows not summing to 1
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         preds = preds.detach()
         if preds.dim() == target.dim() + 1 and preds.shape[1] == 1:  # one column: binary
             preds = preds.squeeze(1)
-        if preds.dim() != target.dim() + 1 and preds.shape != target.shape:
-            raise ValueError(
-                f"{self.name}: preds of shape {tuple(preds.shape)} do not match target of shape "
-                f"{tuple(target.shape)}; expected (N, C, ...) scores or the target's shape"
-            )
-        self._defer((preds, target), _held_bytes(preds))
-        self.count += target.numel()
+        layout = self._layout(preds, target)
+        self._defer((preds, target.detach()), _held_bytes(preds))
+        self.count += target.numel() // (target.shape[1] if layout == "distribution" else 1)
 
-    def _correct(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        if preds.dim() == target.dim() + 1:
-            labels = preds.argmax(dim=1)
-        else:
-            labels = preds >= self.threshold if preds.is_floating_point() else preds
-        return (labels == target).sum()
+    def _layout(self, preds: torch.Tensor, target: torch.Tensor) -> str:
+        if self.multilabel:
+            if preds.shape != target.shape:
+                raise ValueError(
+                    f"{self.name}: multilabel=True needs targets of the predictions' shape, got preds "
+                    f"{tuple(preds.shape)} and target {tuple(target.shape)}; pass 0/1 labels of shape "
+                    f"{tuple(preds.shape)}, or Accuracy(multilabel=False) for one class per sample")
+            return "labels"
+        return _class_layout(self.name, preds, target, binary=True)
+
+    def _hits(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        """``[right, target rows not summing to 1]`` for one (or concatenated) update(s)."""
+        layout = "labels" if self.multilabel else _class_layout(self.name, preds, target, binary=True)
+        if layout == "labels":
+            if preds.is_floating_point():  # probabilities: the targets are binary labels too
+                labels = preds >= self.threshold
+                target = target >= 0.5 if target.is_floating_point() else target.bool()
+            else:
+                labels = preds
+            return torch.stack([(labels == target).sum(), torch.zeros((), dtype=torch.int64, device=preds.device)])
+        if layout == "distribution":
+            return torch.stack([(preds.argmax(dim=1) == target.argmax(dim=1)).sum(), _unnormalised(target)])
+        return torch.stack([(preds.argmax(dim=1) == target).sum(),
+                            torch.zeros((), dtype=torch.int64, device=preds.device)])
 
     def _fold(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {"correct": _fold_counts(self._correct, items)}
+        hits = _fold_hits(self._hits, items)
+        return {"correct": hits[0], "unnormalised": hits[1]}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
+        _refuse_unnormalised(self.name, states["unnormalised"], multilabel_fix=True)
         return _ratio(states["correct"].double(), states["count"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        # a state saved before targets were checked for normalisation has no such count
+        super().load_state_dict({"unnormalised": torch.zeros((), dtype=torch.int64), **state})
 
 
 class TopKAccuracy(Metric):
-    """Fraction of samples whose target is among the ``top_k`` highest scores (axis 1).
+    """Fraction of samples whose target class is among the ``top_k`` highest scores (axis 1).
+
+    The target is class indices ``(N, ...)`` of an integer dtype, or one-hot or soft targets of
+    the scores' shape ``(N, C, ...)`` (their argmax is the class; each row must sum to 1).
 
     Args:
         top_k: how many classes count as a hit. Defaults to 5.
@@ -95,6 +145,7 @@ class TopKAccuracy(Metric):
     # accumulators (declared with add_state)
     correct: torch.Tensor
     count: int
+    unnormalised: torch.Tensor
 
     higher_is_better = True
     max_pending = 32
@@ -107,26 +158,70 @@ class TopKAccuracy(Metric):
         super().__init__(name or f"top{top_k}_accuracy", device=device)
         self.add_state("correct", torch.zeros((), dtype=torch.int64))
         self.add_state("count", 0)
+        self.add_state("unnormalised", torch.zeros((), dtype=torch.int64))
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         preds = preds.detach()
-        if preds.dim() != target.dim() + 1:
-            raise ValueError(
-                f"{self.name}: preds must be (N, C, ...) scores for a target of shape "
-                f"{tuple(target.shape)}, got {tuple(preds.shape)}"
-            )
-        self._defer((preds, target), _held_bytes(preds))
-        self.count += target.numel()
+        layout = _class_layout(self.name, preds, target, binary=False)
+        self._defer((preds, target.detach()), _held_bytes(preds))
+        self.count += target.numel() // (target.shape[1] if layout == "distribution" else 1)
 
-    def _correct(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+    def _hits(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        unnormalised = torch.zeros((), dtype=torch.int64, device=preds.device)
+        if _class_layout(self.name, preds, target, binary=False) == "distribution":
+            target, unnormalised = target.argmax(dim=1), _unnormalised(target)
         top = preds.topk(min(self.top_k, preds.shape[1]), dim=1).indices
-        return (top == target.unsqueeze(1)).any(dim=1).sum()
+        return torch.stack([(top == target.unsqueeze(1)).any(dim=1).sum(), unnormalised])
 
     def _fold(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
-        return {"correct": _fold_counts(self._correct, items)}
+        hits = _fold_hits(self._hits, items)
+        return {"correct": hits[0], "unnormalised": hits[1]}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
+        _refuse_unnormalised(self.name, states["unnormalised"], multilabel_fix=False)
         return _ratio(states["correct"].double(), states["count"])
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict({"unnormalised": torch.zeros((), dtype=torch.int64), **state})
+
+
+def _class_layout(name: str, preds: torch.Tensor, target: torch.Tensor, *, binary: bool) -> str:
+    """How ``target`` holds the classes of ``preds``: ``"indices"`` (scores ``(N, C, ...)``, target
+    ``(N, ...)``), ``"distribution"`` (one-hot or soft targets of the scores' shape) or, when
+    ``binary``, ``"labels"`` (labels or probabilities of one shape without a class dimension).
+    Anything else is a ``ValueError`` naming ``name``, both shapes and the fix."""
+    shapes = f"preds {tuple(preds.shape)} and target {tuple(target.shape)} ({target.dtype})"
+    if preds.dim() == target.dim() + 1 and preds.dim() >= 2:
+        if preds.shape[:1] + preds.shape[2:] != target.shape:
+            raise ValueError(f"{name}: got {shapes}: scores (N, C, ...) need class indices of shape "
+                             f"{tuple(preds.shape[:1] + preds.shape[2:])}; the batch or trailing sizes differ")
+        if target.is_floating_point() or target.is_complex():
+            raise ValueError(f"{name}: got {shapes}: class indices must be integers; pass target.long() "
+                             f"(or a one-hot/probability target of shape {tuple(preds.shape)})")
+        return "indices"
+    if preds.shape == target.shape:
+        if preds.is_floating_point() and preds.dim() >= 2 and preds.shape[1] > 1:
+            return "distribution"
+        if binary:
+            return "labels"
+    hint = f"expected {FORMATS}" if binary else "expected scores (N, C, ...) with class indices (N, ...) " \
+        "or one-hot/probability targets (N, C, ...)"
+    raise ValueError(f"{name}: cannot interpret {shapes}; {hint}")
+
+
+def _unnormalised(target: torch.Tensor) -> torch.Tensor:
+    """How many target rows (over axis 1) do not sum to 1: not one-hot nor a distribution."""
+    total = target.double().sum(dim=1)
+    tolerance = 1e-2 if target.is_floating_point() and target.element_size() < 4 else 1e-4
+    return ((total - 1).abs() > tolerance).sum()
+
+
+def _refuse_unnormalised(name: str, unnormalised: torch.Tensor, *, multilabel_fix: bool) -> None:
+    if int(unnormalised):  # compute() reads values anyway: no extra sync per update
+        fix = ("for multi-label targets use Accuracy(multilabel=True) with probabilities"
+               if multilabel_fix else "multi-label targets have no top-k accuracy")
+        raise ValueError(f"{name}: {int(unnormalised)} target rows of the scores' shape do not sum to 1, so "
+                         f"they are neither one-hot nor class probabilities; {fix}, or pass class indices")
 
 
 def _held_bytes(preds: torch.Tensor) -> int:
@@ -135,10 +230,14 @@ def _held_bytes(preds: torch.Tensor) -> int:
     return preds.untyped_storage().nbytes()
 
 
-def _fold_counts(correct: Any, items: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
-    """Hits over pending ``(preds, target)`` pairs: one vectorised pass when they concatenate."""
-    try:
-        preds, target = torch.cat([p for p, _ in items]), torch.cat([t for _, t in items])
-    except RuntimeError:  # trailing shapes differ (e.g. sequences of several lengths)
-        return torch.stack([correct(p, t) for p, t in items]).sum()
-    return correct(preds, target)
+def _fold_hits(hits: Any, items: list[tuple[torch.Tensor, torch.Tensor]]) -> torch.Tensor:
+    """Summed ``hits`` over pending ``(preds, target)`` pairs: one vectorised pass when they
+    concatenate without changing a dtype."""
+    if len({(p.dtype, t.dtype) for p, t in items}) == 1:
+        try:
+            preds, target = torch.cat([p for p, _ in items]), torch.cat([t for _, t in items])
+        except RuntimeError:  # trailing shapes differ (e.g. sequences of several lengths)
+            pass
+        else:
+            return hits(preds, target)
+    return torch.stack([hits(p, t) for p, t in items]).sum(dim=0)

@@ -12,7 +12,7 @@ for a billion samples) or ``"auto"`` (the default: ``"feistel"`` above :data:`AU
 samples). An order is read through an :class:`EpochOrder`, computed where it is read.
 """
 
-from ._index_shuffle import AUTO_THRESHOLD, PERMUTATIONS, IndexShuffle
+from ._index_shuffle import AUTO_THRESHOLD, PERMUTATIONS, IndexShuffle, check_permutation, order_fingerprint
 from .composable import (
     DistributedBatchSampler,
     DistributedSampler,

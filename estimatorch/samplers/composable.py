@@ -72,7 +72,7 @@ def _inner(obj: Any) -> Any:
     return obj.sampler if isinstance(obj, BatchSampler) else None
 
 
-def _chain(obj: Any) -> Iterator[Any]:
+def sampler_chain(obj: Any) -> Iterator[Any]:
     """``obj``, the sampler it wraps, and so on down to the leaf."""
     while obj is not None:
         yield obj
@@ -81,7 +81,7 @@ def _chain(obj: Any) -> Iterator[Any]:
 
 def _positional(obj: Any) -> bool:
     """Whether ``obj``'s order is a function of ``set_epoch`` alone, so passes can be jumped."""
-    for o in _chain(obj):
+    for o in sampler_chain(obj):
         if isinstance(o, _Wrapper) or type(o) is BatchSampler:
             continue
         if isinstance(o, ResumableSampler):
@@ -158,7 +158,7 @@ class _Wrapper(Sampler[Any]):
         name = type(self).__name__
         if isinstance(inner, Iterator) or not isinstance(inner, Iterable):
             raise TypeError(f"{self._arg} must be a re-iterable sampler, got {type(inner).__name__}")
-        for o in _chain(inner):
+        for o in sampler_chain(inner):
             if isinstance(o, SkipSampler):
                 raise ValueError(f"{name} cannot wrap a {type(o).__name__}: skip must be the last "
                                  f"step ({_ORDER})")
@@ -223,10 +223,10 @@ class ReproducibleShuffleSampler(_Wrapper):
 
     def __init__(self, sampler: Iterable[Any], seed: Optional[int] = None, *, permutation: str = "auto"):
         super().__init__(sampler)
-        if any(isinstance(o, RepeatSampler) for o in _chain(sampler)):
+        if any(isinstance(o, RepeatSampler) for o in sampler_chain(sampler)):
             raise ValueError(f"ReproducibleShuffleSampler cannot shuffle an infinite stream: its "
                              f"{type(sampler).__name__} is or holds a RepeatSampler ({_ORDER})")
-        self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        self.seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.epoch = 0
         self._permutation = permutation
         resolve_permutation(permutation, 0)  # checked now, resolved by the length when iterated
@@ -283,7 +283,7 @@ class RepeatSampler(_Wrapper):
     def __init__(self, sampler: Iterable[Any]):
         super().__init__(sampler)
         name = type(self).__name__
-        if any(isinstance(o, RepeatSampler) for o in _chain(sampler)):
+        if any(isinstance(o, RepeatSampler) for o in sampler_chain(sampler)):
             raise ValueError(f"{name} cannot repeat a stream that is already infinite "
                              f"(it holds a RepeatSampler)")
         if isinstance(sampler, Sized) and _length(sampler) == 0:

@@ -265,7 +265,7 @@ class ResumableRandomSampler(ResumableSampler):
                  permutation: str = "auto"):
         super().__init__(batch_size)
         self.n = _length(data_source)
-        self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        self.seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.permutation: str = resolve_permutation(permutation, self.n)
 
     @property
@@ -310,7 +310,7 @@ class ResumableDistributedSampler(ResumableSampler):
         if not is_int(self.rank) or not 0 <= self.rank < self.num_replicas:
             raise ValueError(f"rank must be an int in [0, {self.num_replicas}), got {rank!r}")
         self.shuffle = bool(shuffle)
-        self.seed = rng.DEFAULT_SEED if seed is None else rng._check_seed(seed)
+        self.seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         resolved = resolve_permutation(permutation, self.n)
         self.permutation = resolved if self.shuffle else None
         self.drop_last = bool(drop_last)

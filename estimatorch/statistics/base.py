@@ -20,6 +20,7 @@ import torch
 
 from .._checks import check_positive_int, check_state_keys
 from .._schedule import EventFilter
+from ..events import EstimatorView
 
 __all__ = ["InstantaneousStatistic", "RunningStatistic", "Statistic", "select_parameters"]
 
@@ -64,7 +65,7 @@ class Statistic:
         self.name = name or self.default_name
 
     # -- the run ---------------------------------------------------------------------------
-    def setup(self, estimator: Any) -> None:
+    def setup(self, estimator: EstimatorView) -> None:
         """Called at ``fit`` start (``train_begin``): resolve modules and parameters, reset."""
         self.reset()
 
@@ -79,7 +80,7 @@ class Statistic:
         return True
 
     # -- per step (override the ones listed in ``events``, and batch_end) -------------------
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Called after the batch's ``batch_end`` handlers up to the meter's priority."""
 
     # -- values ----------------------------------------------------------------------------
@@ -157,7 +158,7 @@ class ParameterStatistic(InstantaneousStatistic):
         super().__init__(period=period, start=start, name=name)
         self.params = check_names(params, "params")
 
-    def setup(self, estimator: Any) -> None:
+    def setup(self, estimator: EstimatorView) -> None:
         self._params = select_parameters(estimator.net, self.params, type(self).__name__)
         super().setup(estimator)
 
@@ -184,7 +185,7 @@ class RunningStatistic(Statistic):
 
     running = True
 
-    def epoch_begin(self, estimator: Any) -> None:
+    def epoch_begin(self, estimator: EstimatorView) -> None:
         """Called at each epoch's start; starts a new accumulation."""
         self.reset()
 

@@ -16,6 +16,7 @@ import torch
 from torch import nn
 from torch.utils.hooks import RemovableHandle
 
+from ..events import EstimatorView
 from .base import InstantaneousStatistic, check_names
 
 __all__ = ["CallbackStatistic"]
@@ -62,7 +63,7 @@ class CallbackStatistic(InstantaneousStatistic):
         self._targets: list[tuple[str, nn.Module]] = []
         self._handles: list[RemovableHandle] = []
 
-    def setup(self, estimator: Any) -> None:
+    def setup(self, estimator: EstimatorView) -> None:
         super().setup(estimator)
         self.teardown()
         named = dict(estimator.net.named_modules())
@@ -86,7 +87,7 @@ class CallbackStatistic(InstantaneousStatistic):
         """True while its hooks are registered."""
         return bool(self._handles)
 
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Register the hooks (a firing step begins)."""
         self.detach()
         try:
@@ -96,15 +97,15 @@ class CallbackStatistic(InstantaneousStatistic):
             self.detach()
             raise
 
-    def forward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def forward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self.detach_on == "forward_end":
             self.detach()
 
-    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self.detach_on == "backward_end":
             self.detach()
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Remove the hooks if still there (the firing step is over)."""
         self.detach()
 

@@ -7,6 +7,7 @@ from typing import Any, Optional
 import torch
 
 from .._checks import check_state_keys
+from ..events import EstimatorView
 from .base import RunningStatistic, Value, check_names, select_parameters
 
 __all__ = ["EpochGradientNorm"]
@@ -43,7 +44,7 @@ class EpochGradientNorm(RunningStatistic):
         super().__init__(name)
         self.params = check_names(params, "params")
 
-    def setup(self, estimator: Any) -> None:
+    def setup(self, estimator: EstimatorView) -> None:
         self._params = select_parameters(estimator.net, self.params, type(self).__name__)
         super().setup(estimator)
 
@@ -52,7 +53,7 @@ class EpochGradientNorm(RunningStatistic):
         self.max: Optional[torch.Tensor] = None
         self.count = 0
 
-    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         grads = [p.grad.detach() for _, p in self._params if p.grad is not None]
         if not grads:
             return

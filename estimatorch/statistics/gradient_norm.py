@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..events import EstimatorView
 from .base import ParameterStatistic
 
 __all__ = ["GradientNorm"]
@@ -38,7 +39,7 @@ class GradientNorm(ParameterStatistic):
     default_name = "gradient_norm"
     events = frozenset({"backward_end"})
 
-    def backward_end(self, estimator: Any, **kwargs: Any) -> None:
+    def backward_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         norms = {n: torch.linalg.vector_norm(p.grad.detach()) for n, p in self._params if p.grad is not None}
         if norms:
             norms["total"] = torch.linalg.vector_norm(torch.stack([v.float() for v in norms.values()]))

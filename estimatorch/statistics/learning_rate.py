@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..events import EstimatorView
 from .base import InstantaneousStatistic, Value
 
 __all__ = ["LearningRate"]
@@ -33,14 +34,14 @@ class LearningRate(InstantaneousStatistic):
 
     default_name = "lr"
 
-    def setup(self, estimator: Any) -> None:
+    def setup(self, estimator: EstimatorView) -> None:
         self._optimizer = estimator.optimizer
         super().setup(estimator)
 
     def reset(self) -> None:
         self._values: dict[str, Value] = {}
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         values: dict[str, Value] = {}
         for i, group in enumerate(self._optimizer.param_groups):
             lr = group["lr"]

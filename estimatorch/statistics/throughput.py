@@ -10,6 +10,7 @@ import torch
 
 from .._batches import batch_size_of
 from .._checks import check_state_keys
+from ..events import EstimatorView
 from .base import RunningStatistic, Value
 
 __all__ = ["Throughput"]
@@ -50,7 +51,7 @@ class Throughput(RunningStatistic):
     def _elapsed(self) -> float:
         return self._seconds + (time.perf_counter() - self._since)
 
-    def batch_end(self, estimator: Any, *, label: Any = None, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, label: Any = None, **kwargs: Any) -> None:
         self.samples += batch_size_of(label, estimator.batch_axis)
         if isinstance(label, torch.Tensor) and label.dim() == 2 and not label.is_floating_point():
             self.tokens += label.numel()  # a sequence batch: (batch, length) targets

@@ -6,6 +6,7 @@ from typing import Any, Optional
 
 import torch
 
+from ..events import EstimatorView
 from .base import ParameterStatistic, Value
 
 __all__ = ["UpdateToWeightRatio"]
@@ -46,10 +47,10 @@ class UpdateToWeightRatio(ParameterStatistic):
         super().reset()
         self._before: Optional[list[torch.Tensor]] = None
 
-    def batch_begin(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._before = [p.detach().clone() for _, p in self._params]
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._before is None:  # resumed between this step's batch_begin and batch_end
             return
         values: dict[str, Value] = {}

@@ -6,6 +6,7 @@ from typing import Any
 
 import torch
 
+from ..events import EstimatorView
 from .base import ParameterStatistic
 
 __all__ = ["WeightNorm"]
@@ -34,5 +35,5 @@ class WeightNorm(ParameterStatistic):
 
     default_name = "weight_norm"
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._values = {n: torch.linalg.vector_norm(p.detach()) for n, p in self._params}

@@ -173,3 +173,64 @@ def test_the_program_exits_0_on_the_pointer_and_2_on_a_directory_without_checkpo
     assert done.returncode == 2 and done.stdout == ""
     assert done.stderr == f"error: directory {str(tmp_path)!r} holds no checkpoint or weights export (files named " \
                           "PREFIX-epochEbatchB.pt, PREFIX-best.pt, or the same ending in .weights.pt)\n"
+
+
+# -- inspect and load run the checks a resume runs on the run state ------------------------------------------
+def _without(payload: dict, *keys) -> dict:
+    """``payload`` with the entry at the path ``keys`` removed."""
+    inner = payload
+    for key in keys[:-1]:
+        inner = inner[key]
+    del inner[keys[-1]]
+    return payload
+
+
+def _with(payload: dict, value, *keys) -> dict:
+    inner = payload
+    for key in keys[:-1]:
+        inner = inner[key]
+    inner[keys[-1]] = value
+    return payload
+
+
+DAMAGES = {
+    "no-data": (lambda p: _without(p, "ranks", 0, "data"), "the snapshot of rank 0 is missing 'data'"),
+    "no-position": (lambda p: _without(p, "ranks", 0, "position"), "the snapshot of rank 0 is missing 'position'"),
+    "bad-phase": (lambda p: _with(p, "middle", "ranks", 0, "position", "phase"), "['phase'] must be one of"),
+    "negative-step": (lambda p: _with(p, -1, "ranks", 0, "position", "step"), "['step']"),
+    "data-not-dict": (lambda p: _with(p, [1], "ranks", 0, "data"), "data"),
+    "metrics-not-dict": (lambda p: _with(p, 3, "ranks", 0, "metrics"), "metrics"),
+    "bad-plan": (lambda p: _with(p, {"epochs": 0, "batches": None}, "ranks", 0, "plan"), "plan['epochs']"),
+    "bad-history": (lambda p: _with(p, {"epochs": ["x"], "values": {}}, "ranks", 0, "history"), "history['epochs']"),
+    "bad-rng": (lambda p: _without(p, "ranks", 0, "rng", "torch"), "rng"),
+    "partial-not-bool": (lambda p: _with(p, 1, "ranks", 0, "partial"), "'partial' must be a bool"),
+}
+
+
+@pytest.mark.parametrize("damage", list(DAMAGES))
+def test_load_and_inspect_refuse_a_damaged_run_state_as_a_resume_does(reference, tmp_path, capsys, damage):
+    make, words = DAMAGES[damage]
+    source = os.path.join(reference.dir, runs.name(3))
+    path = tmp_path / runs.name(3)
+    torch.save(make(torch.load(source, weights_only=True)), path)
+    with pytest.raises(checkpoint.CheckpointError) as info:
+        checkpoint.load(path)
+    assert repr(str(path)) in str(info.value) and words in str(info.value)
+    code, out, err = inspect(path, capsys)
+    assert code == 2 and out == "" and words in err
+    # a resume refuses it too, with nothing changed
+    estimator, loader = runs.build()
+    with pytest.raises(checkpoint.CheckpointError, match="can resume this fit"):
+        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[
+            CheckpointHandler(tmp_path, epoch_period=None, batch_period=1, resume_from_checkpoint=True)])
+    assert sorted(os.listdir(tmp_path)) == [runs.name(3)]
+
+
+def test_inspect_a_directory_skips_a_damaged_run_state_for_the_previous_file(reference, tmp_path, capsys):
+    runs.copy_files(reference, tmp_path, range(1, 4))
+    newest = tmp_path / runs.name(3)
+    torch.save(_without(torch.load(newest, weights_only=True), "ranks", 0, "data"), newest)
+    code, out, err = inspect(tmp_path, capsys)
+    assert code == 0
+    assert out.splitlines()[0].startswith(f"{tmp_path / runs.name(2)} (the newest valid")
+    assert "missing 'data'" in err

@@ -101,7 +101,7 @@ class RefuseAtFitStart(BatchEnd):
     def batch_end(self, estimator, **kwargs):
         pass
 
-    def _check_fit(self, estimator, resume):
+    def check_fit(self, estimator, resume):
         raise ValueError("this handler refuses")
 
 

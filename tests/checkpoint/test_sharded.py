@@ -12,7 +12,7 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 from torch.distributed.fsdp import fully_shard
 
-from estimatorch import distributed
+from estimatorch import checkpoint, distributed
 from estimatorch.checkpoint import CheckpointError, load_weights, main, write_latest
 from estimatorch.checkpoint import _sharded as sharded
 
@@ -238,3 +238,13 @@ def test_load_weights_and_inspect_understand_a_sharded_directory(tmp_path, capsy
     out = capsys.readouterr().out
     assert "sharded checkpoint (a directory)" in out and "world size 1" in out
     assert f"model 4 tensors, {sum(v.numel() for v in net.state_dict().values())} values (float32)" in out
+
+
+def test_inspect_names_a_sharded_directory_whose_run_state_is_damaged(tmp_path, capsys):
+    """A directory written by a fit holds every rank's snapshot: one that fails the checks a
+    resume runs is an error, not a directory of the storage layer alone."""
+    path = tmp_path / "model-epoch0batch2.dcp"
+    save_plain(path)
+    torch.save({"format_version": checkpoint.FORMAT_VERSION, "snapshot": {"position": {}}}, path / "rank-0.pt")
+    assert main(["inspect", str(path)]) == 2
+    assert capsys.readouterr().err.startswith("error: ")

@@ -183,12 +183,6 @@ def test_precision_aliases_hold_the_canonical_name(alias, canonical):
     assert est.fit(make_batches(n_batches=1), epochs=1, event_handlers=[]).epochs == [1]
 
 
-def test_default_optimizer_is_sgd_with_a_warning():
-    with pytest.warns(UserWarning, match="SGD"):
-        est = Estimator(nn.Linear(2, 2), nn.MSELoss())
-    assert isinstance(est.optimizer, torch.optim.SGD)
-
-
 # -- metrics ------------------------------------------------------------------------------------
 def test_default_metrics_for_cross_entropy_and_nll():
     for loss in (nn.CrossEntropyLoss(), nn.NLLLoss()):

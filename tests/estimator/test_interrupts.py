@@ -14,11 +14,11 @@ import threading
 import pytest
 import torch
 
-from estimatorch import CheckpointHandler, checkpoint
+from estimatorch import CheckpointHandler, _console, checkpoint
 from estimatorch.estimator import _setup as fit_setup
 from estimatorch.estimator import estimator as estimator_module
 from estimatorch.estimator._interrupts import stop_message
-from estimatorch.event_handlers import BatchEnd, EpochEnd, _bars
+from estimatorch.event_handlers import BatchEnd, EpochEnd
 from tests.conftest import Count, assert_tree_equal, losses_recorder, make_batches, make_estimator
 
 SIGNALS = (signal.SIGINT, signal.SIGTERM)
@@ -255,7 +255,7 @@ def test_a_signal_after_the_last_step_still_ends_the_process(default_signals):
 ])
 def test_the_ctrl_c_message_fits_where_you_are(notebook, handler, words, tmp_path, default_signals,
                                                estimatorch_log, monkeypatch):
-    monkeypatch.setattr(_bars, "in_notebook", lambda: notebook)
+    monkeypatch.setattr(_console, "in_notebook", lambda: notebook)
     monkeypatch.setattr(fit_setup, "interactive", lambda: False)  # no default bar (no IPython here)
     handlers = [SignalAt(signal.SIGINT, step=2)]
     if handler is not None:

@@ -14,7 +14,8 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd
-from tests.conftest import CrashAt, CtrlC, ScriptedValLoss, assert_tree_equal, make_batches, make_estimator
+from tests.conftest import (CrashAt, CtrlC, ScriptedValLoss, assert_tree_equal, make_batches, make_estimator,
+                            without_sanity_pass)
 
 N_BATCHES, EPOCHS = 4, 3
 STEPS = N_BATCHES * EPOCHS
@@ -155,8 +156,9 @@ def test_the_directory_is_logged_once_at_fit_start(tmp_path, estimatorch_log, kw
 def scripted(values: list[float]) -> Estimator:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3))
-    return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                     val_loss=ScriptedValLoss(values))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    val_loss=ScriptedValLoss(values))
+    return without_sanity_pass(est)
 
 
 @pytest.mark.parametrize("combination", ["both", "best-weights"])

@@ -17,7 +17,8 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint
-from tests.conftest import Count, CrashAt, ScriptedValLoss, assert_tree_equal, make_batches, make_estimator
+from tests.conftest import (Count, CrashAt, ScriptedValLoss, assert_tree_equal, make_batches, make_estimator,
+                            without_sanity_pass)
 
 REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 
@@ -25,8 +26,9 @@ REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)
 def scripted_estimator(values: list[float]) -> Estimator:
     torch.manual_seed(0)
     net = nn.Sequential(nn.Linear(4, 3))
-    return Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                     val_loss=ScriptedValLoss(values))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    val_loss=ScriptedValLoss(values))
+    return without_sanity_pass(est)
 
 
 def fit_scripted(estimator: Estimator, handlers: list, epochs: int, **kwargs: Any) -> Any:

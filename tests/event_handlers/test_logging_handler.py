@@ -16,7 +16,6 @@ from torch.optim.lr_scheduler import StepLR
 
 from estimatorch import Estimator, distributed
 from estimatorch.event_handlers import (
-    BatchEnd,
     CheckpointHandler,
     LambdaHandler,
     LoggingHandler,
@@ -24,6 +23,7 @@ from estimatorch.event_handlers import (
     ValidationHandler,
 )
 from estimatorch.event_handlers.logging_handler import format_metrics
+from estimatorch.events import subscribes
 from tests.conftest import Count, ctrl_c_at, make_batches, make_estimator
 
 N_BATCHES = 4  # per epoch
@@ -169,8 +169,8 @@ def test_arguments_are_checked(kwargs, error, match):
 
 def test_a_line_per_epoch_costs_nothing_per_step():
     """log_interval='epoch' does not subscribe to batch_end: no call per step."""
-    assert not isinstance(LoggingHandler(), BatchEnd)
-    assert isinstance(LoggingHandler(log_interval=5), BatchEnd)
+    assert not subscribes(LoggingHandler(), "batch_end")
+    assert subscribes(LoggingHandler(log_interval=5), "batch_end")
 
 
 def test_state_round_trip():
@@ -401,3 +401,16 @@ def test_a_rerun_with_nothing_left_shows_the_restored_val_metrics_and_the_initia
     run()  # the same command again: nothing left to train
     assert any(line.startswith("Training begin: SGD (lr 0, initial 0.1)") for line in lines)
     assert "val_loss" in finished and lines[-1].split(". ", 1)[1] == finished.split(". ", 1)[1]
+
+
+def test_the_start_line_summarises_the_model(lines):
+    """Parameters (all, trainable), their dtype and device, the precision: counted here by hand."""
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[0].weight.requires_grad_(False)
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net[2].parameters(), lr=0.1),
+                    precision="bf16")
+    est.fit(make_batches(2), epochs=1, event_handlers=[LoggingHandler()])
+    total, frozen = 4 * 8 + 8 + 8 * 3 + 3, 4 * 8
+    assert lines[0].endswith(f". Model: Sequential, {total} parameters ({total - frozen} trainable), float32 on cpu, "
+                             "precision bf16-mixed")

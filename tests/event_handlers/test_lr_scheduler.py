@@ -6,10 +6,11 @@ import signal
 
 import pytest
 import torch
-from torch.optim.lr_scheduler import ExponentialLR, ReduceLROnPlateau, StepLR
+from torch.optim.lr_scheduler import CosineAnnealingLR, ExponentialLR, ReduceLROnPlateau, StepLR
 
 from estimatorch import Estimator
-from estimatorch.event_handlers import BatchBegin, LambdaHandler, LRSchedulerHandler
+from estimatorch.event_handlers import BatchBegin, BatchEnd, LambdaHandler, LRSchedulerHandler
+from estimatorch.events import subscribes
 from estimatorch.metrics import Loss, Metric
 from tests.conftest import make_batches, make_estimator
 
@@ -190,7 +191,7 @@ def test_state_round_trip_with_its_own_scheduler():
 
 def test_state_of_the_estimators_scheduler_is_the_estimators():
     h = LRSchedulerHandler()
-    assert h.state_dict() == {"scheduler": None}
+    assert h.state_dict() == {"scheduler": None, "trained_rates": None}
     h.load_state_dict({"scheduler": None})
 
 
@@ -223,11 +224,10 @@ def test_a_per_batch_schedule_follows_optimizer_steps_under_accumulation():
 
 
 def test_subscribes_only_to_the_event_it_steps_on():
-    from estimatorch.event_handlers import BatchEnd, EpochEnd
 
-    assert isinstance(LRSchedulerHandler(), EpochEnd) and not isinstance(LRSchedulerHandler(), BatchEnd)
+    assert subscribes(LRSchedulerHandler(), "epoch_end") and not subscribes(LRSchedulerHandler(), "batch_end")
     per_batch = LRSchedulerHandler(step_on="batch")  # epoch_end: an epoch's leftover accumulation step
-    assert isinstance(per_batch, BatchEnd) and isinstance(per_batch, EpochEnd)
+    assert subscribes(per_batch, "batch_end") and subscribes(per_batch, "epoch_end")
 
 
 # -- state across fits: a new fit watches afresh, a resume continues -----------------------------
@@ -277,11 +277,24 @@ def test_the_history_records_the_rate_each_epoch_trained_with():
     assert history.learning_rates == ["lr"] and "lr" not in history.metrics
 
 
-def test_a_per_batch_schedule_records_the_rate_at_the_epochs_end():
-    est = make_estimator(lr=LR)
-    history = est.fit(make_batches(N_BATCHES), epochs=2,
-                      event_handlers=[LRSchedulerHandler(ExponentialLR(est.optimizer, gamma=GAMMA), step_on="batch")])
-    assert history["lr"] == pytest.approx([LR * GAMMA ** N_BATCHES, LR * GAMMA ** (2 * N_BATCHES)])
+def test_a_per_batch_schedule_records_the_rate_of_the_epochs_last_step():
+    est, rec = make_estimator(lr=LR), LRs()
+    history = est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[
+        rec, LRSchedulerHandler(ExponentialLR(est.optimizer, gamma=GAMMA), step_on="batch")])
+    assert history["lr"] == rec.lrs[N_BATCHES - 1::N_BATCHES]  # what the last batch of each epoch trained with
+    assert history["lr"] == pytest.approx([LR * GAMMA ** (N_BATCHES - 1), LR * GAMMA ** (2 * N_BATCHES - 1)])
+
+
+def test_a_cosine_decayed_to_zero_shows_the_last_rate_a_batch_trained_with(estimatorch_log):
+    """The issue's run: a per-batch cosine ending at 0 showed `lr: 0` for an epoch that never
+    trained at 0."""
+    est, rec = make_estimator(lr=LR), LRs()
+    sched = CosineAnnealingLR(est.optimizer, T_max=2 * N_BATCHES)
+    history = est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[rec, LRSchedulerHandler(sched, step_on="batch")])
+    assert est.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)  # after the final step
+    assert history["lr"][-1] == rec.lrs[-1] > 0
+    epoch_lines = [r.getMessage() for r in estimatorch_log if "[Epoch 2/2] Finished" in r.getMessage()]
+    assert epoch_lines and epoch_lines[0].endswith(f"lr: {rec.lrs[-1]:.4g}")
 
 
 def test_a_plateau_cut_is_logged_with_its_reason(estimatorch_log):
@@ -299,3 +312,30 @@ def test_an_unchanged_rate_is_not_logged(estimatorch_log):
     est = make_estimator(lr=LR)
     est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[LRSchedulerHandler(StepLR(est.optimizer, 5))])
     assert not any("Learning rate" in r.getMessage() for r in estimatorch_log)
+
+
+def test_a_resume_at_an_epochs_last_batch_records_the_same_per_batch_rate():
+    import signal
+
+    class CtrlCAt(BatchEnd):
+        def __init__(self, at):
+            self.at, self.n = at, 0
+
+        def batch_end(self, est, **kw):
+            self.n += 1
+            if self.n == self.at:
+                signal.raise_signal(signal.SIGINT)
+
+    def run(*extra, resume=False, est=None):
+        est = est or make_estimator(lr=LR)
+        if not resume:
+            est._sched = CosineAnnealingLR(est.optimizer, T_max=2 * N_BATCHES)
+        handler = LRSchedulerHandler(est._sched, step_on="batch")
+        return est, est.fit(make_batches(N_BATCHES), epochs=2, event_handlers=[handler, *extra], resume=resume)
+
+    _, whole = run()
+    est = make_estimator(lr=LR)
+    with pytest.raises(KeyboardInterrupt):
+        run(CtrlCAt(N_BATCHES), est=est)  # stops after the first epoch's last step, before its epoch_end
+    _, resumed = run(resume=True, est=est)
+    assert resumed["lr"] == whole["lr"]

@@ -85,6 +85,7 @@ def test_params_every_metric_history_and_status_read_back(tmp_path):
     assert run.data.tags["estimatorch.checkpoints"].split("\n") == kept and len(kept) == 2
 
 
+@pytest.mark.slow  # several fits against a sqlite store: seconds each
 def test_checkpoints_are_uploaded_as_artifacts_when_asked(tmp_path):
     est = make_estimator()
     handler = _handler(tmp_path, log_checkpoints=True)
@@ -96,6 +97,34 @@ def test_checkpoints_are_uploaded_as_artifacts_when_asked(tmp_path):
     assert files == sorted(os.listdir(tmp_path / "ckpt")) == ["model-best.weights.pt"]
 
 
+def _held(directory):
+    """The checkpoints in ``directory``: files and sharded directories, the pointer and the lock aside."""
+    return sorted(str(p) for p in directory.iterdir() if p.name.startswith("model-epoch"))
+
+
+@pytest.mark.parametrize("options", [{}, pytest.param({"async_save": True}, marks=pytest.mark.slow),
+                                     pytest.param({"sharded": True}, marks=pytest.mark.slow)],
+                         ids=["files", "async_save", "sharded"])
+def test_the_tag_lists_what_the_checkpoint_handler_announced_after_a_sigterm(tmp_path, options):
+    """The tracker's train_end runs before CheckpointHandler's (priority -500), which writes the
+    preemption checkpoint and prunes an older one: the run ends after every train_end, with what
+    was announced, so the tag names the file a resume uses and none retention deleted (also for
+    a background write, and for sharded directories)."""
+    handler = _handler(tmp_path, log_checkpoints=bool(options.get("sharded")))
+    saver = CheckpointHandler(tmp_path / "ckpt", max_checkpoints=1, **options)
+    with pytest.raises(SystemExit):
+        _fit(make_estimator(), [handler, saver, _sigterm_at(6)])
+    run, _ = read_run(tmp_path, handler.run_id)
+    assert run.info.status == "KILLED"
+    held = _held(tmp_path / "ckpt")
+    assert [os.path.basename(p) for p in held] == ["model-epoch1batch6" + (".dcp" if options.get("sharded") else ".pt")]
+    assert run.data.tags["estimatorch.checkpoints"].split("\n") == held
+    if options.get("sharded"):  # the directory is uploaded whole, under its name
+        uploaded = artifact(tmp_path, run, f"checkpoints/{os.path.basename(held[0])}")
+        assert sorted(os.listdir(uploaded)) == sorted(os.listdir(held[0]))
+
+
+@pytest.mark.slow  # several fits against a sqlite store: seconds each
 def test_one_instance_opens_a_new_run_for_every_fit(tmp_path):
     handler = _handler(tmp_path)
     est = make_estimator()
@@ -110,6 +139,7 @@ def _sigterm_at(step):
     return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGTERM), once=step)
 
 
+@pytest.mark.slow  # several fits against a sqlite store: seconds each
 @pytest.mark.parametrize("stop, error, status", [
     (lambda: CrashAt(6), RuntimeError, "FAILED"),
     (lambda: ctrl_c_at(6), KeyboardInterrupt, "KILLED"),
@@ -125,6 +155,7 @@ def test_the_run_ends_failed_on_an_error_and_killed_on_a_signal(tmp_path, stop, 
 
 
 # -- resume ---------------------------------------------------------------------------------
+@pytest.mark.slow  # several fits against a sqlite store: seconds each
 def test_a_run_interrupted_and_resumed_in_process_continues_the_same_run(tmp_path):
     reference = _handler(tmp_path / "reference", log_interval=1)
     _fit(make_estimator(), [reference])
@@ -141,6 +172,7 @@ def test_a_run_interrupted_and_resumed_in_process_continues_the_same_run(tmp_pat
     assert metrics == expected  # every point once, with the uninterrupted run's values
 
 
+@pytest.mark.slow  # several fits against a sqlite store: seconds each
 def test_a_run_resumed_from_a_checkpoint_logs_each_step_once(tmp_path):
     """A crash at batch 10, after the checkpoint at batch 6: batches 7-9 and epoch 2 were logged
     after it. The resumed fit continues the same run and logs none of them twice."""

@@ -9,9 +9,8 @@ import sys
 
 import pytest
 
-from estimatorch import distributed
-from estimatorch.event_handlers import LambdaHandler, LoggingHandler, ProgressBarHandler, ValidationHandler
-from estimatorch.event_handlers import _bars
+from estimatorch import _console, distributed
+from estimatorch.event_handlers import LambdaHandler, LoggingHandler, ProgressBarHandler, ValidationHandler, _bars
 from estimatorch.event_handlers import progress_bar as progress_bar_module
 from estimatorch.event_handlers._bars import short_name
 from estimatorch.metrics import Accuracy, Metric, TopKAccuracy
@@ -138,7 +137,7 @@ def notebook(monkeypatch):
             assert raw and set(data) == {"text/plain"}
             updates.append(data["text/plain"])
 
-    monkeypatch.setattr(_bars, "in_notebook", lambda: True)
+    monkeypatch.setattr(_console, "in_notebook", lambda: True)
     monkeypatch.setattr(_bars, "_open_display", Handle)
     return updates
 

@@ -149,6 +149,22 @@ def test_checkpoints_are_in_the_summary_and_an_artifact_when_asked(tmp_path):
         sorted(p.name for p in (tmp_path / "ckpt").glob("*.pt"))
 
 
+def test_the_summary_lists_the_checkpoint_written_when_a_sigterm_stopped_the_fit(tmp_path):
+    """The preemption checkpoint CheckpointHandler writes in its train_end (after the tracker's)
+    is in the summary, and the one retention removed then is not."""
+    with pytest.raises(SystemExit):
+        _fit(make_estimator(), [_handler(tmp_path), CheckpointHandler(tmp_path / "ckpt", max_checkpoints=1),
+                                _sigterm_at(6)])
+    ((_, records),) = offline_runs(tmp_path).items()
+    summary = {}
+    for record in records:
+        if record.WhichOneof("record_type") == "summary":
+            summary.update({"/".join(u.nested_key) or u.key: json.loads(u.value_json) for u in record.summary.update})
+    held = sorted(str(p) for p in (tmp_path / "ckpt").glob("*.pt"))
+    assert [os.path.basename(p) for p in held] == ["model-epoch1batch6.pt"]
+    assert summary["checkpoints"] == held
+
+
 # -- how a run ends -------------------------------------------------------------------------
 def _sigterm_at(step):
     return LambdaHandler(batch_end=lambda est, **kw: signal.raise_signal(signal.SIGTERM), once=step)

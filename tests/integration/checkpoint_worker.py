@@ -9,7 +9,9 @@ checkpoint after every batch, ``max_checkpoints=2``.
         resume DIR (if given) in this fresh process and save the result to OUT; then fit into the
         kill DIR and SIGKILL itself: HOW is "timer" (after X seconds of fit), "bytes" (once X
         bytes of checkpoints were written: inside a write), or one of "replace-checkpoint",
-        "replace-pointer", "remove", "fsync" (before the X-th such call). With --async the
+        "replace-pointer", "remove", "fsync" (before the X-th such call); for an object store
+        (a URL DIR, its storage options as JSON in $STORAGE_OPTIONS), "upload", "multipart" or
+        "sigterm" (see _arm_object_store). With --async the
         checkpoints are written in the background (``async_save=True``): the kills inside the
         write sequence land in the writer thread.
     python checkpoint_worker.py race --dir DIR --out OUT     (says "ready", fits at the time read from stdin)
@@ -22,6 +24,7 @@ from __future__ import annotations
 import argparse
 import json
 import os
+import random
 import signal
 import subprocess
 import sys
@@ -32,7 +35,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, checkpoint
-from estimatorch.checkpoint import _files
+from estimatorch.checkpoint import _files, _store
 from estimatorch.event_handlers import BatchBegin, BatchEnd, TrainBegin
 
 SAMPLES, BATCH, EPOCHS, MAX_CHECKPOINTS = 48, 8, 3, 2
@@ -74,8 +77,9 @@ def fit(directory, resume, extra=(), max_checkpoints=MAX_CHECKPOINTS, wait_for_s
     start at the wall-clock time read from stdin."""
     est, loader = build()
     recorder = Recorder()
+    options = json.loads(os.environ["STORAGE_OPTIONS"]) if checkpoint.is_url(directory) else None
     handler = CheckpointHandler(directory, batch_period=1, epoch_period=None, max_checkpoints=max_checkpoints,
-                                resume_from_checkpoint=resume, async_save=ASYNC_SAVE)
+                                resume_from_checkpoint=resume, async_save=ASYNC_SAVE, storage_options=options)
     if wait_for_start:
         print("ready", flush=True)
         time.sleep(max(float(sys.stdin.readline()) - time.time(), 0.0))
@@ -138,8 +142,46 @@ def _arm(how, at):
         _kill_on_call(os, "replace", at, lambda src, dst: str(dst).endswith("-latest"))
     elif how in ("remove", "fsync"):
         _kill_on_call(os, how, at)
+    elif how in ("upload", "multipart", "sigterm"):
+        return _arm_object_store(how, at)
     else:
         raise SystemExit(f"unknown --how {how!r}")
+    return []
+
+
+def _arm_object_store(how, at):
+    """Kills of a fit to an object store (``STORAGE_OPTIONS`` in the environment): "upload" at a
+    seeded moment (0-20 ms) from the start of the ``at``-th upload (before, during or after its
+    request); "multipart" as s3fs's multipart upload of the ``at``-th checkpoint is under way
+    (one part sent, never completed); "sigterm" at the end of step ``at`` (fit saves that
+    boundary and ends; the process is killed after)."""
+    at = int(at)
+    if how == "sigterm":
+        class Term(BatchEnd):
+            seen = 0
+
+            def batch_end(self, estimator, **kwargs):
+                self.seen += 1
+                if self.seen == at:
+                    os.kill(os.getpid(), signal.SIGTERM)
+
+        return [Term()]
+    real, calls = _store.write_bytes, [0]
+
+    def write_bytes(url, data):
+        calls[0] += how == "upload" or url.endswith(".pt")  # "multipart": the at-th checkpoint
+        if calls[0] == at and how == "upload":
+            threading.Timer(random.Random(at).uniform(0.0, 0.02), _die).start()
+        elif calls[0] == at and how == "multipart":
+            fs, key = _store.filesystem(url)
+            bucket, name, _ = fs.split_path(key)
+            upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=name)
+            fs.call_s3("upload_part", Bucket=bucket, Key=name, UploadId=upload["UploadId"], PartNumber=1,
+                       Body=data[:len(data) // 2])
+            _die()
+        return real(url, data)
+
+    _store.write_bytes = write_bytes
     return []
 
 

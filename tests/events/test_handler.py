@@ -1,4 +1,4 @@
-"""StatefulHandler and the shared argument checks of event_handlers/_base.py; the event mixins."""
+"""StatefulHandler (events/handler.py) and the shared argument checks; the event mixins."""
 
 from __future__ import annotations
 
@@ -7,13 +7,12 @@ import inspect
 import pytest
 import torch
 
-from estimatorch.event_handlers import EVENTS, StatefulHandler
-from estimatorch.event_handlers import mixins
 from estimatorch._checks import check_positive_int, check_state_keys
+from estimatorch.event_handlers import EVENTS, StatefulHandler, mixins
 
 
 class Counter(StatefulHandler):
-    _state_attrs = ("count", "tensor", "history")
+    state_attributes = ("count", "tensor", "history")
 
     def __init__(self):
         self.count = 0

@@ -1,19 +1,29 @@
-"""Handler bookkeeping for one ``fit``: validation, default set, ordering, names, and the
-per-event lists a step walks."""
+"""Handler bookkeeping for one ``fit``: validation, ordering, names, and the per-event lists a
+step walks, decided once by which hooks each handler overrides (see :func:`subscribes`)."""
 
 from __future__ import annotations
 
+import warnings
 from collections.abc import Iterable, Sequence
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 from .._checks import is_real
 from ..metrics.base import is_metric, metric_name
-from .mixins import EVENTS
+from .handler import Handler, declared
+from .mixins import EVENTS, NOTICES
 
-__all__ = ["Dispatch", "check_handlers", "handler_name", "order_handlers"]
+if TYPE_CHECKING:  # the estimator's side of the contract; typing only
+    from .view import EstimatorView
+
+__all__ = ["Dispatch", "accumulation_steps", "check_fit", "check_handlers", "check_metric_references",
+           "handler_name", "order_handlers", "state_attributes", "subscribes", "unique_names"]
+
+#: every hook a handler may subscribe to: the loop's events, then the notices.
+HOOKS: dict[str, type] = {**EVENTS, **NOTICES}
 
 
 def handler_name(handler: Any) -> str:
+    """The handler's ``name`` when it has a non-empty one, else its class name."""
     name = getattr(handler, "name", None)
     return name if isinstance(name, str) and name else type(handler).__name__
 
@@ -25,7 +35,7 @@ def check_handlers(event_handlers: Any, arg: str = "event_handlers") -> list[Any
     if isinstance(event_handlers, (str, bytes)) or not isinstance(event_handlers, Iterable):
         event_handlers = [event_handlers]
     handlers = list(event_handlers)
-    mixins = tuple(EVENTS.values())
+    mixins = tuple(HOOKS.values())
     for handler in handlers:
         if isinstance(handler, type):
             raise TypeError(f"{arg} holds the class {handler.__name__}; pass an instance: {handler.__name__}(...)")
@@ -75,10 +85,58 @@ def check_metric_references(handlers: Sequence[Any], owned: Sequence[Any]) -> No
                     )
 
 
-class Dispatch:
-    """One tuple of bound methods per event, holding only the handlers that subscribe."""
+def subscribes(handler: Any, event: str) -> bool:
+    """Whether ``fit`` calls ``handler`` for ``event``: it inherits the event's mixin, its class
+    overrides the mixin's no-op hook, and its ``listens_to(event)`` (if it has one) agrees.
 
-    __slots__ = (*EVENTS, "handlers", "by_name")
+    Example:
+        >>> from estimatorch.events import BatchEnd, EpochEnd
+        >>> class H(BatchEnd, EpochEnd):
+        ...     def epoch_end(self, estimator, **kwargs): pass
+        >>> subscribes(H(), "epoch_end"), subscribes(H(), "batch_end")
+        (True, False)
+    """
+    mixin = HOOKS[event]
+    legacy = event in getattr(handler, "__dict__", {}).get("_legacy_events", ())
+    if not (isinstance(handler, mixin) or legacy) or getattr(type(handler), event, None) is getattr(mixin, event):
+        return False
+    listens = getattr(handler, "listens_to", None)
+    return bool(listens(event)) if callable(listens) else True
+
+
+def check_fit(handlers: Sequence[Any], estimator: EstimatorView, resume: bool) -> None:
+    """Call every handler's ``check_fit`` (before any work of ``fit``)."""
+    for handler in handlers:
+        check = getattr(handler, "check_fit", None)
+        if check is None and callable(getattr(handler, "_check_fit", None)):
+            warnings.warn(f"{type(handler).__qualname__}._check_fit is deprecated: subclass "
+                          "estimatorch.events.Handler and override check_fit", DeprecationWarning, stacklevel=2)
+            check = handler._check_fit
+        if check is not None:
+            check(estimator, resume=resume)
+
+
+def state_attributes(handler: Any) -> tuple[str, ...]:
+    """The attributes ``handler`` declares as its state (empty when it declares none: its
+    ``load_state_dict`` is then the only judge of a saved state)."""
+    if not isinstance(handler, Handler) and getattr(handler, "_state_attrs", None):
+        warnings.warn(f"{type(handler).__qualname__}._state_attrs is deprecated: subclass "
+                      "estimatorch.events.Handler and declare state_attributes", DeprecationWarning, stacklevel=2)
+        return tuple(handler._state_attrs)
+    return tuple(declared(handler, "state_attributes"))
+
+
+def accumulation_steps(handlers: Sequence[Any]) -> int:
+    """Batches per optimizer step: the ``accumulation_steps`` of the handler that steps the
+    optimizer (the first that declares one), else 1."""
+    return next((steps for steps in (declared(h, "accumulation_steps") for h in handlers) if steps is not None), 1)
+
+
+class Dispatch:
+    """One tuple of bound methods per event (and notice), holding only the handlers that
+    subscribe (:func:`subscribes`), in priority order. Built once per ``fit``."""
+
+    __slots__ = (*HOOKS, "handlers", "by_name")
     # one tuple of bound methods per event, set from EVENTS in __init__
     train_begin: tuple[Callable[..., Any], ...]
     epoch_begin: tuple[Callable[..., Any], ...]
@@ -90,14 +148,16 @@ class Dispatch:
     batch_end: tuple[Callable[..., Any], ...]
     epoch_end: tuple[Callable[..., Any], ...]
     train_end: tuple[Callable[..., Any], ...]
+    checkpoint_saved: tuple[Callable[..., Any], ...]
+    after_train_end: tuple[Callable[..., Any], ...]
 
     def __init__(self, handlers: Sequence[Any]):
         self.handlers = list(handlers)
         self.by_name = unique_names(self.handlers)
-        for event, mixin in EVENTS.items():
-            setattr(self, event, tuple(getattr(h, event) for h in self.handlers if isinstance(h, mixin)))
+        for event in HOOKS:
+            setattr(self, event, tuple(getattr(h, event) for h in self.handlers if subscribes(h, event)))
 
-    def fire(self, event: str, estimator: Any, **kwargs: Any) -> bool:
+    def fire(self, event: str, estimator: EstimatorView, **kwargs: Any) -> bool:
         """Call every subscriber in order; True when any returned a truthy value."""
         stop = False
         for fn in getattr(self, event):
@@ -105,11 +165,12 @@ class Dispatch:
                 stop = True
         return stop
 
-    def fire_train_end(self, estimator: Any, failed: bool) -> None:
-        """Fire ``train_end`` to every subscriber, even when one of them raises: the first error
-        is raised afterwards, unless ``failed`` (another error propagates; each is logged)."""
+    def fire_train_end(self, estimator: EstimatorView, failed: bool) -> None:
+        """Fire ``train_end``, then ``after_train_end``, to every subscriber, even when one of
+        them raises: the first error is raised afterwards, unless ``failed`` (another error
+        propagates; each is logged)."""
         first: Optional[BaseException] = None
-        for fn in self.train_end:
+        for fn in (*self.train_end, *self.after_train_end):
             try:
                 fn(estimator)
             except Exception as err:  # noqa: BLE001 - every handler still gets its train_end

@@ -9,7 +9,7 @@ from torch import nn
 from torch.optim.lr_scheduler import ReduceLROnPlateau
 
 from estimatorch import CheckpointHandler, EarlyStoppingHandler, Estimator, LRSchedulerHandler
-from estimatorch.event_handlers._monitor import resolve_monitors
+from estimatorch.events.monitor import resolve_monitors
 from estimatorch.metrics import Loss
 
 

@@ -1,0 +1,166 @@
+"""The training loop of ``fit``, as the sequence of its phases: apply a resume or start, then per
+epoch ``epoch_begin``, the batches (each: ``batch_begin``, the step, ``batch_end``, the stop
+agreement, the boundary) and the epoch's end (``epoch_end``, the history, the boundary).
+
+Each concern sits behind one call: the resume (:func:`begin`, :func:`begin_epoch`), the stop
+agreement between ranks (``run.agreement``), signals (:func:`stop_for`) and the work handlers
+register for a boundary (:func:`run_boundary_actions`). The batch loop keeps everything it reads
+per step in locals: its cost per step is the handlers' and the step's.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Optional
+
+from .._batches import to_device
+from ._interrupts import SIGNAL_NAMES, stop_exception
+from ._plan import limited
+from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
+from ._stop_agreement import rank_identical_stops
+
+__all__ = ["end_run", "run_loop"]
+
+
+def run_loop(estimator: Any, run: Run) -> None:
+    """Train ``run``'s plan (or what a resume leaves of it) with ``estimator``."""
+    done, pending = begin(estimator, run)
+    if done:
+        return
+    marked = rank_identical_stops(run.dispatch.batch_end)  # stops needing no exchange under DDP
+    while True:
+        epoch = run.pos.epoch
+        begin_epoch(estimator, run, pending)
+        pending = None
+        if not run.pos.stop:
+            train_epoch(estimator, run, epoch, marked)
+        if end_epoch(estimator, run, epoch):
+            return
+
+
+def begin(estimator: Any, run: Run) -> tuple[bool, Optional[dict[str, Any]]]:
+    """Apply a resume at an epoch boundary now; keep one from the middle of an epoch for
+    :func:`begin_epoch`. Returns whether the plan is done already, and the resume left."""
+    pending, run.pending = run.pending, None
+    if pending is not None and pending["position"]["phase"] != "batch_end":
+        restore_snapshot(estimator, run, pending)
+        pending = None
+        if run.pos.stop:
+            estimator.logger.warning("Nothing to resume: the saved run already finished its plan "
+                                     "(%s). Pass a larger epochs= or batches= to train further.",
+                                     describe_plan(run.plan))
+            return True, None
+    if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
+        run.pos.epoch = pending["position"]["epoch"]
+    else:
+        run.started = True
+    return False, pending
+
+
+def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> None:
+    """``epoch_begin``, then the state of a mid-epoch resume (after the handlers reset)."""
+    run.at_boundary = False
+    run.dispatch.fire("epoch_begin", estimator)
+    if pending is not None:
+        restore_snapshot(estimator, run, pending)
+
+
+def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
+    """The epoch's batches from the current position, until the data ends or a stop."""
+    pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
+    processor, device, axis, multi = estimator.batch_processor, estimator.device, run.batch_axis, agreement.multi
+    batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
+    started = pos.batch
+    code = 0
+    for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
+        signals.stoppable = run.at_boundary = False
+        batch = to_device(batch, device)
+        for fn in batch_begin:
+            fn(estimator, batch=batch)
+        _, label, pred, loss = processor.fit_batch(estimator, batch, axis)
+        stop = identical = False
+        for fn in batch_end:
+            if fn(estimator, batch=batch, pred=pred, label=label, loss=loss):
+                if fn in marked:
+                    identical = True
+                else:
+                    stop = True
+        if multi:  # every rank stops at the same step: see _stop_agreement
+            stop, code = agreement.after_batch(pos.step + 1, stop, identical, signals.code)
+        else:
+            stop = stop or identical
+        pos.batch += 1
+        pos.step += 1
+        pos.phase, pos.stop = "batch_end", stop
+        run.at_boundary = True
+        if run.boundary_actions:
+            run_boundary_actions(run)
+        if not multi:  # one process: a signal now stops here, one while waiting for data at once
+            signals.stoppable = True
+            code = signals.code
+        if code:
+            stop_for(run, code)
+        if stop:
+            break
+    signals.stoppable = False
+    if started == 0 and pos.batch == 0:
+        raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
+                         "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
+
+
+def end_epoch(estimator: Any, run: Run, epoch: int) -> bool:
+    """``epoch_end``, the history, the stop agreement and the boundary; True when the loop ends."""
+    pos, signals = run.pos, run.signals
+    run.at_boundary = False
+    stop = run.dispatch.fire("epoch_end", estimator)
+    record_history(estimator, run, epoch)
+    stop, code = run.agreement.after_epoch(stop, signals.code)
+    pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
+    pos.stop = pos.stop or stop
+    run.at_boundary = True
+    if run.boundary_actions:
+        run_boundary_actions(run)
+    if code or (not run.agreement.multi and signals.code):
+        stop_for(run, code or signals.code)
+    return pos.stop
+
+
+def stop_for(run: Run, code: int) -> None:
+    """Leave the loop at this boundary because of a signal (agreed by every rank)."""
+    run.signals.stoppable = False
+    run.signals.stopped = SIGNAL_NAMES[code]
+    raise stop_exception(run.signals.stopped)
+
+
+def run_boundary_actions(run: Run) -> None:
+    """Run the work handlers registered with ``at_boundary`` for this boundary."""
+    actions, run.boundary_actions = run.boundary_actions, []
+    for action in actions:
+        action()
+
+
+def end_run(estimator: Any, run: Run, failed: bool) -> None:
+    """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
+    snapshot_error = _final_snapshot(estimator, run, failed)
+    try:
+        if run.began:
+            run.dispatch.fire_train_end(estimator, failed or snapshot_error is not None)
+    finally:
+        run.stream.close()
+    if snapshot_error is not None and not failed:
+        raise snapshot_error
+
+
+def _final_snapshot(estimator: Any, run: Run, failed: bool) -> Optional[Exception]:
+    """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
+    held any state of its own); return the error if a handler's ``state_dict`` fails, so
+    that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
+    if not run.started:
+        return None
+    try:
+        estimator._last = take_snapshot(estimator, run, partial=not run.at_boundary)
+        return None
+    except Exception as err:  # reported after train_end, or logged if another error is on its way
+        estimator._last = None
+        if failed:
+            estimator.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
+        return err

@@ -1,0 +1,60 @@
+"""The first half of ``fit``: its arguments and handlers checked and its run prepared, before any
+work (no data read, no file written, the net and the generators untouched)."""
+
+from __future__ import annotations
+
+from collections.abc import Iterable
+from typing import Any, Optional
+
+from .. import rng
+from .._checks import warn_user
+from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
+from ..events.monitor import resolve_monitors
+from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
+from ._elastic import configure_elastic
+from ._plan import plan_counts, schedule_length
+from ._setup import default_handlers, signal_guard, warn_default_optimizer
+from ._state import Run, resume_plan
+from ._stop_agreement import agreement_period
+from ._streams import make_train_stream
+
+__all__ = ["start_run"]
+
+
+def start_run(estimator: Any, train_data: Iterable[Any], val_data: Optional[Iterable[Any]], epochs: Optional[int],
+              event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool,
+              limits: tuple[Optional[int], Optional[int]]) -> Run:
+    """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
+    rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all)."""
+    check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
+    check_limits(*limits)
+    if estimator.optimizer is None:
+        raise ValueError("this estimator has no optimizer: net has no trainable parameters; pass optimizer=")
+    check_optimizer(estimator.optimizer, estimator.net)
+    warn_default_optimizer(estimator)
+    rng.check_seed(estimator.seed)  # also one assigned after construction
+    user = check_handlers(event_handlers)
+    check_unique_handlers(user)
+    if resume and estimator._last is None:
+        raise ValueError("resume=True but this estimator has no earlier fit to continue")
+    stream = make_train_stream(train_data, estimator.seed)
+    handlers = order_handlers(user, default_handlers(estimator, user, val_data))
+    resolve_monitors(handlers, estimator.train_metrics + estimator.val_metrics)  # monitors given by name
+    check_metric_references(handlers, estimator.train_metrics + estimator.val_metrics)
+    check_fit(handlers, estimator, resume)
+    configure_elastic(stream, handlers, estimator.device)  # CheckpointHandler(..., elastic=True)
+    resumes = resume or any(declared(h, "resumes_run") or declared(h, "checkpoint_location") is not None
+                            for h in handlers)
+    if not stream.exact and resumes:
+        warn_user(f"train_data ({type(train_data).__name__}) cannot be positioned: a resume will replay (load "
+                  "and discard) the batches before the saved position, exact only if it yields the same batches "
+                  "each time. Use a map-style DataLoader, or give the IterableDataset state_dict()/"
+                  "load_state_dict().")
+    run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
+              signal_guard(handlers, estimator.logger), limits)
+    run.agreement.period = agreement_period(estimator.agree_every)
+    run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
+    schedule_length(estimator, run.counts)  # a callable lr_scheduler can be sized: checked before any work
+    if resume and estimator._last is not None:  # checked above: a resume has a fit to continue
+        run.pending = resume_plan(run, estimator._last, source="the previous fit")
+    return run

@@ -1,0 +1,186 @@
+"""The handler base: what a handler may declare and the hooks ``fit`` may call besides the events.
+
+:class:`Handler` declares, with a default each, everything the loop reads of a handler: its
+``priority``; which events of the mixins it inherits it listens to (:meth:`~Handler.listens_to`);
+:meth:`~Handler.check_fit`, called before any work; which attributes are its state
+(``state_attributes``) and which of those count batches (``elastic_batch_counters``); and its
+capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
+``accumulation_steps``, :meth:`~Handler.stop_limits`). :class:`StatefulHandler` adds the
+``state_dict`` / ``load_state_dict`` of the declared state.
+
+A handler that inherits only the mixins works too: every declaration then has its default.
+"""
+
+from __future__ import annotations
+
+import copy
+import inspect
+import warnings
+from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
+
+import torch
+
+from .._checks import check_state_keys
+
+if TYPE_CHECKING:  # the estimator's side of the contract; typing only
+    from .view import EstimatorView
+
+__all__ = ["Handler", "StatefulHandler", "declared", "rank_identical_stop"]
+
+_F = TypeVar("_F", bound=Callable[..., Any])
+
+
+def rank_identical_stop(batch_end: _F) -> _F:
+    """Mark a ``batch_end`` whose ``True`` is the same on every rank at the same step by
+    construction (counters every rank advances alike, a value reduced across ranks): under
+    torch.distributed ``fit`` then stops every rank at that very step without exchanging it.
+    A subclass that overrides the method is not marked. A wrong mark stops one rank while the
+    others wait in the next step's all-reduce: mark only what you can prove."""
+    batch_end.rank_identical_stop = True  # type: ignore[attr-defined]
+    return batch_end
+
+
+class Handler:
+    """Base of handlers: the declarations ``fit`` reads, each with its default.
+
+    Subclass it together with the event mixins whose hooks you override.
+
+    Example:
+        >>> from estimatorch.events import BatchEnd, Dispatch
+        >>> class Every(Handler, BatchEnd):
+        ...     def __init__(self, period=None):
+        ...         self.period = period
+        ...     def listens_to(self, event):
+        ...         return self.period is not None  # no call per step without a period
+        ...     def batch_end(self, estimator, **kwargs):
+        ...         return False
+        >>> len(Dispatch([Every(5)]).batch_end), len(Dispatch([Every()]).batch_end)
+        (1, 0)
+    """
+
+    #: Dispatch rank: lower runs first. Ties keep the order handlers were given in.
+    priority: float = 0
+    #: True when the state is the same on every rank (decisions on reduced values, weights or
+    #: gradients DDP keeps in step): a checkpoint then stores it once, not once per rank.
+    shared_state: bool = False
+    #: the attributes that make up this handler's state (:class:`StatefulHandler` saves them; a
+    #: resume checks each saved one against the current value's type before loading any).
+    state_attributes: ClassVar[tuple[str, ...]] = ()
+    #: state keys that count this process's batches (or samples); an elastic resume on another
+    #: world size scales them like the position (``"a.b"``: entry ``b`` of the dict ``a``). Those
+    #: of the base classes count too.
+    elastic_batch_counters: ClassVar[tuple[str, ...]] = ()
+    #: batches per optimizer step, for the handler that steps the optimizer; None for the others.
+    accumulation_steps: Optional[int] = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        legacy = cls.__dict__.get("_state_attrs")
+        if legacy is not None and "state_attributes" not in cls.__dict__:
+            warnings.warn(f"{cls.__qualname__}._state_attrs is deprecated: name the state attributes in "
+                          "state_attributes", DeprecationWarning, stacklevel=2)
+            cls.state_attributes = tuple(legacy)
+        legacy_check = cls.__dict__.get("_check_fit")
+        if legacy_check is not None and "check_fit" not in cls.__dict__:
+            warnings.warn(f"{cls.__qualname__}._check_fit is deprecated: override check_fit",
+                          DeprecationWarning, stacklevel=2)
+            cls.check_fit = legacy_check  # type: ignore[method-assign]
+
+    @property
+    def name(self) -> str:
+        """The key this handler's state is saved under. Defaults to the class name."""
+        return self.__dict__.get("_name") or type(self).__name__
+
+    @name.setter
+    def name(self, value: str) -> None:
+        if not isinstance(value, str) or not value:
+            raise ValueError(f"name must be a non-empty str, got {value!r}")
+        self._name = value
+
+    def listens_to(self, event: str) -> bool:
+        """Whether ``fit`` calls this handler's hook of ``event``, one whose mixin the class
+        inherits and whose hook it overrides. Asked once per event at the start of each ``fit``
+        (never per step): say False for the events your options leave unused (a per-batch
+        feature that is off), so that a step does not call you for nothing. Defaults to True."""
+        return True
+
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
+        """Called at the start of ``fit``, after every handler is known and before any work
+        (before ``train_begin``, before any data is read): raise ``ValueError`` (or
+        ``FileExistsError``...) for a setting this fit cannot honour. ``resume`` is
+        ``fit(..., resume=True)``. Defaults to nothing."""
+
+    @property
+    def checkpoint_location(self) -> Optional[str]:
+        """Where this handler writes checkpoints a fit resumes from (a directory), None when it
+        writes none: ``fit`` then tells a stopped user where the state went and saves a signal's
+        boundary only when some handler has one."""
+        return None
+
+    @property
+    def resumes_run(self) -> bool:
+        """True when this handler resumes the fit from a checkpoint of its own in
+        ``train_begin`` (a rerun of the script continues the run)."""
+        return False
+
+    @property
+    def elastic_checkpoints(self) -> bool:
+        """True when this handler's checkpoints must resume on another world size: ``fit`` then
+        lays the data out in global steps (see ``CheckpointHandler(elastic=True)``)."""
+        return False
+
+    def stop_limits(self) -> tuple[Optional[int], Optional[int]]:
+        """``(epochs, batches)`` after which this handler stops the fit whatever happens (None
+        each where it does not): ``fit`` counts its plan with them."""
+        return None, None
+
+
+class StatefulHandler(Handler):
+    """A :class:`Handler` whose ``state_attributes`` are its state: :meth:`state_dict` copies
+    them and :meth:`load_state_dict` checks that each is present.
+
+    Counters are reset in ``train_begin`` so one instance can serve many ``fit`` calls.
+
+    Example:
+        >>> import inspect
+        >>> class Counter(StatefulHandler):
+        ...     state_attributes = ("count",)
+        ...     def __init__(self, start=0):
+        ...         self.count = start
+        >>> str(inspect.signature(Counter)), Counter(3).state_dict()
+        ('(start=0)', {'count': 3})
+    """
+
+    def state_dict(self) -> dict[str, Any]:
+        """This handler's counters, as tensors and plain python values."""
+        return {attr: _copy(getattr(self, attr)) for attr in self.state_attributes}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output; raises ``ValueError`` naming a missing key."""
+        check_state_keys(state, self.state_attributes, self.name)
+        for attr in self.state_attributes:
+            setattr(self, attr, _copy(state[attr]))
+
+
+def declared(handler: Any, attribute: str) -> Any:
+    """``handler``'s declaration ``attribute`` (a value or property :class:`Handler` defines), or
+    its default for a handler that inherits only the mixins.
+
+    Example:
+        >>> from estimatorch.events import TrainBegin
+        >>> class Plain(TrainBegin): pass
+        >>> declared(Plain(), "resumes_run"), declared(Plain(), "state_attributes")
+        (False, ())
+    """
+    if isinstance(handler, Handler):
+        return getattr(handler, attribute)
+    default = inspect.getattr_static(Handler, attribute)
+    if isinstance(default, property):
+        return getattr(handler, attribute) if hasattr(handler, attribute) else default.fget(handler)  # type: ignore[misc]
+    return getattr(handler, attribute, default)
+
+
+def _copy(value: Any) -> Any:
+    if isinstance(value, torch.Tensor):
+        return value.detach().clone()
+    return copy.deepcopy(value)

@@ -1,0 +1,110 @@
+"""What a handler may read and call on the estimator: the estimator's side of the contract.
+
+Hooks receive the :class:`~estimatorch.Estimator` of the fit as their first argument; a handler
+types it as :class:`EstimatorView` and uses only what is listed here. Anything else on the
+estimator (attributes starting with ``_`` above all) may change without notice.
+"""
+
+from __future__ import annotations
+
+import logging
+from collections.abc import Callable, Iterable
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["EstimatorView", "PositionView"]
+
+
+class PositionView(Protocol):
+    """Where the loop stands, at a boundary between events (a copy: changing it changes nothing).
+
+    ``epoch`` and ``batch`` count from 0 (``batch`` within the epoch); ``step`` counts the batches
+    trained in all; ``phase`` is ``"start"``, ``"batch_end"`` or ``"epoch_end"`` (then ``epoch``
+    is already the next one); ``stop`` records a stop requested there.
+    """
+
+    epoch: int
+    batch: int
+    step: int
+    phase: str
+    stop: bool
+
+
+class EstimatorView(Protocol):
+    """The estimator as a handler sees it during ``fit`` (or ``evaluate``, for the epoch and batch
+    events an evaluation fires)."""
+
+    #: the model, the loss and the optimizer ``fit`` trains with
+    net: nn.Module
+    loss: Callable[..., torch.Tensor]
+    optimizer: Any
+    #: the learning-rate scheduler the estimator steps (through ``LRSchedulerHandler``), if any
+    lr_scheduler: Any
+    #: the gradient scaler of ``precision="fp16"``, else None
+    grad_scaler: Optional[torch.amp.GradScaler]
+    train_metrics: list[Any]
+    val_metrics: list[Any]
+    logger: logging.Logger
+    device: torch.device
+    seed: int
+    precision: Any
+    #: the current fit's plan: epochs or batches (the other None)
+    max_epoch: Optional[int]
+    max_batch: Optional[int]
+    #: the axis of a batch's tensors that counts samples
+    batch_axis: int
+
+    @property
+    def train_net(self) -> nn.Module:
+        """The module the steps run (the net, or its DDP wrapper)."""
+
+    @property
+    def position(self) -> PositionView:
+        """A copy of where the current (or last) fit stands."""
+
+    @property
+    def handlers(self) -> tuple[Any, ...]:
+        """The current fit's handlers, in the order events reach them (empty outside fit)."""
+
+    @property
+    def batches_per_epoch(self) -> Optional[int]:
+        """Batches an epoch of the current (or last) fit trains, when known."""
+
+    @property
+    def validated(self) -> bool:
+        """True when validation ran during the current epoch (val metrics hold its values)."""
+
+    @property
+    def interruption(self) -> Optional[str]:
+        """``"SIGINT"`` or ``"SIGTERM"`` when the fit ends because of that signal at a step boundary."""
+
+    @property
+    def resume_pending(self) -> bool:
+        """True when the current fit will resume from a snapshot."""
+
+    @property
+    def resume_step(self) -> Optional[int]:
+        """The step the current fit resumes from, while a resume is pending."""
+
+    def at_boundary(self, action: Callable[[], None]) -> None:
+        """Run ``action()`` once the current event has reached every handler."""
+
+    def fire(self, event: str, **kwargs: Any) -> bool:
+        """Call the current fit's handlers of ``event`` (or of a notice); True when any asked to stop."""
+
+    def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
+        """Run the val metrics over ``val_data``."""
+
+    def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:
+        """Everything needed to resume the current fit (see ``Estimator.state_payload``)."""
+
+    def check_payload(self, payload: dict[str, Any], source: str, *, rank: Optional[int] = None) -> dict[str, Any]:
+        """Check a payload before any state is touched (see ``Estimator.check_payload``)."""
+
+    def load_payload(self, payload: dict[str, Any], source: str) -> None:
+        """Resume the current fit from ``payload`` (see ``Estimator.load_payload``)."""
+
+    def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
+        """Resume the current fit from ``snapshot`` once the loop reaches the saved position."""
