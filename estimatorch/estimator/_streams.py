@@ -320,6 +320,15 @@ class _ReplayStream(TrainStream):
         return itertools.islice(order, start, None)
 
 
+def _library_stream(dataset: Any, loader: Optional[DataLoader], seed: int) -> Optional[TrainStream]:
+    """The stream of a data library's iterable dataset (``datasets``, ``streaming``), else None."""
+    if is_hf_iterable(dataset):
+        return hf_iterable_stream(dataset, loader, seed)
+    if is_streaming_dataset(dataset):
+        return streaming_stream(dataset, loader, seed)
+    return None
+
+
 def make_train_stream(train_data: Any, seed: int) -> TrainStream:
     """Wrap ``fit``'s ``train_data``; raises when it is not an iterable of batches or is empty."""
     if isinstance(train_data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(train_data, Iterable):
@@ -331,10 +340,9 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
         check_stateful_loader(train_data)
         dataset = train_data.dataset
         if isinstance(dataset, IterableDataset):
-            if is_hf_iterable(dataset):
-                return hf_iterable_stream(dataset, train_data, seed)
-            if is_streaming_dataset(dataset):
-                return streaming_stream(dataset, train_data, seed)
+            library = _library_stream(dataset, train_data, seed)
+            if library is not None:
+                return library
             if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
                 return StatefulIterableStream(dataset, train_data, seed)
             return _ReplayStream(train_data, seed)
@@ -347,10 +355,9 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
                 f"{train_data.batch_size} and drop_last=True"
             )
         return stream
-    if is_hf_iterable(train_data):
-        return hf_iterable_stream(train_data, None, seed)
-    if is_streaming_dataset(train_data):
-        return streaming_stream(train_data, None, seed)
+    library = _library_stream(train_data, None, seed)
+    if library is not None:
+        return library
     if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
             and hasattr(train_data, "load_state_dict"):
         return StatefulIterableStream(train_data, None, seed)
