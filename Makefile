@@ -39,9 +39,10 @@ $(VENV)/.demo-installed: $(PY) setup.cfg setup.py requirements-demo.txt
 	$(PY) -m pip install --quiet -r requirements-demo.txt
 	touch $@
 
-$(VENV)/.dev-installed: $(PY) setup.cfg setup.py requirements-dev.txt
+$(VENV)/.dev-installed: $(PY) setup.cfg setup.py requirements-dev.txt requirements-streaming.txt
 	@echo "Installing torch, estimatorch and the test tools into $(VENV) (first run only; quiet, may take a minute)"
 	$(PY) -m pip install --quiet -r requirements-dev.txt
+	$(PY) -m pip install --quiet --no-deps -r requirements-streaming.txt
 	touch $@ $(VENV)/.demo-installed
 
 clean:

@@ -107,3 +107,11 @@ def test_sharded_checkpoint_compares_memory_and_checkpoint_time_with_ddp():
     assert fsdp["held_bytes_per_rank"] == [3 * 4 * out["parameters"] // 2] * 2
     assert all(ddp[k] > 0 and fsdp[k] > 0 for k in ("save_s", "load_s", "size_bytes"))
     assert 0 < fsdp["async_stall_s"] <= fsdp["async_durable_s"]
+
+
+def test_data_positioning_times_every_library_at_both_positions():
+    out = _run("data_positioning.py", "--samples", "2000", "--batch-size", "100", "--repeats", "1")
+    rows = {line[:42].strip(): line[42:].split() for line in out.splitlines()[2:]}
+    assert list(rows) == ["torchdata map (fit)", "torchdata map (its own load_state_dict)", "hf map",
+                          "hf iterable (its state)", "hf iterable + buffer (replay)", "streaming"]
+    assert all(len(v) == 3 and all(_positive(float(x)) for x in v) for v in rows.values())

@@ -164,8 +164,11 @@ def _order_of(sampler: Any) -> Optional[tuple[Callable[[int], Any], list[Any], b
 
 
 #: what the user passed, by the stream ``make_train_stream`` made of it (for messages).
-_GIVEN = {"_SequenceStream": "a list or tuple of batches", "_StatefulIterableStream": "an IterableDataset",
-          "_ReplayStream": "an iterable of batches without indices (a generator, an IterableDataset...)"}
+_GIVEN = {"_SequenceStream": "a list or tuple of batches", "StatefulIterableStream": "an IterableDataset",
+          "_ReplayStream": "an iterable of batches without indices (a generator, an IterableDataset...)",
+          "_EpochReplayStream": "a Hugging Face datasets.IterableDataset",
+          "_StreamingStream": "a MosaicML StreamingDataset (whose samples streaming itself lays out over "
+                              "the ranks)"}
 
 
 def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device) -> None:

@@ -214,6 +214,9 @@ class StatefulIterableStream(TrainStream):
             self._capture.pending = [{"state": s, "batches": b, "ended": e}
                                      for s, b, e in zip(self._states, self._made, self._ended)]
         self._capture.epoch = epoch
+        set_epoch = getattr(self.dataset, "set_epoch", None)
+        if callable(set_epoch):  # before its copies reach the workers (a persistent worker's must share it)
+            set_epoch(epoch)
         try:
             if self.loader is None:
                 items: Iterator[Any] = iter(self._capture)

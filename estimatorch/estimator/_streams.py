@@ -6,7 +6,12 @@ in :mod:`estimatorch._batches`).
 - a map-style :class:`~torch.utils.data.DataLoader` is rebuilt around a resumable sampler
   (settings kept) and a fetch that seeds every sample from ``(seed, epoch, index)``;
 - a list or tuple of batches is indexed directly;
-- an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state;
+- an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state
+  (Hugging Face ``datasets``' one with a shuffle buffer is replayed from its epoch's start:
+  ``_hf_streams``);
+- MosaicML ``streaming``'s ``StreamingDataset`` is positioned by its own resume state
+  (``_mosaic_streams``);
+- torchdata's ``StatefulDataLoader`` is taken as the ``DataLoader`` it replaces (``_torchdata``);
 - anything else is replayed (with a warning when a resume has to do it).
 """
 
@@ -41,8 +46,11 @@ from ..samplers.resumable import (
     ResumableSampler,
     ResumableSequentialSampler,
 )
+from ._hf_streams import hf_iterable_stream, is_hf_iterable
 from ._iterable_streams import StatefulIterableStream
+from ._mosaic_streams import is_streaming_dataset, streaming_stream
 from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
+from ._torchdata import check_stateful_loader, torch_sampler
 
 __all__ = ["TrainStream", "draws_no_randomness", "make_train_stream"]
 
@@ -152,7 +160,7 @@ class _LoaderStream(TrainStream):
         # As DataLoader decides: with a batch sampler (built from batch_size, or the user's own)
         # each of its index lists is one batch of samples to collate; without one, each item the
         # sampler yields is one key of the dataset (a BatchSampler given as sampler yields lists).
-        batch_sampler = loader.batch_sampler
+        batch_sampler = torch_sampler(loader.batch_sampler)  # torchdata's stateful classes: torch's
         auto_collate = batch_sampler is not None
         plain_batches = type(batch_sampler) is BatchSampler
         unit = cast(BatchSampler, batch_sampler).batch_size if plain_batches else 1
@@ -162,7 +170,7 @@ class _LoaderStream(TrainStream):
         self._user_batches: Any = None
         self.sampler = None
         if not auto_collate or plain_batches:
-            inner = cast(BatchSampler, batch_sampler).sampler if plain_batches else loader.sampler
+            inner = cast(BatchSampler, batch_sampler).sampler if plain_batches else torch_sampler(loader.sampler)
             self.sampler = self._resumable_sampler(inner, unit)
         if self.sampler is not None:
             per_epoch = self.sampler.num_samples
@@ -170,7 +178,7 @@ class _LoaderStream(TrainStream):
             index_batches = self._sampler_batches
             self.sampler_name = type(self.sampler).__name__
         else:
-            self._user_batches = batch_sampler if auto_collate else loader.sampler
+            self._user_batches = loader.batch_sampler if auto_collate else loader.sampler
             length = len(self._user_batches) if isinstance(self._user_batches, Sized) else None
             index_batches = self._replayed_batches
             self.sampler_name = type(self._user_batches).__name__
@@ -312,6 +320,15 @@ class _ReplayStream(TrainStream):
         return itertools.islice(order, start, None)
 
 
+def _library_stream(dataset: Any, loader: Optional[DataLoader], seed: int) -> Optional[TrainStream]:
+    """The stream of a data library's iterable dataset (``datasets``, ``streaming``), else None."""
+    if is_hf_iterable(dataset):
+        return hf_iterable_stream(dataset, loader, seed)
+    if is_streaming_dataset(dataset):
+        return streaming_stream(dataset, loader, seed)
+    return None
+
+
 def make_train_stream(train_data: Any, seed: int) -> TrainStream:
     """Wrap ``fit``'s ``train_data``; raises when it is not an iterable of batches or is empty."""
     if isinstance(train_data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(train_data, Iterable):
@@ -320,8 +337,12 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
             f"pairs, ...), got {type(train_data).__name__}"
         )
     if isinstance(train_data, DataLoader):
+        check_stateful_loader(train_data)
         dataset = train_data.dataset
         if isinstance(dataset, IterableDataset):
+            library = _library_stream(dataset, train_data, seed)
+            if library is not None:
+                return library
             if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
                 return StatefulIterableStream(dataset, train_data, seed)
             return _ReplayStream(train_data, seed)
@@ -334,6 +355,9 @@ def make_train_stream(train_data: Any, seed: int) -> TrainStream:
                 f"{train_data.batch_size} and drop_last=True"
             )
         return stream
+    library = _library_stream(train_data, None, seed)
+    if library is not None:
+        return library
     if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
             and hasattr(train_data, "load_state_dict"):
         return StatefulIterableStream(train_data, None, seed)

@@ -1,0 +1,112 @@
+"""Hugging Face ``datasets``' ``IterableDataset`` (``load_dataset(..., streaming=True)``,
+``IterableDataset.from_generator``, ``Dataset.to_iterable_dataset``), given to ``fit`` in a
+``DataLoader`` or alone.
+
+Its epoch is set with ``set_epoch(epoch)`` before every epoch, as datasets' documentation asks:
+the order of its shards and its shuffle buffer's draws are then a function of ``(seed, epoch)``.
+
+- Without a shuffle buffer in its pipeline, its own ``state_dict()`` (the shard and the example
+  in it each copy of the dataset had reached) resumes it exactly: it runs as any stateful
+  ``IterableDataset`` (:class:`~._iterable_streams.StatefulIterableStream`, workers included),
+  and a resume re-reads at most the start of the shard it stopped in.
+- With one (``.shuffle(seed=..., buffer_size=...)``), its ``state_dict()`` does not hold the
+  buffer's content (datasets warns that those examples are lost on resume). The epoch is then
+  a function of ``(seed, epoch)`` alone, so a resume replays it from its start and discards the
+  batches before the saved one: exact, at the cost of reading (and collating) those batches,
+  which ``fit`` says in a warning when it resumes.
+"""
+
+from __future__ import annotations
+
+import itertools
+from collections.abc import Iterator
+from typing import Any, Optional
+
+from torch.utils.data import DataLoader
+
+from .. import rng
+from .._checks import warn_user
+from ._iterable_streams import StatefulIterableStream
+from ._stream_base import TrainStream
+
+__all__ = ["hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
+
+_REPLAY_SALT = 0x4F1D
+
+
+def is_hf_iterable(dataset: Any) -> bool:
+    """Whether ``dataset`` is a ``datasets.IterableDataset`` (told without importing datasets)."""
+    return any(c.__module__.startswith("datasets.") and c.__name__ == "IterableDataset" for c in type(dataset).__mro__)
+
+
+def _pipeline(dataset: Any) -> Iterator[tuple[Any, bool]]:
+    """Each example iterable of ``dataset``'s pipeline (datasets' private chain: a change there
+    shows as a buffer no longer found, which the tests catch), and whether it runs below an
+    interleave of several input shards, which datasets feeds from threads."""
+    todo = [(getattr(dataset, "_ex_iterable", None), False)]
+    while todo:
+        node, threaded = todo.pop()
+        if node is None:
+            continue
+        yield node, threaded
+        if type(node).__name__ == "InterleavedShardsExamplesIterable":
+            threaded = threaded or min(node.ex_iterable.num_shards, node.max_input_shards) > 1
+        todo.append((getattr(node, "ex_iterable", None), threaded))
+        todo.extend((child, threaded) for child in getattr(node, "ex_iterables", None) or ())
+
+
+def shuffle_buffers(dataset: Any) -> list[int]:
+    """The sizes of the shuffle buffers in ``dataset``'s pipeline."""
+    return [int(node.buffer_size) for node, _ in _pipeline(dataset)
+            if type(node).__name__ == "BufferShuffledExamplesIterable"]
+
+
+def maps_in_threads(dataset: Any) -> bool:
+    """Whether a ``.map()``/``.filter()`` of ``dataset`` runs in datasets' prefetch threads (one
+    per input shard of a ``.shuffle()``, in datasets 5)."""
+    return any(threaded and type(node).__name__ in ("MappedExamplesIterable", "FilteredExamplesIterable")
+               for node, threaded in _pipeline(dataset))
+
+
+class _EpochReplayStream(TrainStream):
+    """A ``datasets.IterableDataset`` with a shuffle buffer: each epoch iterated from its start
+    after ``set_epoch(epoch)``; a resume at batch k reads and discards the first k batches."""
+
+    # positioned by a replay that set_epoch makes exact: said at the resume, not as a doubt at fit start
+    exact = True
+
+    def __init__(self, dataset: Any, loader: Optional[DataLoader], seed: int, buffers: list[int]):
+        super().__init__(seed)
+        self.dataset = dataset
+        self.data: Any = loader if loader is not None else dataset
+        self.buffers = buffers
+
+    def fingerprint(self) -> dict[str, Any]:
+        return {**super().fingerprint(), "dataset": type(self.dataset).__name__, "shuffle_buffers": self.buffers}
+
+    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
+        self.dataset.set_epoch(epoch)
+        if start:
+            warn_user(
+                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): its "
+                f"state_dict() does not hold the buffer's content, so fit replays epoch {epoch} from its "
+                f"start and discards the {start} batches before the saved position (read, not trained). "
+                "Exact; costs the time to read those batches. Without .shuffle(buffer_size=...) a resume "
+                "starts from the dataset's own state instead.")
+        # the draws of .map() functions and of the loader's worker seeds are a function of (seed, epoch)
+        order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
+        return itertools.islice(order, start, None)
+
+
+def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader], seed: int) -> TrainStream:
+    """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
+    if maps_in_threads(dataset):
+        warn_user(
+            "train_data's datasets.IterableDataset has a .map() (or .filter()) before its .shuffle(), which "
+            "datasets runs in prefetch threads, one per input shard: draws there from the global generators "
+            "(torch.rand, random, np.random) happen in an order no seed fixes, so a random .map() gives other "
+            "values on every run, resumed or not. Put a random .map() after .shuffle().")
+    buffers = shuffle_buffers(dataset)
+    if buffers:
+        return _EpochReplayStream(dataset, loader, seed, buffers)
+    return StatefulIterableStream(dataset, loader, seed)
