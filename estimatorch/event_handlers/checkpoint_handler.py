@@ -525,10 +525,14 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
         checkpoint.remove_orphan_temporaries(self.model_dir)
         removed = [path for path in kept if path not in self.saved and path not in paths]
-        estimator.fire("checkpoint_saved", written=[os.path.abspath(path) for path in paths],
-                       removed=[os.path.abspath(path) for path in removed])
+        estimator.fire("checkpoint_saved", written=[_absolute(path) for path in paths],
+                       removed=[_absolute(path) for path in removed])
         if self.verbose:
             note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
             estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",
                                   paths[0], note)
 
+
+def _absolute(path: str) -> str:
+    """A local path made absolute; a URL (``s3://bucket/run/...``) as it is."""
+    return path if checkpoint.is_url(path) else os.path.abspath(path)

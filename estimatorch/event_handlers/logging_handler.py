@@ -8,6 +8,8 @@ import shutil
 import time
 from typing import Any, Optional, Union
 
+import torch
+
 from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_state_keys, is_int
@@ -45,13 +47,16 @@ def model_summary(net: Any, precision: str) -> str:
         'Linear, 1.0M parameters (1.0M trainable), float32 on cpu, precision bf16-mixed'
     """
     params = list(net.parameters())  # each shared parameter once
+    lazy = [p for p in params if isinstance(p, torch.nn.parameter.UninitializedParameter)]
+    params = [p for p in params if not isinstance(p, torch.nn.parameter.UninitializedParameter)]
     total = sum(p.numel() for p in params)
     trainable = sum(p.numel() for p in params if p.requires_grad)
     dtypes = "+".join(dict.fromkeys(str(p.dtype).replace("torch.", "") for p in params)) or "no parameters"
     devices = "+".join(dict.fromkeys(str(p.device) for p in params))
     where = f" on {devices}" if devices else ""
-    return (f"{type(net).__name__}, {_count(total)} parameters ({_count(trainable)} trainable), {dtypes}{where}, "
-            f"precision {precision}")
+    later = f" + {len(lazy)} lazy, sized at the first batch" if lazy else ""
+    return (f"{type(net).__name__}, {_count(total)} parameters ({_count(trainable)} trainable){later}, "
+            f"{dtypes}{where}, precision {precision}")
 
 
 def _count(n: int) -> str:

@@ -7,6 +7,7 @@ a ``ValueError`` naming the metric, both shapes and the fix, never a silent numb
 
 from __future__ import annotations
 
+import warnings
 from typing import Any, Optional
 
 import torch
@@ -29,10 +30,14 @@ class Accuracy(Metric):
 
     - class indices ``(N, ...)`` of an integer dtype (``.long()`` them when they are floats);
     - one-hot or soft (probability, label-smoothed, mixed) targets of the scores' shape
-      ``(N, C, ...)``: their argmax over axis 1 is the class. Each target row must sum to 1;
-      rows that do not (multi-hot labels) make :meth:`compute` raise, pointing at
-      ``multilabel=True``;
-    - binary labels of the probabilities' shape (0/1, or probabilities thresholded at 0.5);
+      ``(N, C, ...)``: their argmax over axis 1 is the class, when every target row (over axis
+      1) sums to 1;
+    - binary labels of the probabilities' shape (0/1, or probabilities thresholded at 0.5):
+      ``(N,)``, ``(N, 1)``, a binary mask ``(N, H, W)``, or multi-hot rows ``(N, L)``. Targets
+      of the scores' shape some of whose rows do not sum to 1 are read this way, each element
+      compared with its thresholded prediction (as ``multilabel=True``), with a warning
+      naming the metric; which reading applies is decided at :meth:`compute`, from counts
+      kept on the device, so an update never waits for the device;
     - with ``multilabel=True``: 0/1 labels of the predictions' shape, each compared with its
       thresholded probability (the fraction of right (sample, label) pairs).
 
@@ -58,6 +63,8 @@ class Accuracy(Metric):
     correct: torch.Tensor
     count: int
     unnormalised: torch.Tensor
+    label_correct: torch.Tensor
+    label_count: int
 
     default_name = "accuracy"
     higher_is_better = True
@@ -76,6 +83,10 @@ class Accuracy(Metric):
         self.add_state("correct", torch.zeros((), dtype=torch.int64))
         self.add_state("count", 0)
         self.add_state("unnormalised", torch.zeros((), dtype=torch.int64))  # target rows not summing to 1
+        # the same updates read as binary labels, element by element: what compute() gives when
+        # some target rows of the scores' shape do not sum to 1 (multi-hot rows, binary masks)
+        self.add_state("label_correct", torch.zeros((), dtype=torch.int64))
+        self.add_state("label_count", 0)
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         preds = preds.detach()
@@ -84,6 +95,7 @@ class Accuracy(Metric):
         layout = self._layout(preds, target)
         self._defer((preds, target.detach()), _held_bytes(preds))
         self.count += target.numel() // (target.shape[1] if layout == "distribution" else 1)
+        self.label_count += target.numel()
 
     def _layout(self, preds: torch.Tensor, target: torch.Tensor) -> str:
         if self.multilabel:
@@ -96,31 +108,45 @@ class Accuracy(Metric):
         return _class_layout(self.name, preds, target, binary=True)
 
     def _hits(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """``[right, target rows not summing to 1]`` for one (or concatenated) update(s)."""
+        """``[right, target rows not summing to 1, right as binary labels]`` for one (or
+        concatenated) update(s)."""
         layout = "labels" if self.multilabel else _class_layout(self.name, preds, target, binary=True)
+        if layout == "indices":
+            right = (preds.argmax(dim=1) == target).sum()
+            return torch.stack([right, torch.zeros_like(right), right])
+        as_labels = self._label_hits(preds, target)
         if layout == "labels":
-            if preds.is_floating_point():  # probabilities: the targets are binary labels too
-                labels = preds >= self.threshold
-                target = target >= 0.5 if target.is_floating_point() else target.bool()
-            else:
-                labels = preds
-            return torch.stack([(labels == target).sum(), torch.zeros((), dtype=torch.int64, device=preds.device)])
-        if layout == "distribution":
-            return torch.stack([(preds.argmax(dim=1) == target.argmax(dim=1)).sum(), _unnormalised(target)])
-        return torch.stack([(preds.argmax(dim=1) == target).sum(),
-                            torch.zeros((), dtype=torch.int64, device=preds.device)])
+            return torch.stack([as_labels, torch.zeros_like(as_labels), as_labels])
+        return torch.stack([(preds.argmax(dim=1) == target.argmax(dim=1)).sum(), _unnormalised(target), as_labels])
+
+    def _label_hits(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
+        if not preds.is_floating_point():
+            return (preds == target).sum()
+        labels = preds >= self.threshold  # probabilities: the targets are binary labels too
+        return (labels == (target >= 0.5 if target.is_floating_point() else target.bool())).sum()
 
     def _fold(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         hits = _fold_hits(self._hits, items)
-        return {"correct": hits[0], "unnormalised": hits[1]}
+        return {"correct": hits[0], "unnormalised": hits[1], "label_correct": hits[2]}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
-        _refuse_unnormalised(self.name, states["unnormalised"], multilabel_fix=True)
+        unnormalised = int(states["unnormalised"])  # compute() reads values anyway: no extra sync per update
+        if unnormalised:
+            warnings.warn(f"{self.name}: {unnormalised} target rows of the scores' shape do not sum to 1, so they "
+                          "are not one-hot or class probabilities: read as binary labels, element by element "
+                          "(multi-label). Pass Accuracy(multilabel=True) to say so, or class indices for one "
+                          "class per sample", stacklevel=3)
+            return _ratio(states["label_correct"].double(), states["label_count"])
         return _ratio(states["correct"].double(), states["count"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        # a state saved before targets were checked for normalisation has no such count
-        super().load_state_dict({"unnormalised": torch.zeros((), dtype=torch.int64), **state})
+        # a state saved before targets were checked for normalisation has no such counts; its
+        # updates were read as one class per sample (or binary labels without a class axis)
+        defaults = {"unnormalised": torch.zeros((), dtype=torch.int64)}
+        if "label_correct" not in state:
+            defaults.update(label_correct=torch.as_tensor(state.get("correct", 0)).clone(),
+                            label_count=state.get("count", 0))
+        super().load_state_dict({**defaults, **state})
 
 
 class TopKAccuracy(Metric):
@@ -178,7 +204,7 @@ class TopKAccuracy(Metric):
         return {"correct": hits[0], "unnormalised": hits[1]}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
-        _refuse_unnormalised(self.name, states["unnormalised"], multilabel_fix=False)
+        _refuse_unnormalised(self.name, states["unnormalised"])
         return _ratio(states["correct"].double(), states["count"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -216,12 +242,11 @@ def _unnormalised(target: torch.Tensor) -> torch.Tensor:
     return ((total - 1).abs() > tolerance).sum()
 
 
-def _refuse_unnormalised(name: str, unnormalised: torch.Tensor, *, multilabel_fix: bool) -> None:
+def _refuse_unnormalised(name: str, unnormalised: torch.Tensor) -> None:
     if int(unnormalised):  # compute() reads values anyway: no extra sync per update
-        fix = ("for multi-label targets use Accuracy(multilabel=True) with probabilities"
-               if multilabel_fix else "multi-label targets have no top-k accuracy")
         raise ValueError(f"{name}: {int(unnormalised)} target rows of the scores' shape do not sum to 1, so "
-                         f"they are neither one-hot nor class probabilities; {fix}, or pass class indices")
+                         "they are neither one-hot nor class probabilities, and multi-label targets have no "
+                         "top-k accuracy; pass class indices (or use Accuracy(multilabel=True))")
 
 
 def _held_bytes(preds: torch.Tensor) -> int:

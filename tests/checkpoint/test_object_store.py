@@ -305,3 +305,25 @@ def test_another_fsspec_protocol_works_alike(reference):
     resumed = runs.fit_run(url, resume_from_checkpoint=True, max_checkpoints=2)
     assert resumed.losses == reference.losses[5:]
     assert_tree_equal(checkpoint.load_weights(url), checkpoint.load(os.path.join(reference.dir, runs.name(8)))["model"])
+
+
+def test_the_checkpoints_announced_to_trackers_are_named_by_their_url():
+    """``checkpoint_saved`` names objects by URL (a tracker's tag, an artifact), never as a path
+    made absolute under the working directory."""
+    from estimatorch.events import CheckpointSaved
+
+    class Recorder(CheckpointSaved):
+        def __init__(self):
+            self.written, self.removed = [], []
+
+        def checkpoint_saved(self, estimator, *, written, removed, **kwargs):
+            self.written += written
+            self.removed += removed
+
+    url = f"memory://estimatorch-{os.getpid()}/announced"
+    estimator, loader = runs.build()
+    recorder = Recorder()
+    estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[
+        CheckpointHandler(url, batch_period=1, epoch_period=None, max_checkpoints=2), recorder])
+    assert recorder.written == [f"{url}/{runs.name(step)}" for step in range(1, runs.STEPS + 1)]
+    assert recorder.removed == [f"{url}/{runs.name(step)}" for step in range(1, runs.STEPS - 1)]

@@ -439,3 +439,18 @@ def test_the_start_line_summarises_the_model(lines):
     total, frozen = 4 * 8 + 8 + 8 * 3 + 3, 4 * 8
     assert lines[0].endswith(f". Model: Sequential, {total} parameters ({total - frozen} trainable), float32 on cpu, "
                              "precision bf16-mixed")
+
+
+def test_the_start_summary_of_a_lazy_net_counts_what_exists_and_fit_trains_it(lines):
+    """A ``LazyLinear`` has no size before its first batch: the summary says so instead of
+    failing (``numel`` of an uninitialised parameter raises), and fit trains as before."""
+    from estimatorch.event_handlers.logging_handler import model_summary
+
+    net = torch.nn.Sequential(torch.nn.LazyLinear(8), torch.nn.ReLU(), torch.nn.Linear(8, 2))
+    assert model_summary(net, "32") == ("Sequential, 18 parameters (18 trainable) + 2 lazy, sized at the first "
+                                        "batch, float32 on cpu, precision 32")
+    est = Estimator(net, torch.nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    data = [(torch.randn(4, 3), torch.randint(0, 2, (4,))) for _ in range(2)]
+    est.fit(data, epochs=1)
+    assert "2 lazy, sized at the first batch" in lines[0]
+    assert est.position.step == 2

@@ -96,20 +96,32 @@ def test_multilabel(seed):
     assert value(Accuracy(multilabel=True), probs, labels.float()) == pytest.approx(expected)
 
 
-def test_multi_hot_targets_without_multilabel_are_refused_at_compute():
+def test_multi_hot_targets_without_multilabel_are_read_as_binary_labels_with_a_warning():
     g = torch.Generator().manual_seed(5)
     probs, labels = torch.rand(N, C, generator=g), torch.randint(0, 2, (N, C), generator=g)
     labels[0] = 1  # at least one row that is not one-hot
+    expected = float(np.mean((probs.numpy() >= 0.5) == labels.numpy().astype(bool)))
     m = Accuracy()
     m.update(probs, labels)  # no sync here: the check is counted on the device
-    with pytest.raises(ValueError) as info:
-        m.compute()
-    message = str(info.value)
+    with pytest.warns(UserWarning) as caught:
+        assert m.compute() == pytest.approx(expected)
+    message = str(caught[0].message)
     assert "accuracy" in message and "sum to 1" in message and "multilabel=True" in message
     top = TopKAccuracy(3)
     top.update(probs, labels)
     with pytest.raises(ValueError, match="top3_accuracy.*multi-label"):
         top.compute()
+
+
+@pytest.mark.parametrize("seed", range(3))
+def test_a_binary_mask_of_the_predictions_shape_is_compared_element_by_element(seed):
+    """Binary segmentation: probabilities (N, H, W) against a 0/1 mask of that shape (axis 1 is
+    not a class axis: its rows do not sum to 1)."""
+    g = torch.Generator().manual_seed(seed)
+    probs, mask = torch.rand(8, 5, 6, generator=g), torch.randint(0, 2, (8, 5, 6), generator=g).float()
+    expected = float(np.mean((probs.numpy() >= 0.5) == (mask.numpy() >= 0.5)))
+    with pytest.warns(UserWarning, match="binary labels"):
+        assert value(Accuracy(), probs, mask, batches=2) == pytest.approx(expected)
 
 
 @pytest.mark.parametrize("metric", [Accuracy(), TopKAccuracy(3)], ids=["accuracy", "top3"])
