@@ -263,3 +263,24 @@ def test_without_a_resuming_checkpoint_handler_sigusr1_stops_but_does_not_requeu
     with pytest.raises(SystemExit) as stop:
         est.fit(loader, epochs=2, event_handlers=[hook(signal.SIGUSR1, 2)])
     assert stop.value.code == 128 + signal.SIGUSR1 and est.position.step == 2 and not calls.exists()
+
+
+def test_dataloader_workers_ignore_slurm_requeue_signal(monkeypatch):
+    """``--signal=USR1@N`` reaches every process of the step, DataLoader workers too: a worker
+    ignores it (as it ignores Ctrl-C and SIGTERM), so the main process can stop at the boundary."""
+    import signal as signals
+
+    from estimatorch.estimator._interrupts import IgnoreStopSignals
+
+    saved = {sig: signals.getsignal(sig) for sig in (signals.SIGINT, signals.SIGTERM, signals.SIGUSR1)}
+    try:
+        monkeypatch.setenv("SLURM_JOB_ID", "1234")
+        IgnoreStopSignals()(0)
+        assert signals.getsignal(signals.SIGUSR1) is signals.SIG_IGN
+        signals.signal(signals.SIGUSR1, signals.SIG_DFL)
+        monkeypatch.setenv("ESTIMATORCH_REQUEUE", "0")  # requeue off: SIGUSR1 is the user's
+        IgnoreStopSignals()(0)
+        assert signals.getsignal(signals.SIGUSR1) is signals.SIG_DFL
+    finally:
+        for sig, handler in saved.items():
+            signals.signal(sig, handler)

@@ -51,7 +51,8 @@ _DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.S
 
 
 class IgnoreStopSignals:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT and SIGTERM, then runs ``fn``.
+    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT, SIGTERM and, under SLURM, the
+    requeue signal (SIGUSR1 unless configured), then runs ``fn``.
 
     A worker that took Ctrl-C as a ``KeyboardInterrupt`` would exit, and the main process, which
     trains on to the step boundary to checkpoint it, would fail with "DataLoader worker exited
@@ -67,6 +68,9 @@ class IgnoreStopSignals:
     def __call__(self, worker_id: int) -> None:
         signal.signal(signal.SIGINT, signal.SIG_IGN)
         signal.signal(signal.SIGTERM, signal.SIG_IGN)
+        requeue = cluster.requeue_signal()  # SLURM's --signal=USR1@N reaches every process of the step
+        if requeue is not None:
+            signal.signal(requeue, signal.SIG_IGN)
         if self.fn is not None:
             self.fn(worker_id)
 
