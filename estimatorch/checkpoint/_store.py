@@ -233,8 +233,17 @@ def _s3(fs: Any) -> bool:
 
 
 def _precondition_failed(err: BaseException) -> bool:
+    """Whether ``err`` (or what it was raised from) is the store's answer to a failed condition:
+    botocore's error code when there is one, else the words of the message (a 412 status alone
+    in the text could be a port or a key)."""
+    for cause in (err, err.__cause__, err.__context__):
+        response = getattr(cause, "response", None)
+        error = response.get("Error") if isinstance(response, dict) else None
+        code = error.get("Code") if isinstance(error, dict) else None
+        if code is not None:
+            return str(code) in ("PreconditionFailed", "412", "ConditionalRequestConflict")
     text = str(err).lower()
-    return "pre-condition" in text or "precondition" in text or "412" in text or "conditionalrequest" in text
+    return "pre-condition" in text or "precondition" in text or "conditionalrequest" in text
 
 
 def etag_of(url: str) -> Optional[str]:
