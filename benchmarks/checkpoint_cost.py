@@ -46,6 +46,7 @@ Usage::
     python benchmarks/checkpoint_cost.py
     python benchmarks/checkpoint_cost.py --repeats 9 --json
     python benchmarks/checkpoint_cost.py --stall [--small] [--steps 24 --batch-period 6] [--json]
+    python benchmarks/checkpoint_cost.py --stall --device cuda     # the model and Adam on the GPU
 """
 
 from __future__ import annotations
@@ -176,26 +177,34 @@ def _rss_bytes() -> int:
 
 
 def memcpy_floor(net: nn.Module, optimizer: torch.optim.Optimizer, repeats: int = 5) -> list[float]:
-    """Seconds to copy the model's and the optimizer's tensors into preallocated CPU buffers."""
+    """Seconds to copy the model's and the optimizer's tensors into preallocated CPU buffers
+    (pinned, and waited for, from CUDA)."""
     tensors = [t for t in net.state_dict().values()]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    buffers = [torch.empty_like(t, device="cpu") for t in tensors]
+    cuda = any(t.is_cuda for t in tensors)
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     times = []
     for _ in range(repeats + 1):  # the first touches the buffers' pages
         start = time.perf_counter()
         for buf, t in zip(buffers, tensors):
-            buf.copy_(t)
+            buf.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times[1:]
 
 
-def stall_child(mode: str, layers: int, width: int, steps: int, period: int, directory: str) -> dict[str, Any]:
-    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode``; its figures."""
+def stall_child(mode: str, layers: int, width: int, steps: int, period: int, directory: str,
+                device: str = "cpu") -> dict[str, Any]:
+    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode``; its figures.
+    On CUDA the batches are on the device already and each step's clock waits for the device
+    (``torch.cuda.synchronize`` at ``batch_begin``), so that a step's time is the device's."""
     torch.manual_seed(common.SEED)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-4), device="cpu",
+    est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-4), device=device,
                     seed=common.SEED)
-    data = [(torch.randn(8, width), torch.randn(8, width)) for _ in range(steps)]
+    data = [(torch.randn(8, width).to(est.device), torch.randn(8, width).to(est.device)) for _ in range(steps)]
+    sync = torch.cuda.synchronize if est.device.type == "cuda" else (lambda: None)
     handler = CheckpointHandler(directory, batch_period=period, epoch_period=None, max_checkpoints=2,
                                 async_save=mode == "async")
     begins: list[float] = []
@@ -216,7 +225,8 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
         durable.append(time.perf_counter())
 
     handler._save, handler._write = timed_save, timed_write  # type: ignore[method-assign]
-    clock = eh.LambdaHandler(batch_begin=lambda e, **_: begins.append(time.perf_counter()), priority=-float("inf"))
+    clock = eh.LambdaHandler(batch_begin=lambda e, **_: (sync(), begins.append(time.perf_counter())),
+                             priority=-float("inf"))
     with contextlib.redirect_stdout(io.StringIO()):
         est.fit(data, batches=steps, event_handlers=[eh.StoppingHandler(), handler, clock])
     fit_s = time.perf_counter() - begins[0]  # the last write durable included (train_end waits for it)
@@ -303,7 +313,8 @@ def measure_stall(args: argparse.Namespace) -> dict[str, Any]:
         try:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--stall-child", mode, "--dir", directory,
                                    "--layers", str(layers), "--width", str(width), "--steps", str(args.steps),
-                                   "--batch-period", str(args.batch_period), "--threads", str(args.threads)],
+                                   "--batch-period", str(args.batch_period), "--threads", str(args.threads),
+                                   "--device", args.device],
                                   capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-3000:]}")
@@ -358,6 +369,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--steps", type=int, default=None, help="--stall: steps per fit (default 24, --small 12)")
     parser.add_argument("--batch-period", type=int, default=None,
                         help="--stall: a checkpoint every this many steps (default 6, --small 4)")
+    parser.add_argument("--device", default="cpu", help="--stall: where the model trains (default cpu; e.g. cuda)")
     parser.add_argument("--stall-child", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
@@ -367,18 +379,25 @@ def main(argv: Optional[list[str]] = None) -> int:
     for name in ("steps", "batch_period"):
         if getattr(args, name) is not None and getattr(args, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device must name a torch device, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: CUDA is not available on this machine")
     args.steps = args.steps or (12 if args.small else 24)
     args.batch_period = args.batch_period or (4 if args.small else 6)
     if args.stall_child:
         print(json.dumps(stall_child(args.stall_child, args.layers, args.width, args.steps, args.batch_period,
-                                     args.dir)))
+                                     args.dir, args.device)))
         return 0
     if args.stall:
         stall = measure_stall(args)
-        info = common.machine_info()
+        info = common.machine_info(device)
         if args.json:
             print(json.dumps({"machine": info, "settings": {"steps": args.steps, "batch_period": args.batch_period,
-                                                            "threads": args.threads}, **stall}, indent=2))
+                                                            "threads": args.threads, "device": args.device},
+                              **stall}, indent=2))
         else:
             common.print_machine(info)
             print_stall(stall, args)

@@ -83,6 +83,7 @@ def test_checkpoint_cost_measures_the_stall_of_a_save_synchronous_and_async(stal
     out = stall
     steps, period = out["settings"]["steps"], out["settings"]["batch_period"]
     assert (steps, period) == (12, 4)  # steps 2 and 3 come before any save: clean steps to measure against
+    assert out["settings"]["device"] == "cpu"
     assert list(out["results"]) == ["sync", "async"]
     for mode, figures in out["results"].items():
         assert figures["saves"] == steps // period == len(figures["until_durable_s"]), mode
@@ -115,10 +116,14 @@ def test_checkpoint_cost_totals_a_save_as_its_stall_plus_the_extra_of_the_steps_
     assert len(out["results"]["async"]["save_costs"]) <= (steps - 1) // period  # a write may end after the last step
 
 
-def test_checkpoint_cost_refuses_a_save_period_of_zero():
-    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "checkpoint_cost.py"), "--stall",
-                           "--batch-period", "0"], capture_output=True, text=True, timeout=60)
-    assert done.returncode == 2 and "--batch-period must be a positive int, got 0" in done.stderr
+@pytest.mark.parametrize("args, message", [
+    (["--batch-period", "0"], "--batch-period must be a positive int, got 0"),
+    (["--device", "bogus"], "--device must name a torch device, got 'bogus'"),
+])
+def test_checkpoint_cost_refuses_bad_stall_settings_before_any_work(args, message):
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "checkpoint_cost.py"), "--stall", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
 
 
 def test_gpu_resnet_compares_fit_with_a_hand_written_loop():
