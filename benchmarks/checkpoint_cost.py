@@ -27,7 +27,12 @@ checkpointing every ``--batch-period`` batches, and reports
 - the memcpy floor: one copy of the model's and the optimizer's tensors into preallocated CPU
   buffers (median of 5), the least an asynchronous save can hold a step for;
 - the stall per save: how long the save holds the training thread at the boundary (the
-  handler's save call), and the step time of steps with a save minus that of steps without;
+  handler's save call), and the step time of steps with a save minus that of clean steps (steps
+  with no save and no write in flight; the first step, a warm-up, is left out);
+- the total cost per save: that stall plus the extra time of the steps that ran while its write
+  was in flight (each such step's time minus the clean steps' median; a background write shares
+  the cores, the memory bandwidth and the GIL with them), for every save whose write was durable
+  before the last timed step began; synchronously the total is the stall;
 - the time until durable: from the save's start until the file, the pointer and retention are
   done (written, fsynced, renamed);
 - the saves that found the previous write still running (and waited for it), and the whole
@@ -48,6 +53,7 @@ Usage::
     python benchmarks/checkpoint_cost.py --dir s3://bucket/bench --storage-options '{"key": ..., ...}'
     python benchmarks/checkpoint_cost.py --repeats 9 --json
     python benchmarks/checkpoint_cost.py --stall [--small] [--steps 24 --batch-period 6] [--json]
+    python benchmarks/checkpoint_cost.py --stall --device cuda     # the model and Adam on the GPU
 """
 
 from __future__ import annotations
@@ -227,26 +233,34 @@ def _rss_bytes() -> int:
 
 
 def memcpy_floor(net: nn.Module, optimizer: torch.optim.Optimizer, repeats: int = 5) -> list[float]:
-    """Seconds to copy the model's and the optimizer's tensors into preallocated CPU buffers."""
+    """Seconds to copy the model's and the optimizer's tensors into preallocated CPU buffers
+    (pinned, and waited for, from CUDA)."""
     tensors = [t for t in net.state_dict().values()]
     tensors += [v for state in optimizer.state.values() for v in state.values() if isinstance(v, torch.Tensor)]
-    buffers = [torch.empty_like(t, device="cpu") for t in tensors]
+    cuda = any(t.is_cuda for t in tensors)
+    buffers = [torch.empty(t.shape, dtype=t.dtype, pin_memory=cuda) for t in tensors]
     times = []
     for _ in range(repeats + 1):  # the first touches the buffers' pages
         start = time.perf_counter()
         for buf, t in zip(buffers, tensors):
-            buf.copy_(t)
+            buf.copy_(t, non_blocking=cuda)
+        if cuda:
+            torch.cuda.synchronize()
         times.append(time.perf_counter() - start)
     return times[1:]
 
 
-def stall_child(mode: str, layers: int, width: int, steps: int, period: int, directory: str) -> dict[str, Any]:
-    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode``; its figures."""
+def stall_child(mode: str, layers: int, width: int, steps: int, period: int, directory: str,
+                device: str = "cpu") -> dict[str, Any]:
+    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode``; its figures.
+    On CUDA the batches are on the device already and each step's clock waits for the device
+    (``torch.cuda.synchronize`` at ``batch_begin``), so that a step's time is the device's."""
     torch.manual_seed(common.SEED)
     net = nn.Sequential(*[nn.Linear(width, width) for _ in range(layers)])
-    est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-4), device="cpu",
+    est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.Adam(net.parameters(), lr=1e-4), device=device,
                     seed=common.SEED)
-    data = [(torch.randn(8, width), torch.randn(8, width)) for _ in range(steps)]
+    data = [(torch.randn(8, width).to(est.device), torch.randn(8, width).to(est.device)) for _ in range(steps)]
+    sync = torch.cuda.synchronize if est.device.type == "cuda" else (lambda: None)
     handler = CheckpointHandler(directory, batch_period=period, epoch_period=None, max_checkpoints=2,
                                 async_save=mode == "async")
     begins: list[float] = []
@@ -267,7 +281,8 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
         durable.append(time.perf_counter())
 
     handler._save, handler._write = timed_save, timed_write  # type: ignore[method-assign]
-    clock = eh.LambdaHandler(batch_begin=lambda e, **_: begins.append(time.perf_counter()), priority=-float("inf"))
+    clock = eh.LambdaHandler(batch_begin=lambda e, **_: (sync(), begins.append(time.perf_counter())),
+                             priority=-float("inf"))
     with contextlib.redirect_stdout(io.StringIO()):
         est.fit(data, batches=steps, event_handlers=[eh.StoppingHandler(), handler, clock])
     fit_s = time.perf_counter() - begins[0]  # the last write durable included (train_end waits for it)
@@ -276,6 +291,7 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
     step_times = [b - a for a, b in zip(begins, begins[1:])]
     with_save = [t for i, t in enumerate(step_times, start=1) if i % period == 0]
     without = [t for i, t in enumerate(step_times, start=1) if i % period]
+    kinds, costs = save_costs(begins, saves, durable, period)
     writer = handler._writer
     state_bytes = sum(t.numel() * t.element_size() for t in est.net.state_dict().values())
     state_bytes += sum(v.numel() * v.element_size() for s in est.optimizer.state.values() for v in s.values()
@@ -290,6 +306,10 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
         "save_call_s": [end - start for start, end in saves],
         "step_with_save_s": with_save,
         "step_without_save_s": without,
+        "step_first_s": step_times[0],
+        "step_in_flight_s": [t for t, kind in zip(step_times, kinds) if kind == "in_flight"],
+        "step_clean_s": [t for t, kind in zip(step_times, kinds) if kind == "clean"],
+        "save_costs": costs,
         "until_durable_s": [end - start for (start, _), end in zip(saves, durable)],
         "waits": writer.waits if writer is not None else 0,
         "waited_s": writer.waited_seconds if writer is not None else 0.0,
@@ -297,6 +317,46 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
         "peak_rss_bytes": resource.getrusage(resource.RUSAGE_SELF).ru_maxrss * 1024,
         "rss_at_first_save_bytes": rss_at_first_save[0] if rss_at_first_save else 0,
     }
+
+
+def save_costs(begins: list[float], saves: list[list[float]], durable: list[float],
+               period: int) -> tuple[list[str], list[dict[str, Any]]]:
+    """What each save cost the steps: the kind of every timed step, and one entry per save whose
+    costs were all timed.
+
+    Step ``s`` (1-based) runs from ``begins[s - 1]`` to ``begins[s]``; a save runs at the end of
+    steps ``period``, ``2 period``..., its write in flight from the save call's return until
+    durable (never, synchronously: the call returns after it). A step is ``"first"`` (step 1, a
+    warm-up), ``"save"``, ``"in_flight"`` (it overlaps a write in flight) or ``"clean"``. A save's
+    entry: ``stall_s`` (its step minus the clean steps' median), ``following_s`` (the same
+    difference summed over the in-flight steps of its write), their count, and ``total_s``. Saves
+    whose write was still running when the last timed step began, and every save when no step
+    was clean, have no entry.
+    """
+    steps = len(begins) - 1
+    windows = [(returned, done) for (_, returned), done in zip(saves, durable)]
+    kinds: list[str] = []
+    owner: list[int] = []  # the save whose write a step overlaps, -1 for none
+    for s in range(1, steps + 1):
+        start, end = begins[s - 1], begins[s]
+        overlaps = [k for k, (returned, done) in enumerate(windows) if start < done and end > returned]
+        owner.append(overlaps[0] if overlaps else -1)
+        kinds.append("first" if s == 1 else "save" if s % period == 0 else "in_flight" if overlaps else "clean")
+    clean = [b - a for a, b, kind in zip(begins, begins[1:], kinds) if kind == "clean"]
+    if not clean:
+        return kinds, []
+    base = statistics.median(clean)
+    costs = []
+    for k, (_, done) in enumerate(windows):
+        s = (k + 1) * period
+        if s > steps or done > begins[-1]:  # the save's step or the end of its write not timed
+            continue
+        following = [begins[j] - begins[j - 1] - base for j in range(1, steps + 1)
+                     if kinds[j - 1] == "in_flight" and owner[j - 1] == k]
+        stall = begins[s] - begins[s - 1] - base
+        costs.append({"step": s, "stall_s": stall, "following_steps": len(following),
+                      "following_s": sum(following), "total_s": stall + sum(following)})
+    return kinds, costs
 
 
 def measure_stall(args: argparse.Namespace) -> dict[str, Any]:
@@ -309,7 +369,8 @@ def measure_stall(args: argparse.Namespace) -> dict[str, Any]:
         try:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--stall-child", mode, "--dir", directory,
                                    "--layers", str(layers), "--width", str(width), "--steps", str(args.steps),
-                                   "--batch-period", str(args.batch_period), "--threads", str(args.threads)],
+                                   "--batch-period", str(args.batch_period), "--threads", str(args.threads),
+                                   "--device", args.device],
                                   capture_output=True, text=True, check=False)
             if done.returncode != 0:
                 raise RuntimeError(f"the {mode} run failed:\n{done.stderr[-3000:]}")
@@ -332,17 +393,24 @@ def print_stall(out: dict[str, Any], args: argparse.Namespace) -> None:
           f"memcpy floor {floor * 1e3:.1f} ms (median)")
     rows = []
     for mode, res in results.items():
-        stall = statistics.median(res["step_with_save_s"]) - statistics.median(res["step_without_save_s"])
+        costs = res["save_costs"]
+        cost = {key: [c[key] for c in costs] for key in ("stall_s", "following_steps", "following_s", "total_s")}
+        total = f"{statistics.median(cost['total_s']) / floor:.1f}x" if costs else "-"
         rows.append([f"async_save={mode == 'async'}", _ms(res["save_call_s"]),
-                     f"{statistics.median(res['save_call_s']) / floor:.1f}x", f"{stall * 1e3:.1f}",
-                     _ms(res["step_without_save_s"]), _ms(res["until_durable_s"]), f"{res['waits']}/{res['saves']}",
-                     f"{res['fit_s']:.2f}",
+                     f"{statistics.median(res['save_call_s']) / floor:.1f}x", _ms(cost["stall_s"]),
+                     f"{statistics.median(cost['following_steps']):g}" if costs else "-", _ms(cost["following_s"]),
+                     _ms(cost["total_s"]), total, f"{len(costs)}/{res['saves']}", _ms(res["step_clean_s"]),
+                     _ms(res["until_durable_s"]), f"{res['waits']}/{res['saves']}", f"{res['fit_s']:.2f}",
                      common.human_bytes(res["peak_rss_bytes"]),
                      common.human_bytes(res["peak_rss_bytes"] - res["rss_at_first_save_bytes"]),
                      common.human_bytes(res["staging_bytes"])])
-    print(common.format_table(["mode", "save holds the step (ms)", "x memcpy floor", "step with save - without (ms)",
-                               "step without save (ms)", "until durable (ms)", "saves that waited", "fit (s)",
-                               "peak RSS", "peak rise after 1st save", "staging"], rows))
+    print(common.format_table(["mode", "save holds the step (ms)", "x memcpy floor", "save step - clean step (ms)",
+                               "steps during the write", "their extra (ms)", "total per save (ms)",
+                               "total x memcpy floor", "saves totalled", "clean step (ms)", "until durable (ms)",
+                               "saves that waited", "fit (s)", "peak RSS", "peak rise after 1st save", "staging"],
+                              rows))
+    print("medians over saves; a save's total is its step's extra time plus that of the steps run while its "
+          "write was in flight, each against the median clean step (no save, no write in flight)")
 
 
 def main(argv: Optional[list[str]] = None) -> int:
@@ -357,27 +425,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--stall", action="store_true",
                         help="measure the step stall per save, synchronous and async_save=True, instead")
     parser.add_argument("--small", action="store_true", help="--stall with a small model (for the tests)")
-    parser.add_argument("--steps", type=int, default=None, help="--stall: steps per fit (default 24, --small 8)")
+    parser.add_argument("--steps", type=int, default=None, help="--stall: steps per fit (default 24, --small 12)")
     parser.add_argument("--batch-period", type=int, default=None,
-                        help="--stall: a checkpoint every this many steps (default 6, --small 2)")
+                        help="--stall: a checkpoint every this many steps (default 6, --small 4)")
+    parser.add_argument("--device", default="cpu", help="--stall: where the model trains (default cpu; e.g. cuda)")
     parser.add_argument("--stall-child", choices=["sync", "async"], help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     torch.set_num_threads(args.threads)
     warnings.simplefilter("ignore")
-    args.steps = args.steps or (8 if args.small else 24)
-    args.batch_period = args.batch_period or (2 if args.small else 6)
+    for name in ("steps", "batch_period"):
+        if getattr(args, name) is not None and getattr(args, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be a positive int, got {getattr(args, name)}")
+    try:
+        device = torch.device(args.device)
+    except RuntimeError:
+        parser.error(f"--device must name a torch device, got {args.device!r}")
+    if device.type == "cuda" and not torch.cuda.is_available():
+        parser.error(f"--device {args.device!r}: CUDA is not available on this machine")
+    args.steps = args.steps or (12 if args.small else 24)
+    args.batch_period = args.batch_period or (4 if args.small else 6)
     if args.stall_child:
         print(json.dumps(stall_child(args.stall_child, args.layers, args.width, args.steps, args.batch_period,
-                                     args.dir)))
+                                     args.dir, args.device)))
         return 0
     if args.stall:
         stall = measure_stall(args)
-        info = common.machine_info()
+        info = common.machine_info(device)
         if args.json:
             print(json.dumps({"machine": info, "settings": {"steps": args.steps, "batch_period": args.batch_period,
-                                                            "threads": args.threads}, **stall}, indent=2))
+                                                            "threads": args.threads, "device": args.device},
+                              **stall}, indent=2))
         else:
             common.print_machine(info)
             print_stall(stall, args)

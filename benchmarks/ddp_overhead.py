@@ -1,21 +1,28 @@
-"""``Estimator.fit`` on 2 processes (gloo, CPU) against a hand-written DDP loop, in the same run.
+"""``Estimator.fit`` on 2 processes (gloo, CPU) against hand-written DDP loops, in the same run.
 
 Both ranks train the benchmark MLP (``_common.py``: 32-64-10, CrossEntropyLoss, SGD lr 0.01,
-batches of 32 per rank, seed 0, one torch thread per process) for ``--steps`` optimizer steps:
+batches of 32 per rank, seed 0, one torch thread per process) on the CPU (``fit`` too:
+``device="cpu"``, also where a GPU exists) for ``--steps`` optimizer steps:
 
-- ``raw``: ``DistributedDataParallel(net)`` over a ``DataLoader`` with a ``DistributedSampler``
-  (shuffled, ``set_epoch`` every epoch): forward, loss, backward, ``opt.step()``,
-  ``opt.zero_grad()``. Nothing else: no metric, no log, no agreement on stops.
-- ``fit``: ``Estimator(net, ...).fit(DataLoader(shuffle=True), batches=steps)`` with the handlers
-  ``fit`` adds by itself except the progress bar (``StoppingHandler``, ``GradientUpdateHandler``,
-  ``MetricHandler`` over Loss and Accuracy, ``LoggingHandler`` once per epoch, its lines formatted
-  into a null stream). It shards the data with its resumable distributed sampler and wraps the
-  net in DDP itself.
+- ``raw+metrics``: the hand-written loop doing ``fit``'s job, the one the headline ratio is
+  taken against. ``DistributedDataParallel(net)`` over a ``DataLoader`` with a
+  ``DistributedSampler`` (shuffled, ``set_epoch`` every epoch): forward, loss, backward,
+  ``opt.step()``, ``opt.zero_grad()``, and the running loss and accuracy accumulated on the
+  device (a float64 sum of batch losses times batch sizes, an int64 count of correct
+  predictions); at each epoch's end (and the run's) one ``all_reduce`` of the sums over the
+  ranks, read into Python and formatted into a log line (to a null stream), then reset.
+- ``raw``: the same loop computing nothing else: no metric, no log, no agreement on stops
+  (the "computes nothing" comparison).
+- ``fit``: ``Estimator(net, ..., device="cpu").fit(DataLoader(shuffle=True), batches=steps)``
+  with the handlers ``fit`` adds by itself except the progress bar (``StoppingHandler``,
+  ``GradientUpdateHandler``, ``MetricHandler`` over Loss and Accuracy, ``LoggingHandler`` once
+  per epoch, its lines formatted into a null stream). It shards the data with its resumable
+  distributed sampler and wraps the net in DDP itself.
 
-Each timed run builds its net (same initial weights), optimizer and DDP wrapper afresh; the two
+Each timed run builds its net (same initial weights), optimizer and DDP wrapper afresh; the
 configurations alternate, the first of each round rotating, after one untimed warm-up round. A
-run starts after a barrier; its time is the slower rank's. The ratio is the median over rounds
-of (fit / raw in the same round).
+run starts after a barrier; its time is the slower rank's. The ratios are medians over rounds of
+(fit / baseline in the same round): against ``raw+metrics`` first, then against ``raw``.
 
 With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) two more
 configurations run, as diagnostics: ``fit-every-step`` sets ``Estimator.agree_every = 1`` (the
@@ -66,12 +73,47 @@ class _NullStream(io.TextIOBase):
         return True
 
 
+_NULL = _NullStream()
+
+
 def _net(hidden: int) -> nn.Module:
     torch.manual_seed(common.SEED)
     return nn.Sequential(nn.Linear(common.IN_FEATURES, hidden), nn.ReLU(), nn.Linear(hidden, common.CLASSES))
 
 
-def _raw(steps: int, dataset: Any, hidden: int, cpu_s: float = 0.0) -> None:
+class _RunningMetrics:
+    """What ``fit``'s default set computes, written by hand: the running loss (a float64 sum of
+    batch losses times batch sizes) and accuracy (an int64 count of correct predictions), kept on
+    the device, reduced over the ranks in one ``all_reduce`` and read at an epoch's end."""
+
+    def __init__(self, device: torch.device):
+        self.loss_sum = torch.zeros((), dtype=torch.float64, device=device)
+        self.correct = torch.zeros((), dtype=torch.int64, device=device)
+        self.count = 0
+        self.logged = 0  # epoch-end reads, for the tests
+
+    def update(self, loss: torch.Tensor, out: torch.Tensor, y: torch.Tensor) -> None:
+        self.loss_sum += loss.detach().double() * y.shape[0]
+        self.correct += (out.detach().argmax(dim=1) == y).sum()
+        self.count += y.shape[0]
+
+    def end_epoch(self, epoch: int) -> None:
+        import torch.distributed as dist
+
+        totals = torch.stack([self.loss_sum, self.correct.double(),
+                              torch.tensor(float(self.count), dtype=torch.float64, device=self.loss_sum.device)])
+        dist.all_reduce(totals)
+        loss_sum, correct, count = totals.tolist()
+        print(f"epoch {epoch}: loss {loss_sum / count:.4f} accuracy {correct / count:.4f}", file=_NULL)
+        self.loss_sum.zero_()
+        self.correct.zero_()
+        self.count = 0
+        self.logged += 1
+
+
+def _raw(steps: int, dataset: Any, hidden: int, cpu_s: float = 0.0, metrics: bool = False) -> int:
+    """The hand-written DDP loop; with ``metrics`` it does ``fit``'s job (``_RunningMetrics``).
+    Returns the number of epoch-end reads of the metrics (0 without them)."""
     from torch.utils.data import DataLoader, DistributedSampler
 
     ddp = nn.parallel.DistributedDataParallel(_net(hidden))
@@ -79,22 +121,29 @@ def _raw(steps: int, dataset: Any, hidden: int, cpu_s: float = 0.0) -> None:
     loss_fn = nn.CrossEntropyLoss()
     sampler = DistributedSampler(dataset, shuffle=True, seed=common.SEED)
     loader = DataLoader(dataset, batch_size=common.BATCH_SIZE, sampler=sampler)
+    running = _RunningMetrics(torch.device("cpu")) if metrics else None
     done, epoch = 0, 0
     while done < steps:
         sampler.set_epoch(epoch)
         for x, y in loader:
-            loss = loss_fn(ddp(x), y)
+            out = ddp(x)
+            loss = loss_fn(out, y)
             loss.backward()
             optimizer.step()
             optimizer.zero_grad()
+            if running is not None:
+                running.update(loss, out, y)
             if cpu_s:  # --calibrate: busy CPU work of a known length, as a handler would add
                 end = time.perf_counter() + cpu_s
                 while time.perf_counter() < end:
                     pass
             done += 1
             if done >= steps:
-                return
+                break
+        if running is not None:
+            running.end_epoch(epoch)
         epoch += 1
+    return running.logged if running is not None else 0
 
 
 def _fit(steps: int, dataset: Any, hidden: int, agree_every: Optional[int] = None) -> None:
@@ -102,10 +151,10 @@ def _fit(steps: int, dataset: Any, hidden: int, agree_every: Optional[int] = Non
 
     net = _net(hidden)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=common.LR),
-                    seed=common.SEED)
+                    device="cpu", seed=common.SEED)  # as the raw loops, also where a GPU exists
     if agree_every is not None:
         est.agree_every = agree_every
-    with contextlib.redirect_stdout(_NullStream()):
+    with contextlib.redirect_stdout(_NULL):
         est.fit(common.make_loader(dataset), batches=steps)
 
 
@@ -126,6 +175,10 @@ def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> 
         StopAgreement.after_batch = asynchronous  # type: ignore[method-assign]
 
 
+#: the baselines ``fit`` is divided by, the one doing the same job first
+BASELINES = ("raw+metrics", "raw")
+
+
 def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
@@ -135,7 +188,9 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     fit_setup.interactive = lambda: False  # the default set without a progress bar
     dataset = common.make_dataset(settings["samples"])
     steps, hidden = settings["steps"], settings["hidden"]
-    configs = {"raw": lambda: _raw(steps, dataset, hidden), "fit": lambda: _fit(steps, dataset, hidden)}
+    configs = {"raw+metrics": lambda: _raw(steps, dataset, hidden, metrics=True),
+               "raw": lambda: _raw(steps, dataset, hidden),
+               "fit": lambda: _fit(steps, dataset, hidden)}
     try:
         import estimatorch.estimator._stop_agreement  # noqa: F401 - only in versions that have it
     except ImportError:
@@ -148,63 +203,83 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
         configs["raw+cpu"] = lambda: _raw(steps, dataset, hidden, settings["calibrate"] * 1e-6)
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
+    metric_reads: list[int] = []
     for round_ in range(settings["repeats"] + 1):  # round 0 warms up
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
             start = time.perf_counter()
-            configs[name]()
+            done = configs[name]()
             elapsed = time.perf_counter() - start
             if round_:
                 times[name].append(elapsed)
-    return {"rank": distributed.get_rank(), "times": times, "machine": common.machine_info()}
+                if name == "raw+metrics":
+                    metric_reads.append(done)
+    return {"rank": distributed.get_rank(), "times": times, "metric_reads": metric_reads,
+            "machine": common.machine_info()}
+
+
+def _against(fit: list[float], baseline: list[float], steps: int) -> dict[str, Any]:
+    """fit against one baseline, from the slower rank's time of each round."""
+    paired = [f / b for f, b in zip(fit, baseline)]
+    return {
+        "ratio": statistics.median(paired),
+        "ratio_of_medians": statistics.median(fit) / statistics.median(baseline),
+        "ratio_of_fastest": min(fit) / min(baseline),
+        "paired": paired,
+        "added_us_per_step": statistics.median([f - b for f, b in zip(fit, baseline)]) / steps * 1e6,
+    }
 
 
 def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, ab: bool,
             calibrate: float = 0.0) -> dict[str, Any]:
+    """Returns the figures; ``against`` holds ``fit``'s ratios to each of :data:`BASELINES`, in
+    that order, and ``ratio`` the first's (``fit`` / the same-job loop)."""
     settings = dict(steps=steps, repeats=repeats, samples=samples, hidden=hidden, threads=threads, ab=ab,
                     calibrate=calibrate)
     ranks = distributed.spawn(_worker, 2, settings, backend="gloo")
     names = list(ranks[0]["times"])
     per_run = {name: [max(r["times"][name][i] for r in ranks) for i in range(repeats)] for name in names}
     us = {name: [t / steps * 1e6 for t in values] for name, values in per_run.items()}
-    paired = [f / r for f, r in zip(per_run["fit"], per_run["raw"])]
+    against = {base: _against(per_run["fit"], per_run[base], steps) for base in BASELINES}
     if "fit-every-step" in per_run:
         out_ab = statistics.median([b - f for b, f in zip(per_run["fit-every-step"], per_run["fit"])]) / steps * 1e6
     else:
         out_ab = None
-
-    def added(name: str) -> float:  # µs per step over raw, median of per-round differences
-        return statistics.median([c - r for c, r in zip(per_run[name], per_run["raw"])]) / steps * 1e6
-
-    out: dict[str, Any] = {
+    if calibrate:
+        cal_added = _against(per_run["raw+cpu"], per_run["raw"], steps)["added_us_per_step"]
+        calibration = {"cpu_us_per_step": calibrate, "added_us_per_step": cal_added,
+                       "wall_per_cpu": cal_added / calibrate}
+    else:
+        calibration = None
+    return {
         "settings": settings,
         "machine": ranks[0]["machine"],
         "us_per_step": {name: common.summary(values) for name, values in us.items()},
-        "ratio": statistics.median(paired),
-        "ratio_of_medians": statistics.median(per_run["fit"]) / statistics.median(per_run["raw"]),
-        "ratio_of_fastest": min(per_run["fit"]) / min(per_run["raw"]),
-        "paired": paired,
+        "ratio": against[BASELINES[0]]["ratio"],
+        "against": against,
+        "metric_reads_per_run": [r["metric_reads"] for r in ranks],
         "every_step_minus_fit_us_per_step": out_ab,
-        "fit_minus_raw_us_per_step": added("fit"),
-        "calibration": {"cpu_us_per_step": calibrate, "added_us_per_step": added("raw+cpu"),
-                        "wall_per_cpu": added("raw+cpu") / calibrate} if calibrate else None,
+        "calibration": calibration,
     }
-    return out
 
 
 def table(out: dict[str, Any]) -> str:
     rows = []
-    raw = out["us_per_step"]["raw"]["median"]
+    bases = {base: out["us_per_step"][base]["median"] for base in BASELINES}
     for name, s in out["us_per_step"].items():
-        rows.append([name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}", f"{s['median'] / raw:.3f}"])
-    lines = [common.format_table(["config", "µs/step median", "min", "max", "vs raw"], rows), "",
-             f"fit / raw, median of per-round ratios: {out['ratio']:.3f}  "
-             f"(of medians {out['ratio_of_medians']:.3f}, of fastest runs {out['ratio_of_fastest']:.3f})"]
+        rows.append([name, f"{s['median']:.1f}", f"{s['min']:.1f}", f"{s['max']:.1f}",
+                     *(f"{s['median'] / bases[base]:.3f}" for base in BASELINES)])
+    lines = [common.format_table(["config", "µs/step median", "min", "max", *(f"vs {b}" for b in BASELINES)], rows),
+             ""]
+    for base in BASELINES:
+        a = out["against"][base]
+        lines.append(f"fit / {base}, median of per-round ratios: {a['ratio']:.3f}  "
+                     f"(of medians {a['ratio_of_medians']:.3f}, of fastest runs {a['ratio_of_fastest']:.3f}); "
+                     f"fit - {base}: {a['added_us_per_step']:.1f} µs/step")
     if out["every_step_minus_fit_us_per_step"] is not None:
         lines.append("fit-every-step - fit, median of per-round differences: "
                      f"{out['every_step_minus_fit_us_per_step']:.1f} µs/step")
-    lines.append(f"fit - raw, median of per-round differences: {out['fit_minus_raw_us_per_step']:.1f} µs/step")
     cal = out["calibration"]
     if cal is not None:
         lines.append(f"raw+cpu - raw: {cal['added_us_per_step']:.1f} µs/step of wall time for "
@@ -234,7 +309,7 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(out, indent=2))
     else:
         common.print_machine(out["machine"])
-        print(f"2 processes (gloo), {args.steps} steps per run, {args.repeats} rounds, batch "
+        print(f"2 processes (gloo, every loop on the CPU), {args.steps} steps per run, {args.repeats} rounds, batch "
               f"{common.BATCH_SIZE} per rank, hidden {args.hidden}, {args.threads} torch thread(s) each")
         print(table(out))
     return 0

@@ -12,7 +12,7 @@ pays, which a tight micro-benchmark loop hides:
   without the model, loss and backward it calls;
 - every event method of every handler (``GradientUpdateHandler.batch_end`` without the
   ``optimizer.step()`` / ``zero_grad()`` that the raw loop runs too);
-- the loop's own remainder (``Estimator._loop`` minus everything above).
+- the loop's own remainder (``estimator/_loop.py``'s ``run_loop`` minus everything above).
 
 Timing a call in place costs something itself: a ``BatchEnd`` handler that does nothing is timed
 the same way, and its figure (the cost of one timed, empty handler call) is subtracted from
@@ -44,6 +44,8 @@ import torch
 import _common as common
 import overhead
 
+from estimatorch.estimator import _loop as loop_module  # noqa: E402
+from estimatorch.estimator import _start as start_module  # noqa: E402
 from estimatorch.estimator import batch_processor as bp_module  # noqa: E402
 from estimatorch.estimator import estimator as est_module  # noqa: E402
 from estimatorch.event_handlers import EVENTS, BatchEnd  # noqa: E402
@@ -128,7 +130,6 @@ def instrumented_fit(config: str, steps: int, dataset: Any) -> tuple[Timings, fl
     est.loss = t.wrap("compute: loss", est.loss)
     est.backward = t.wrap("compute: backward", est.backward)  # type: ignore[method-assign]
     est.fire = t.wrap("glue: Estimator.fire (forward/backward events)", est.fire)  # type: ignore[method-assign]
-    est._loop = t.wrap("loop", est._loop)  # type: ignore[method-assign]
     proc = est.batch_processor
     proc.fit_batch = t.wrap("fit_batch", proc.fit_batch)  # type: ignore[method-assign]
 
@@ -138,9 +139,10 @@ def instrumented_fit(config: str, steps: int, dataset: Any) -> tuple[Timings, fl
         stream.epoch_iter = lambda epoch, start: t.iterate("data: next(batch)", iter(epoch_iter(epoch, start)))
         return stream
 
-    real_make_stream = est_module.make_train_stream
-    with patched(est_module, "make_train_stream", make_stream), \
-            patched(est_module, "to_device", t.wrap("glue: to_device", est_module.to_device)), \
+    real_make_stream = start_module.make_train_stream
+    with patched(start_module, "make_train_stream", make_stream), \
+            patched(est_module, "run_loop", t.wrap("loop", est_module.run_loop)), \
+            patched(loop_module, "to_device", t.wrap("glue: to_device", loop_module.to_device)), \
             patched(bp_module, "call_net", t.wrap("compute: forward (call_net)", bp_module.call_net)):
         try:
             gc.collect()

@@ -73,9 +73,17 @@ def test_checkpoint_cost_compares_with_torch_save():
         assert all(_positive(v[0]) for v in size["seconds"].values())
 
 
-def test_checkpoint_cost_measures_the_stall_of_a_save_synchronous_and_async():
-    out = json.loads(_run("checkpoint_cost.py", "--stall", "--small", "--json"))
+@pytest.fixture(scope="module")
+def stall() -> dict:
+    """One ``checkpoint_cost.py --stall --small`` run for the tests of its figures."""
+    return json.loads(_run("checkpoint_cost.py", "--stall", "--small", "--json"))
+
+
+def test_checkpoint_cost_measures_the_stall_of_a_save_synchronous_and_async(stall):
+    out = stall
     steps, period = out["settings"]["steps"], out["settings"]["batch_period"]
+    assert (steps, period) == (12, 4)  # steps 2 and 3 come before any save: clean steps to measure against
+    assert out["settings"]["device"] == "cpu"
     assert list(out["results"]) == ["sync", "async"]
     for mode, figures in out["results"].items():
         assert figures["saves"] == steps // period == len(figures["until_durable_s"]), mode
@@ -85,6 +93,37 @@ def test_checkpoint_cost_measures_the_stall_of_a_save_synchronous_and_async():
         assert figures["peak_rss_bytes"] > 0
     assert out["results"]["sync"]["staging_bytes"] == 0 and out["results"]["sync"]["waits"] == 0
     assert out["results"]["async"]["staging_bytes"] >= out["results"]["async"]["state_bytes"] > 0
+
+
+def test_checkpoint_cost_totals_a_save_as_its_stall_plus_the_extra_of_the_steps_during_its_write(stall):
+    out = stall
+    steps, period = out["settings"]["steps"], out["settings"]["batch_period"]
+    for mode, figures in out["results"].items():
+        in_flight, clean = figures["step_in_flight_s"], figures["step_clean_s"]
+        # every timed step (all but the last) counted once: the first, a save's, during a write, or clean
+        assert 1 + len(figures["step_with_save_s"]) + len(in_flight) + len(clean) == steps - 1, mode
+        assert len(clean) >= period - 2  # the steps between the first and the first save
+        costs = figures["save_costs"]
+        assert [c["step"] for c in costs] == sorted(c["step"] for c in costs)
+        assert all(c["step"] % period == 0 and c["step"] < steps for c in costs), mode
+        assert sum(c["following_steps"] for c in costs) <= len(in_flight), mode
+        for c in costs:
+            assert c["total_s"] == c["stall_s"] + c["following_s"], mode
+    sync = out["results"]["sync"]
+    # synchronously the write is done when the save returns: no step runs during it, the total is the stall
+    assert sync["step_in_flight_s"] == [] and len(sync["save_costs"]) == (steps - 1) // period
+    assert all(c["following_steps"] == 0 and c["total_s"] == c["stall_s"] for c in sync["save_costs"])
+    assert len(out["results"]["async"]["save_costs"]) <= (steps - 1) // period  # a write may end after the last step
+
+
+@pytest.mark.parametrize("args, message", [
+    (["--batch-period", "0"], "--batch-period must be a positive int, got 0"),
+    (["--device", "bogus"], "--device must name a torch device, got 'bogus'"),
+])
+def test_checkpoint_cost_refuses_bad_stall_settings_before_any_work(args, message):
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "checkpoint_cost.py"), "--stall", *args],
+                          capture_output=True, text=True, timeout=60)
+    assert done.returncode == 2 and message in done.stderr
 
 
 def test_gpu_resnet_compares_fit_with_a_hand_written_loop():

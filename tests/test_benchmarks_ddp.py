@@ -16,17 +16,25 @@ pytestmark = [pytest.mark.slow, pytest.mark.distributed]
 SCRIPT = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file__))), "benchmarks", "ddp_overhead.py")
 
 
-def test_ddp_overhead_reports_fit_against_a_hand_written_ddp_loop():
-    done = subprocess.run([sys.executable, SCRIPT, "--steps", "20", "--repeats", "2", "--samples", "1280", "--json"],
+def test_ddp_overhead_reports_fit_against_the_same_job_first_then_a_loop_computing_nothing():
+    # 1280 samples: 20 batches of 32 per rank and epoch, so 30 steps are one epoch and a partial one
+    done = subprocess.run([sys.executable, SCRIPT, "--steps", "30", "--repeats", "2", "--samples", "1280", "--json"],
                           capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert list(out["us_per_step"]) == ["raw", "fit", "fit-every-step", "fit-unagreed"]
+    assert list(out["us_per_step"]) == ["raw+metrics", "raw", "fit", "fit-every-step", "fit-unagreed"]
     assert all(math.isfinite(s["median"]) and s["median"] > 0 for s in out["us_per_step"].values())
-    assert len(out["paired"]) == 2 and math.isfinite(out["ratio"]) and out["ratio"] > 0
+    assert list(out["against"]) == ["raw+metrics", "raw"]  # the same job first
+    assert out["ratio"] == out["against"]["raw+metrics"]["ratio"]
+    for against in out["against"].values():
+        assert len(against["paired"]) == 2 and math.isfinite(against["ratio"]) and against["ratio"] > 0
+        assert math.isfinite(against["added_us_per_step"])
+    # the same-job loop reads its running loss and accuracy at each epoch's end, the partial last one's too,
+    # on both ranks in every timed round (a loop that never read them would do less than fit)
+    assert out["metric_reads_per_run"] == [[2, 2], [2, 2]]
     assert math.isfinite(out["every_step_minus_fit_us_per_step"])
-    assert out["settings"]["steps"] == 20 and out["machine"]["torch_threads"] == 1
-    assert math.isfinite(out["fit_minus_raw_us_per_step"]) and out["calibration"] is None
+    assert out["settings"]["steps"] == 30 and out["machine"]["torch_threads"] == 1
+    assert out["calibration"] is None
 
 
 def test_ddp_overhead_calibrates_what_a_microsecond_of_cpu_per_step_costs():
@@ -34,7 +42,7 @@ def test_ddp_overhead_calibrates_what_a_microsecond_of_cpu_per_step_costs():
                            "--no-ab", "--calibrate", "20000", "--json"], capture_output=True, text=True, timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert list(out["us_per_step"]) == ["raw", "fit", "raw+cpu"]
+    assert list(out["us_per_step"]) == ["raw+metrics", "raw", "fit", "raw+cpu"]
     cal = out["calibration"]
     assert cal["cpu_us_per_step"] == 20000 and math.isfinite(cal["added_us_per_step"])
     assert cal["wall_per_cpu"] == cal["added_us_per_step"] / 20000
