@@ -62,12 +62,31 @@ def _ray_worker(config):
     torch.save(result, os.path.join(config["out"], f"rank{distributed.get_rank()}.pt"))
 
 
+#: the signals whose handlers Ray replaces in the driver (ray.init, TorchTrainer.fit) and leaves
+#: replaced: later tests that raise SIGINT or SIGTERM in this process would reach Ray's handler.
+_SIGNALS = (signal.SIGINT, signal.SIGTERM)
+
+
 @pytest.fixture(scope="module")
 def local_ray():
+    saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
     ray.init(num_cpus=2, include_dashboard=False, log_to_driver=False,
              runtime_env={"env_vars": {"PYTHONPATH": ROOT, "OMP_NUM_THREADS": "1"}})
+    try:
+        yield
+    finally:
+        ray.shutdown()
+        for sig, handler in saved.items():
+            signal.signal(sig, handler)
+
+
+@pytest.fixture(autouse=True)
+def restore_signal_handlers():
+    """TorchTrainer.fit installs its own SIGINT handler in the driver and keeps it after the fit."""
+    saved = {sig: signal.getsignal(sig) for sig in _SIGNALS}
     yield
-    ray.shutdown()
+    for sig, handler in saved.items():
+        signal.signal(sig, handler)
 
 
 @pytest.fixture(scope="module")
