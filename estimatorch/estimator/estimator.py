@@ -89,6 +89,17 @@ class Estimator(RunView):
             top-level child with parameters and on the root when fit starts, the optimizer
             pointed at the sharded parameters). Defaults to None: a net already sharded with
             ``fully_shard`` trains as it is, any other under DDP. No effect in one process.
+        cuda_graphs: capture the train step (forward, loss, backward, gradient clipping and the
+            optimizer step) in one CUDA graph after a few eager warm-up steps, and replay it for
+            every batch of the captured shapes: the host no longer launches each kernel, which is
+            what limits a step of little GPU work. A batch of other shapes (a partial last batch)
+            runs eagerly; handlers run outside the graph, ``batch_end`` seeing the step's outputs.
+            The optimizer is switched to ``capturable=True`` with its learning rate in a device
+            tensor (LR schedules keep working). A configuration it cannot capture (not CUDA,
+            several processes, ``"16-mixed"``, an optimizer without a capturable mode, gradient
+            accumulation, a handler listening inside the step) is a ``ValueError`` at ``fit``
+            start; a model the capture fails on trains eagerly with one warning. See
+            docs/cuda-graphs.md. Defaults to False.
 
     Example:
         >>> import torch
@@ -121,11 +132,13 @@ class Estimator(RunView):
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
                  lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
-                 deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None):
+                 deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
+                 cuda_graphs: bool = False):
         check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = precision_name(precision)
         check_bool(deterministic, "deterministic")
         check_bool(cudnn_benchmark, "cudnn_benchmark")
+        check_bool(cuda_graphs, "cuda_graphs")
         if deterministic and cudnn_benchmark:
             raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
@@ -139,6 +152,7 @@ class Estimator(RunView):
         self.precision = precision
         self.deterministic = deterministic
         self.cudnn_benchmark = cudnn_benchmark
+        self.cuda_graphs = cuda_graphs
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
         self.logger = _default_logger()
 
