@@ -21,7 +21,7 @@ from ..events import subscribes
 from ..events.dispatch import handler_name
 
 __all__ = ["CaptureConfig", "INSIDE_STEP_EVENTS", "capture_refusal", "check_capture", "config_of",
-           "fallback_message"]
+           "fallback_message", "refusal_error", "schedule_refusal"]
 
 #: the events fired inside the step (between the batch reaching the device and ``batch_end``):
 #: a captured step runs them once, while the graph is recorded, never again.
@@ -39,12 +39,13 @@ class CaptureConfig:
     world_size: int
     strategy: Optional[str]
     handlers: Sequence[Any]
+    scheduler: Any = None
 
 
 def config_of(estimator: Any, handlers: Sequence[Any], world_size: int) -> CaptureConfig:
     """The :class:`CaptureConfig` of ``estimator`` for a fit with ``handlers``."""
     return CaptureConfig(estimator.device, estimator.precision, estimator.optimizer, world_size,
-                         estimator.strategy, tuple(handlers))
+                         estimator.strategy, tuple(handlers), getattr(estimator, "lr_scheduler", None))
 
 
 def capture_refusal(config: CaptureConfig) -> Optional[str]:
@@ -52,7 +53,8 @@ def capture_refusal(config: CaptureConfig) -> Optional[str]:
 
     The checks, in order: a CUDA device; one process; no fp16 grad scaler; an optimizer with a
     capturable mode; ``GradientUpdateHandler`` (exactly) stepping it, one batch per step; no
-    handler listening inside the step or at ``batch_end`` ahead of the optimizer step.
+    handler listening inside the step or at ``batch_end`` ahead of the optimizer step; no
+    scheduler cycling the momentum (:func:`schedule_refusal`).
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -60,7 +62,7 @@ def capture_refusal(config: CaptureConfig) -> Optional[str]:
         >>> capture_refusal(config).split(";")[0]
         'it needs a CUDA device and this estimator trains on cpu'
     """
-    for check in (_device, _processes, _precision, _optimizer, _stepper, _handlers):
+    for check in (_device, _processes, _precision, _optimizer, _stepper, _handlers, _schedule):
         reason = check(config)
         if reason is not None:
             return reason
@@ -77,7 +79,23 @@ def check_capture(estimator: Any, handlers: Sequence[Any], world_size: int) -> N
         return
     reason = capture_refusal(config_of(estimator, handlers, world_size))
     if reason is not None:
-        raise ValueError(f"cuda_graphs=True cannot capture this fit's train step: {reason}")
+        raise refusal_error(reason)
+
+
+def refusal_error(reason: str) -> ValueError:
+    """The error of a refused capture, naming ``cuda_graphs`` and ``reason``."""
+    return ValueError(f"cuda_graphs=True cannot capture this fit's train step: {reason}")
+
+
+def schedule_refusal(scheduler: Any) -> Optional[str]:
+    """Why the graph cannot follow ``scheduler`` (None: it can). A scheduler of the learning
+    rate alone can be followed (the rate is a device tensor filled in place); one that cycles
+    the momentum (``OneCycleLR``, ``CyclicLR``) changes values the graph keeps as recorded.
+    ``fit`` asks again once it built a scheduler given as a callable."""
+    if not getattr(scheduler, "cycle_momentum", False):
+        return None
+    return (f"{type(scheduler).__name__} cycles the optimizer's momentum, which a graph keeps as "
+            "recorded; pass cycle_momentum=False")
 
 
 def fallback_message(error: BaseException) -> str:
@@ -154,3 +172,7 @@ def _handlers(config: CaptureConfig) -> Optional[str]:
                     "GradientUpdateHandler's optimizer step, which the graph holds: it would see the "
                     "parameters after the step; give it a priority above -2000")
     return None
+
+
+def _schedule(config: CaptureConfig) -> Optional[str]:
+    return schedule_refusal(config.scheduler)

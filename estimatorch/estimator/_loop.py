@@ -67,7 +67,8 @@ def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> 
 def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
     pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
-    processor, device, axis, multi = estimator.batch_processor, estimator.device, run.batch_axis, agreement.multi
+    processor = run.step or estimator.batch_processor  # run.step: the captured step (cuda_graphs)
+    device, axis, multi = estimator.device, run.batch_axis, agreement.multi
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
     started = pos.batch
     code = 0

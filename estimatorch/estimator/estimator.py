@@ -21,6 +21,7 @@ from ._checks import (
     resolve_device,
 )
 from ._evaluation import check_inference_args, evaluate_batches
+from ._graphed_step import graphed_step
 from ._interrupts import stop_exception
 from ._logging import default_logger as _default_logger
 from ._loop import end_run, run_loop
@@ -338,6 +339,7 @@ class Estimator(RunView):
                     run.at_boundary, run.began = False, True
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
+                    run.step = graphed_step(self, run)  # cuda_graphs=True: the captured step
                     run_loop(self, run)
                 except torch.cuda.OutOfMemoryError as err:  # told where: no cost until it is raised
                     failed, stopping = True, err
@@ -352,7 +354,7 @@ class Estimator(RunView):
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
                 return run.history
         finally:
-            self._dispatch, self._fitting = Dispatch([]), False
+            self._dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
             if not run.started:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
 

@@ -154,3 +154,17 @@ def test_the_fallback_warning_names_the_error_and_the_usual_causes():
     assert message.startswith("cuda_graphs=True: the train step could not be captured")
     assert "RuntimeError: operation not permitted when stream is capturing" in message
     assert ".item()" in message and "trains eagerly" in message
+
+
+def test_a_schedule_cycling_the_momentum_is_refused_and_one_of_the_rate_alone_accepted():
+    optimizer = _adam()
+    cycling = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10)
+    reason = capture_refusal(_config(optimizer=optimizer, scheduler=cycling))
+    assert reason is not None and "OneCycleLR cycles the optimizer's momentum" in reason
+    assert "cycle_momentum=False" in reason
+    optimizer = _adam()
+    rate_only = torch.optim.lr_scheduler.OneCycleLR(optimizer, max_lr=0.1, total_steps=10, cycle_momentum=False)
+    assert capture_refusal(_config(optimizer=optimizer, scheduler=rate_only)) is None
+    optimizer = _adam()
+    assert capture_refusal(_config(optimizer=optimizer,
+                                   scheduler=torch.optim.lr_scheduler.StepLR(optimizer, 3))) is None
