@@ -113,6 +113,7 @@ class GraphedStep:
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.key: Any = None
         self.static: list[torch.Tensor] = []
+        self.static_batch: Any = None
         self.outputs: Any = None
         self.side = torch.cuda.Stream(self.device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -181,7 +182,7 @@ class GraphedStep:
             torch.cuda.synchronize(self.device)
             warn_user(fallback_message(err))
             return self._eager(batch, batch_axis, side=False)
-        self.graph, self.key, self.static = graph, key, static
+        self.graph, self.key, self.static, self.static_batch = graph, key, static, static_batch
         inputs = {id(s): i for i, s in enumerate(static)}
         self.outputs = (outputs, inputs)
         graph.replay()
