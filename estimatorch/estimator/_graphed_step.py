@@ -114,6 +114,7 @@ class GraphedStep:
         self.key: Any = None
         self.static: list[torch.Tensor] = []
         self.static_batch: Any = None
+        self.rates: list[torch.Tensor] = []
         self.outputs: Any = None
         self.side = torch.cuda.Stream(self.device)
         self.pool = torch.cuda.graph_pool_handle()
@@ -128,6 +129,7 @@ class GraphedStep:
         key = layout_of(batch, tensors)
         if self.graph is not None:
             if key == self.key:
+                self._keep_rates(estimator.optimizer)
                 for static, tensor in zip(self.static, tensors):
                     static.copy_(tensor, non_blocking=True)
                 self.graph.replay()
@@ -173,7 +175,9 @@ class GraphedStep:
         pending = self.stepper.pending
         graph = torch.cuda.CUDAGraph()
         try:
-            with torch.cuda.graph(graph, pool=self.pool):
+            # thread_local: the DataLoader's pin-memory thread may allocate pinned memory meanwhile
+            # (an error for the capture in "global" mode); this thread's host reads still fail it
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
                 outputs = self._step(static_batch, batch_axis)
         except RuntimeError as err:  # a host read, a CPU tensor: CUDA refused the capture
             self.failed = True
@@ -183,11 +187,24 @@ class GraphedStep:
             warn_user(fallback_message(err))
             return self._eager(batch, batch_axis, side=False)
         self.graph, self.key, self.static, self.static_batch = graph, key, static, static_batch
+        self.rates = [group["lr"] for group in optimizer.param_groups]  # the tensors the graph reads
         inputs = {id(s): i for i, s in enumerate(static)}
         self.outputs = (outputs, inputs)
         graph.replay()
         self.replayed += 1
         return self._outputs(tensors)
+
+    def _keep_rates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep each group's learning rate in the tensor the graph reads: a rate assigned
+        instead of filled in (``group["lr"] = 0.01``) is copied into it (no host sync)."""
+        for group, rate in zip(optimizer.param_groups, self.rates):
+            lr = group["lr"]
+            if lr is not rate:
+                if isinstance(lr, torch.Tensor):
+                    rate.copy_(lr.reshape(()), non_blocking=True)
+                else:
+                    rate.fill_(lr)
+                group["lr"] = rate
 
     def _outputs(self, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any, Any]:
         """The graph's outputs for ``batch_end``: the batch's own tensors where the step returned

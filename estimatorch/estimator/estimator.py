@@ -218,7 +218,8 @@ class Estimator(RunView):
         """The mixed-precision context of ``precision`` (a no-op for ``"32"``)."""
         if self._amp_dtype is None:
             return _NO_AUTOCAST
-        return torch.autocast(self.device.type, dtype=self._amp_dtype)
+        # a captured step (cuda_graphs) keeps no cast weights across the graph: PyTorch's advice
+        return torch.autocast(self.device.type, dtype=self._amp_dtype, cache_enabled=not self.cuda_graphs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled under ``"16-mixed"``; a per-sample loss is averaged."""

@@ -12,6 +12,7 @@ from __future__ import annotations
 
 import contextlib
 import warnings
+from types import SimpleNamespace
 
 import pytest
 import torch
@@ -19,7 +20,7 @@ from torch import nn
 
 from estimatorch import Estimator
 from estimatorch.estimator import _graphed_step, _start
-from estimatorch.estimator._graphed_step import WARMUP_STEPS, _make_capturable
+from estimatorch.estimator._graphed_step import WARMUP_STEPS, GraphedStep, _make_capturable
 from estimatorch.event_handlers import BatchEnd, GradientUpdateHandler
 
 
@@ -56,8 +57,8 @@ def fake_cuda(monkeypatch):
     FakeGraph.made = []
 
     @contextlib.contextmanager
-    def graph(g, pool=None):
-        assert pool == "pool"
+    def graph(g, pool=None, capture_error_mode="global"):
+        assert pool == "pool" and capture_error_mode == "thread_local"
         if state["fail"] is not None:  # before the body: a stand-in cannot undo the step it ran
             raise state["fail"]
         yield
@@ -187,3 +188,16 @@ def test_make_capturable_puts_the_rate_and_the_step_counts_on_the_device():
     scheduler.step()
     assert group["lr"] is rate and float(rate) == pytest.approx(0.005)  # filled in place
     assert all(isinstance(s["step"], torch.Tensor) and s["step"].device == cpu for s in optimizer.state.values())
+
+
+def test_a_rate_assigned_instead_of_filled_is_copied_into_the_tensor_the_graph_reads():
+    net = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam([{"params": [net.weight]}, {"params": [net.bias]}], lr=0.01)
+    _make_capturable(optimizer, torch.device("cpu"))
+    step = SimpleNamespace(rates=[group["lr"] for group in optimizer.param_groups])
+    first, second = step.rates
+    optimizer.param_groups[0]["lr"] = 0.5  # a user's handler assigning, not filling
+    optimizer.param_groups[1]["lr"] = torch.tensor([0.25])
+    GraphedStep._keep_rates(step, optimizer)
+    assert optimizer.param_groups[0]["lr"] is first and float(first) == 0.5
+    assert optimizer.param_groups[1]["lr"] is second and float(second) == 0.25
