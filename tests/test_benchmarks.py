@@ -135,6 +135,19 @@ def test_gpu_resnet_compares_fit_with_a_hand_written_loop():
     assert out["syncs_in_one_epoch_of_fit_default"] is None  # counted on CUDA only
 
 
+def test_gpu_resnet_runs_the_mlp_with_adamw_and_refuses_cuda_graphs_without_what_they_need():
+    out = json.loads(_run("gpu_resnet.py", "--device", "cpu", "--steps", "2", "--repeats", "1", "--batch-size", "4",
+                          "--batches", "2", "--model", "mlp", "--optimizer", "adamw", "--precision", "32", "--json"))
+    assert list(out["ratio_median"]) == ["raw", "fit-default", "fit-default+bar"]
+    assert out["settings"]["model"] == "mlp" and out["settings"]["optimizer"] == "adamw"
+    for args, message in ((["--cuda-graphs"], "--cuda-graphs needs --optimizer adamw"),
+                          (["--cuda-graphs", "--optimizer", "adamw", "--device", "cpu"],
+                           "--cuda-graphs needs --device cuda, got --device cpu")):
+        done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "gpu_resnet.py"), *args],
+                              capture_output=True, text=True, timeout=60)
+        assert done.returncode == 2 and message in done.stderr
+
+
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_sharded_checkpoint_compares_memory_and_checkpoint_time_with_ddp():
