@@ -134,6 +134,7 @@ class GraphedStep:
                     static.copy_(tensor, non_blocking=True)
                 self.graph.replay()
                 self.replayed += 1
+                self.stepper.stepped = True  # the replay stepped the optimizer; no Python of it ran
                 return self._outputs(tensors)
             return self._eager(batch, batch_axis, side=False)
         if not self.prepared:

@@ -40,7 +40,10 @@ class FakeGraph:
             return
         step = self.step
         outputs, _ = step.outputs
+        python_state = dict(vars(step.stepper))  # a replay runs kernels, not the handler's Python
         fresh = step._step(step.static_batch, 0)
+        vars(step.stepper).clear()
+        vars(step.stepper).update(python_state)
         for old, new in zip(outputs[2:], fresh[2:]):  # pred and loss: written in place
             old.detach().copy_(new.detach())
 
@@ -77,7 +80,9 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(cuda, "graph", graph)
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    # the rate stays a float here (a CPU SGD with a tensor rate would change the bits): tested apart
     monkeypatch.setattr(_graphed_step, "_make_capturable", lambda optimizer, device: None)
+    monkeypatch.setattr(_graphed_step.GraphedStep, "_keep_rates", lambda self, optimizer: None)
     monkeypatch.setattr(_start, "check_capture", lambda *args: None)  # the device check: a CPU stands in
     real_graphed_step = _graphed_step.graphed_step
     from estimatorch.estimator import estimator as estimator_module
@@ -201,3 +206,18 @@ def test_a_rate_assigned_instead_of_filled_is_copied_into_the_tensor_the_graph_r
     GraphedStep._keep_rates(step, optimizer)
     assert optimizer.param_groups[0]["lr"] is first and float(first) == 0.5
     assert optimizer.param_groups[1]["lr"] is second and float(second) == 0.25
+
+
+def test_a_per_batch_schedule_steps_after_every_replayed_step(fake_cuda):
+    """LRSchedulerHandler steps after each optimizer step, told by GradientUpdateHandler.stepped:
+    a replay, which runs no Python, must still count as a step (also after an epoch_end)."""
+    def schedule(optimizer, total_steps):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.8)
+
+    probe = Linking(fake_cuda)
+    est, history = _fit(True, [probe], epochs=3, lr_scheduler=schedule, lr_scheduler_interval="batch")
+    reference, ref_history = _fit(False, epochs=3, lr_scheduler=schedule, lr_scheduler_interval="batch")
+    assert est.lr_scheduler.last_epoch == reference.lr_scheduler.last_epoch == 21
+    assert history["lr"] == ref_history["lr"]
+    for a, b in zip(est.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
