@@ -15,7 +15,7 @@ from typing import Any, Callable, Optional
 import torch
 
 __all__ = ["SideStreamCopy", "batch_mover", "batch_size_of", "call_loss", "call_net", "split_batch", "split_inputs",
-           "to_device"]
+           "tensors_in", "to_device"]
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -72,7 +72,7 @@ class SideStreamCopy:
         self.stream = torch.cuda.Stream(device)
 
     def __call__(self, batch: Any) -> Any:
-        if all(t.device == self.device for t in _tensors_in(batch)):
+        if all(t.device == self.device for t in tensors_in(batch)):
             return to_device(batch, self.device)
         current = torch.cuda.current_stream(self.device)
         with torch.cuda.stream(self.stream):
@@ -80,19 +80,19 @@ class SideStreamCopy:
             ready = torch.cuda.Event()
             ready.record(self.stream)
         current.wait_event(ready)
-        for tensor in _tensors_in(moved):
+        for tensor in tensors_in(moved):
             tensor.record_stream(current)
         return moved
 
 
-def _tensors_in(obj: Any) -> list[torch.Tensor]:
+def tensors_in(obj: Any) -> list[torch.Tensor]:
     """The tensors of a (nested) tuple, list or dict batch."""
     if isinstance(obj, torch.Tensor):
         return [obj]
     if isinstance(obj, (tuple, list)):
-        return [t for x in obj for t in _tensors_in(x)]
+        return [t for x in obj for t in tensors_in(x)]
     if isinstance(obj, Mapping):
-        return [t for x in obj.values() for t in _tensors_in(x)]
+        return [t for x in obj.values() for t in tensors_in(x)]
     return []
 
 

@@ -29,6 +29,7 @@ from typing import Any, Callable, Optional
 
 import torch
 
+from .._batches import tensors_in
 from .._checks import warn_user
 from ..event_handlers import GradientUpdateHandler
 from ..events import subscribes
@@ -157,7 +158,7 @@ class GraphedStep:
             with torch.cuda.stream(self.side):
                 out = self._step(batch, batch_axis)
             current.wait_stream(self.side)
-        for t in _tensors(out):  # made on the side stream, used on this one: not reused before
+        for t in tensors_in(out):  # made on the side stream, used on this one: not reused before
             t.record_stream(current)
         return out
 
@@ -217,12 +218,6 @@ class GraphedStep:
             return tensors[index] if index is not None else t.detach().clone()
 
         return _rebuild(outputs, swap)
-
-
-def _tensors(obj: Any) -> list[torch.Tensor]:
-    found: list[torch.Tensor] = []
-    layout_of(obj, found)
-    return found
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
