@@ -7,8 +7,10 @@ its clipping), taken out of the ``batch_end`` handlers. It runs
 
 1. the first :data:`WARMUP_STEPS` batches eagerly on a side stream (lazy state: the optimizer's
    moments, cuBLAS handles, autograd's streams), as the recipe asks;
-2. then records the step for the next batch's layout (structure, shapes, dtypes) in one graph,
-   on static input buffers cloned from that batch, in a private memory pool, and replays it;
+2. then records the step for the next batch whose layout (structure, shapes, dtypes, strides)
+   is the previous batch's (never a one-off such as an epoch's partial last batch) in one
+   graph, on static input buffers cloned from that batch, in a private memory pool, and
+   replays it;
 3. every later batch of that layout: copied into the static buffers, the graph replayed; any
    other batch (the partial last one) eagerly, on the current stream.
 
@@ -113,6 +115,7 @@ class GraphedStep:
         self.prepared = False
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.key: Any = None
+        self.last_key: Any = None  # the layout of the last warm-up batch
         self.static: list[torch.Tensor] = []
         self.static_batch: Any = None
         self.rates: list[torch.Tensor] = []
@@ -141,8 +144,9 @@ class GraphedStep:
         if not self.prepared:
             _make_capturable(estimator.optimizer, self.device)
             self.prepared = True
-        if self.failed or self.warm < WARMUP_STEPS:
+        if self.failed or self.warm < WARMUP_STEPS or key != self.last_key:  # never a one-off layout
             self.warm += 1
+            self.last_key = key
             return self._eager(batch, batch_axis, side=not self.failed)
         return self._capture(batch, batch_axis, key, tensors)
 

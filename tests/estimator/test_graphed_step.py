@@ -221,3 +221,25 @@ def test_a_per_batch_schedule_steps_after_every_replayed_step(fake_cuda):
     assert history["lr"] == ref_history["lr"]
     for a, b in zip(est.net.parameters(), reference.net.parameters()):
         assert torch.equal(a, b)
+
+
+def test_a_resumed_fit_warms_up_and_captures_again_from_its_checkpoint(fake_cuda, tmp_path):
+    import shutil
+
+    from estimatorch import CheckpointHandler, checkpoint
+
+    probe = Linking(fake_cuda)
+    full = tmp_path / "full"
+    reference, _ = _fit(True, [probe, CheckpointHandler(full, batch_period=5, epoch_period=None,
+                                                        max_checkpoints=None)], epochs=3)
+    start = tmp_path / "start"
+    start.mkdir()
+    shutil.copy(full / checkpoint.checkpoint_name("model", 1, 10), start)
+    resumed, _ = _fit(True, [Linking(fake_cuda), CheckpointHandler(start, batch_period=5, epoch_period=None,
+                                                                    resume_from_checkpoint=True)], epochs=3)
+    step = fake_cuda["step"]
+    # from step 11: 3 warm-up steps, the partial batch 14 and batch 15 (a layout after another)
+    # eager, 16 captured (its layout is 15's), 17-20 replayed, the partial 21 eager
+    assert step.eager == WARMUP_STEPS + 3 and step.replayed == 5
+    for a, b in zip(reference.net.parameters(), resumed.net.parameters()):
+        assert torch.equal(a, b)
