@@ -23,7 +23,9 @@
 
 Variables set inconsistently (a rank not below the world size, a world size above 1 with no
 address to meet at, a malformed node list) raise a ``RuntimeError`` naming the variables and their
-values, before any work: never a silent run of processes that each believe they are alone.
+values in ``fit`` (:func:`init_process_group`), before any work: never a silent run of processes
+that each believe they are alone. A query (:func:`current`, behind the rank helpers) answers one
+process with a warning instead.
 
 SLURM requeue (see ``docs/clusters.md``): under SLURM, the signal named by
 ``ESTIMATORCH_REQUEUE_SIGNAL`` (default ``USR1``, what ``sbatch --signal=USR1@90`` sends before
@@ -47,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["Launcher", "REQUEUE_SIGNAL_VAR", "REQUEUE_VAR", "detect", "expand_nodelist", "init_process_group",
-           "requeue", "requeue_signal", "slurm_port"]
+__all__ = ["Launcher", "REQUEUE_SIGNAL_VAR", "REQUEUE_VAR", "current", "detect", "expand_nodelist",
+           "init_process_group", "requeue", "requeue_signal", "slurm_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -272,6 +274,23 @@ def detect(env: Optional[Mapping[str, str]] = None) -> Launcher:
     if slurm_tasks(env):
         return _slurm(env)
     return _NONE
+
+
+_WARNED: set[str] = set()
+
+
+def current() -> Launcher:
+    """:func:`detect`, for a query (the rank helpers of :mod:`estimatorch.distributed`): where the
+    variables contradict each other it answers one process, with a warning (once per problem),
+    instead of raising; ``fit``, which forms the group (:func:`init_process_group`), refuses them.
+    """
+    try:
+        return detect()
+    except RuntimeError as err:
+        if str(err) not in _WARNED:
+            _WARNED.add(str(err))
+            logger.warning("%s; answering as one process (fit refuses to start)", err)
+        return _NONE
 
 
 def _group_launcher() -> Launcher:

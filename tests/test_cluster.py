@@ -116,6 +116,32 @@ def test_fit_refuses_several_processes_with_nowhere_to_meet_before_any_step(monk
     assert named in str(info.value) and not steps and not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("env, named", [
+    (dict(TORCHRUN, RANK="2"), "RANK='2', WORLD_SIZE='2'"),
+    (dict(SLURM, SLURM_JOB_NODELIST="n[1-"), "SLURM_JOB_NODELIST='n[1-'"),
+])
+def test_the_rank_helpers_answer_one_process_on_inconsistent_variables_and_fit_refuses(monkeypatch, caplog, env,
+                                                                                        named):
+    from tests.test_distributed import _setup
+
+    for key in {**SLURM, **JOB, **TORCHRUN}:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING, logger="estimatorch.cluster"):
+        answers = [(distributed.get_rank(), distributed.get_world_size(), distributed.get_local_rank(),
+                    distributed.is_main_process()) for _ in range(3)]
+    assert answers == [(0, 1, 0, True)] * 3  # a query outside fit never raises
+    warned = [r.getMessage() for r in caplog.records if r.name == "estimatorch.cluster"]
+    assert len(warned) == 1 and named in warned[0]  # once, naming the variables
+    est, loader = _setup()
+    steps = []
+    est.optimizer.register_step_post_hook(lambda *a: steps.append(1))
+    with pytest.raises(RuntimeError) as info:
+        est.fit(loader, epochs=1)
+    assert named in str(info.value) and not steps and not torch.distributed.is_initialized()
+
+
 def test_the_rank_helpers_answer_from_slurm_before_a_process_group(monkeypatch):
     for key, value in SLURM.items():
         monkeypatch.setenv(key, value)
