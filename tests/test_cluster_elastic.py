@@ -19,6 +19,7 @@ import time
 import pytest
 import torch
 
+from tests.test_cluster import fake_scontrol
 from tests.test_cluster_launchers import _assert_same_model, _base_env, _free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
@@ -30,13 +31,14 @@ from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, dis
 from estimatorch.event_handlers import BatchEnd
 
 torch.set_num_threads(1)
-out, model_dir, scenario = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
+out, model_dir, scenario = sys.argv[1], sys.argv[2], sys.argv[3]
 node = os.environ.get("NODE", "-")
 world = distributed.get_world_size()  # torchrun's, before fit forms the group
 k = 2 // world  # the same 8 samples in every optimizer step on 2 processes or 1
 torch.manual_seed(0)
 net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Dropout(0.2), nn.Linear(8, 3))
 est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9), seed=3)
+est.agree_every = 2  # a stop is agreed within 2 steps (not 16): before the run's end
 g = torch.Generator().manual_seed(1)
 data = torch.utils.data.TensorDataset(torch.randn(64, 4, generator=g), torch.arange(64) % 3)
 loader = torch.utils.data.DataLoader(data, batch_size=4, shuffle=True)
@@ -48,7 +50,20 @@ def mark(name, text):
     os.replace(f"{out}/{name}.tmp", f"{out}/{name}")
 
 
-class Scenario(BatchEnd):
+def wait_for(signum, name):
+    """Wait here (at most 5 minutes) until ``signum`` arrives, then let fit's handler stop at
+    this step and checkpoint it."""
+    stopped = []
+    previous = signal.getsignal(signum)
+    signal.signal(signum, lambda s, f: (stopped.append(s), previous(s, f)))
+    mark(name, str(os.getpid()))
+    for _ in range(3000):
+        if stopped:
+            break
+        time.sleep(0.1)
+
+
+class Elastic(BatchEnd):
     """Machine B's worker waits at its 5th batch to be killed with its agent; the machine left
     alone (world size 1) waits at its second optimizer step for the SIGTERM its agent sends when
     a machine joins."""
@@ -62,20 +77,25 @@ class Scenario(BatchEnd):
             mark("b_waits", str(os.getpid()))
             time.sleep(600)
         if world == 1 and self.seen == 4:
-            stopped = []
-            previous = signal.getsignal(signal.SIGTERM)  # fit's: stop at this step, checkpoint it
-            signal.signal(signal.SIGTERM, lambda s, f: (stopped.append(s), previous(s, f)))
-            mark("alone_waits", str(est.position.step))
-            for _ in range(3000):
-                if stopped:
-                    break
-                time.sleep(0.1)
+            wait_for(signal.SIGTERM, "alone_waits")
+
+
+class Usr1(BatchEnd):
+    """Rank 0 of the first job waits at its 3rd batch for SLURM's SIGUSR1, passed on by the agent."""
+
+    priority = float("inf")
+    seen = 0
+
+    def batch_end(self, est, **kw):
+        self.seen += 1
+        if self.seen == 3 and distributed.get_rank() == 0 and not os.path.exists(f"{out}/usr1_waits"):  # once
+            wait_for(signal.SIGUSR1, "usr1_waits")
 
 
 handlers = [CheckpointHandler(model_dir, batch_period=2 * k, elastic=True, resume_from_checkpoint=True),
             GradientUpdateHandler(accumulation_steps=k)]
-if scenario:
-    handlers.append(Scenario())
+if scenario != "none":
+    handlers.append(Elastic() if scenario == "elastic" else Usr1())
 try:
     est.fit(loader, epochs=2, event_handlers=handlers)
     status = 0
@@ -113,15 +133,29 @@ def _wait_for_port(port, procs, logs, limit=120):
         time.sleep(0.2)
 
 
+@pytest.fixture(scope="module")
+def reference(tmp_path_factory):
+    """An uninterrupted 2-process run: each rank's results."""
+    tmp = tmp_path_factory.mktemp("reference")
+    script = tmp / "train.py"
+    script.write_text(SCRIPT)
+    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
+                    str(tmp), str(tmp / "model"), "none"],
+                   env=_base_env(), capture_output=True, timeout=300, check=True)
+    return [torch.load(tmp / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+
+
+def _assert_ends_as(out, reference):
+    for rank in range(2):
+        got = torch.load(out / f"rank{rank}.pt", weights_only=True)
+        assert got["step"] == reference[rank]["step"] == 16 and got["status"] == 0
+        _assert_same_model(got["model"], reference[rank]["model"])
+
+
 @pytest.mark.timeout(600)
-def test_a_machine_lost_and_another_joining_under_torchrun_nnodes_1_2_ends_bitwise(tmp_path):
+def test_a_machine_lost_and_another_joining_under_torchrun_nnodes_1_2_ends_bitwise(tmp_path, reference):
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    reference = tmp_path / "reference"
-    reference.mkdir()
-    subprocess.run([sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2", str(script),
-                    str(reference), str(tmp_path / "reference-model"), "0"],
-                   env=_base_env(), capture_output=True, timeout=300, check=True)
 
     out = tmp_path / "elastic"
     out.mkdir()
@@ -137,7 +171,7 @@ def test_a_machine_lost_and_another_joining_under_torchrun_nnodes_1_2_ends_bitwi
         procs[node] = subprocess.Popen(
             [sys.executable, "-m", "torch.distributed.run", "--nnodes=1:2", "--nproc-per-node=1",
              "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=elastic-test", f"--rdzv-conf={conf}",
-             "--max-restarts=3", "--monitor-interval=0.5", str(script), str(out), str(tmp_path / "model"), "1"],
+             "--max-restarts=3", "--monitor-interval=0.5", str(script), str(out), str(tmp_path / "model"), "elastic"],
             env=dict(env, NODE=node), stdout=logs[node].open("w"), stderr=subprocess.STDOUT, start_new_session=True)
 
     try:
@@ -161,8 +195,48 @@ def test_a_machine_lost_and_another_joining_under_torchrun_nnodes_1_2_ends_bitwi
     # checkpoint (SIGTERM: 143); then A and C at world size 2 (a membership change: not counted)
     assert generations[0][:4] == ["A", "0", "1", "1"] and generations[0][5] == "143"
     assert sorted(g[:4] + g[5:] for g in generations[1:]) == [["A", "0", "2", "1", "0"], ["C", "1", "2", "0", "0"]]
+    _assert_ends_as(out, reference)
+
+
+@pytest.mark.timeout(600)
+def test_srun_torchrun_passes_slurms_usr1_on_and_the_requeued_job_resumes_bitwise(tmp_path, reference):
+    """``srun torchrun --signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1``: the SIGUSR1 of
+    ``--signal=USR1@N`` reaches the agent (simulated: sent to it), which passes it on to its
+    workers; they stop at one step, checkpoint it, rank 0 requeues the job once (a recording
+    ``scontrol``), and the requeued job (the same command) ends bitwise. No warning: the agent
+    handles the signal (``cluster.agent_drops``)."""
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    calls = fake_scontrol(tmp_path)
+    env = dict(_base_env(tmp_path), SLURM_JOB_ID="4242", SLURM_PROCID="0", SLURM_NTASKS="1", SLURM_STEP_ID="0",
+               SLURM_JOB_NODELIST="127.0.0.1", SLURM_JOB_NAME="train")  # one task: the node's agent
+    out = tmp_path / "job"
+    out.mkdir()
+
+    def job():
+        log = (out / "agent.log").open("a")
+        return subprocess.Popen(
+            [sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2",
+             "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1", "--shutdown-timeout=120", str(script),
+             str(out), str(tmp_path / "model"), "usr1"], env=env, stdout=log, stderr=subprocess.STDOUT,
+            start_new_session=True)
+
+    agent = job()
+    try:
+        _wait_for(out / "usr1_waits", {"agent": agent}, {"agent": out / "agent.log"})
+        agent.send_signal(signal.SIGUSR1)  # to the agent only: it must pass it on
+        agent.wait(timeout=300)
+    finally:
+        if agent.poll() is None:
+            os.killpg(agent.pid, signal.SIGKILL)
+    log = (out / "agent.log").read_text()
+    stopped = [torch.load(out / f"rank{rank}.pt", weights_only=True) for rank in range(2)]
+    assert [r["status"] for r in stopped] == [128 + signal.SIGUSR1] * 2, log[-3000:]
+    assert stopped[0]["step"] == stopped[1]["step"] < 16  # one boundary, before the end
+    assert calls.read_text() == "requeue 4242\n"  # once, by rank 0
+    assert "does not handle" not in log
     for rank in range(2):
-        want = torch.load(reference / f"rank{rank}.pt", weights_only=True)
-        got = torch.load(out / f"rank{rank}.pt", weights_only=True)
-        assert got["step"] == want["step"] == 16 and got["status"] == 0
-        _assert_same_model(got["model"], want["model"])
+        (out / f"rank{rank}.pt").unlink()
+    assert job().wait(timeout=300) == 0  # the requeued job: the same command, resumed
+    assert calls.read_text() == "requeue 4242\n"
+    _assert_ends_as(out, reference)
