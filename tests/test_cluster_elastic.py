@@ -1,11 +1,18 @@
-"""``torchrun --nnodes=1:2``: a node lost and another joining. Two "machines" on loopback, one
-torchrun agent each (c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): the second
-machine's agent and worker are SIGKILLed mid-run; the first machine's agent restarts its worker
-alone (world size 1, twice the accumulation) from the last checkpoint; a third machine's agent
-joins, the first agent stops its worker (SIGTERM: a checkpoint of that step) and both restart at
-world size 2. With ``CheckpointHandler(..., elastic=True)`` the run ends with the parameters of
-an uninterrupted 2-process run, bit for bit (docs/resume.md: 2 processes -> 1 with accumulation 2
-and back are bit-identical)."""
+"""torchrun's agent beyond restarts, on loopback.
+
+``--nnodes=1:2``, a machine lost and another joining: two "machines", one torchrun agent each
+(c10d rendezvous, ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): the second machine's agent and worker
+are SIGKILLed mid-run; the first machine's agent restarts its worker alone (world size 1, twice the
+accumulation) from the last checkpoint; a third machine's agent joins, the first agent stops its
+worker (SIGTERM: a checkpoint of that step) and both restart at world size 2. With
+``CheckpointHandler(..., elastic=True)`` the run ends with the parameters of an uninterrupted
+2-process run, bit for bit (docs/resume.md: 2 processes -> 1 with accumulation 2 and back are
+bit-identical).
+
+``srun torchrun`` with SLURM's ``--signal=USR1@N``: with ``--signals-to-handle`` naming SIGUSR1 the
+agent passes it on, the workers stop, checkpoint and requeue the job once, and the requeued job
+ends bitwise.
+"""
 
 from __future__ import annotations
 
