@@ -23,7 +23,9 @@
 
 Variables set inconsistently (a rank not below the world size, a world size above 1 with no
 address to meet at, a malformed node list) raise a ``RuntimeError`` naming the variables and their
-values, before any work: never a silent run of processes that each believe they are alone.
+values in ``fit`` (:func:`init_process_group`), before any work: never a silent run of processes
+that each believe they are alone. A query (:func:`current`, behind the rank helpers) answers one
+process with a warning instead.
 
 SLURM requeue (see ``docs/clusters.md``): under SLURM, the signal named by
 ``ESTIMATORCH_REQUEUE_SIGNAL`` (default ``USR1``, what ``sbatch --signal=USR1@90`` sends before
@@ -47,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["Launcher", "REQUEUE_SIGNAL_VAR", "REQUEUE_VAR", "detect", "expand_nodelist", "init_process_group",
-           "requeue", "requeue_signal", "slurm_port"]
+__all__ = ["Launcher", "REQUEUE_SIGNAL_VAR", "REQUEUE_VAR", "agent_drops", "current", "detect", "expand_nodelist",
+           "init_process_group", "requeue", "requeue_signal", "slurm_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -274,6 +276,23 @@ def detect(env: Optional[Mapping[str, str]] = None) -> Launcher:
     return _NONE
 
 
+_WARNED: set[str] = set()
+
+
+def current() -> Launcher:
+    """:func:`detect`, for a query (the rank helpers of :mod:`estimatorch.distributed`): where the
+    variables contradict each other it answers one process, with a warning (once per problem),
+    instead of raising; ``fit``, which forms the group (:func:`init_process_group`), refuses them.
+    """
+    try:
+        return detect()
+    except RuntimeError as err:
+        if str(err) not in _WARNED:
+            _WARNED.add(str(err))
+            logger.warning("%s; answering as one process (fit refuses to start)", err)
+        return _NONE
+
+
 def _group_launcher() -> Launcher:
     rank, world = dist.get_rank(), dist.get_world_size()
     if _launched is not None and (_launched.rank, _launched.world_size) == (rank, world):
@@ -380,6 +399,43 @@ def requeue_signal(env: Optional[Mapping[str, str]] = None) -> Optional[signal.S
         raise RuntimeError(f"{REQUEUE_SIGNAL_VAR}={env[REQUEUE_SIGNAL_VAR]!r}: SIGINT and SIGTERM already stop "
                            "fit (without a requeue); SIGKILL and SIGSTOP cannot be caught. Use USR1 or USR2")
     return signum
+
+
+#: the signals torchrun's agent handles (and passes on to its workers) unless told otherwise
+_AGENT_SIGNALS = "SIGTERM,SIGINT,SIGHUP,SIGQUIT"
+
+
+def agent_drops(signum: Optional[signal.Signals], env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why ``signum`` (SLURM's requeue signal) would not reach this process through torchrun's
+    agent, or None (no agent, no signal, or the agent passes it on).
+
+    The agent handles only the signals of ``--signals-to-handle`` (its workers see them in
+    ``TORCHELASTIC_SIGNALS_TO_HANDLE``; older torch has no such option), by default SIGTERM, SIGINT, SIGHUP and SIGQUIT:
+    another, such as the SIGUSR1 of ``--signal=USR1@N``, ends the agent at once (Python's default
+    action), and SLURM ends the job step with it, before any checkpoint.
+
+    Example:
+        >>> agent_drops(signal.SIGUSR1, {"TORCHELASTIC_RUN_ID": "r",
+        ...                              "TORCHELASTIC_SIGNALS_TO_HANDLE": "SIGTERM,SIGUSR1"}) is None
+        True
+    """
+    env = os.environ if env is None else env
+    if signum is None or "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    handled = env.get("TORCHELASTIC_SIGNALS_TO_HANDLE")
+    names = {n.strip().upper() for n in (handled or _AGENT_SIGNALS).split(",")}
+    if signum.name in names or signum.name[3:] in names:
+        return None
+    told = "no --signals-to-handle" if handled is None else f"TORCHELASTIC_SIGNALS_TO_HANDLE={handled!r}"
+    head = (f"torchrun's agent started this process in SLURM job {env.get('SLURM_JOB_ID', '?')} but does not handle "
+            f"{signum.name} ({told}): the {signum.name} of `--signal={signum.name[3:]}@N` would end the agent at once "
+            "and the job step with it, before any checkpoint. ")
+    if handled is None:
+        return head + (f"This torch's torchrun cannot pass it on (newer ones have --signals-to-handle): set "
+                       f"{REQUEUE_VAR}=0 and use --signal=TERM@N (see docs/clusters.md)")
+    return head + (f"Start torchrun with --signals-to-handle={_AGENT_SIGNALS},{signum.name} and a --shutdown-timeout "
+                   f"longer than a stop and its checkpoint take, or set {REQUEUE_VAR}=0 and use --signal=TERM@N "
+                   "(see docs/clusters.md)")
 
 
 def requeue(env: Optional[Mapping[str, str]] = None) -> bool:

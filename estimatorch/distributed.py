@@ -72,21 +72,22 @@ def _initialized() -> bool:
 def get_rank() -> int:
     """The global rank: the process group's; before one exists, the launcher's
     (:func:`estimatorch.cluster.detect`: torchrun's ``RANK``, SLURM's ``SLURM_PROCID``...; 0
-    without one), so that "print on rank 0" before ``fit`` (which starts the group) prints once."""
-    return dist.get_rank() if _initialized() else cluster.detect().rank
+    without one, or with variables that contradict each other, which ``fit`` refuses), so that
+    "print on rank 0" before ``fit`` (which starts the group) prints once."""
+    return dist.get_rank() if _initialized() else cluster.current().rank
 
 
 def get_world_size() -> int:
     """The number of processes: the process group's; before one exists, the launcher's
     (``WORLD_SIZE``, ``SLURM_NTASKS``...; 1 without one). Collectives need :func:`is_distributed`,
     not this."""
-    return dist.get_world_size() if _initialized() else cluster.detect().world_size
+    return dist.get_world_size() if _initialized() else cluster.current().world_size
 
 
 def get_local_rank() -> int:
     """The rank on this machine: the launcher's (``LOCAL_RANK``, ``SLURM_LOCALID``, ``RANK``
     modulo ``LOCAL_WORLD_SIZE`` in a PyTorchJob), else 0."""
-    return cluster.detect().local_rank
+    return cluster.current().local_rank
 
 
 def is_main_process() -> bool:

@@ -116,6 +116,32 @@ def test_fit_refuses_several_processes_with_nowhere_to_meet_before_any_step(monk
     assert named in str(info.value) and not steps and not torch.distributed.is_initialized()
 
 
+@pytest.mark.parametrize("env, named", [
+    (dict(TORCHRUN, RANK="2"), "RANK='2', WORLD_SIZE='2'"),
+    (dict(SLURM, SLURM_JOB_NODELIST="n[1-"), "SLURM_JOB_NODELIST='n[1-'"),
+])
+def test_the_rank_helpers_answer_one_process_on_inconsistent_variables_and_fit_refuses(monkeypatch, caplog, env,
+                                                                                        named):
+    from tests.test_distributed import _setup
+
+    for key in {**SLURM, **JOB, **TORCHRUN}:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in env.items():
+        monkeypatch.setenv(key, value)
+    with caplog.at_level(logging.WARNING, logger="estimatorch.cluster"):
+        answers = [(distributed.get_rank(), distributed.get_world_size(), distributed.get_local_rank(),
+                    distributed.is_main_process()) for _ in range(3)]
+    assert answers == [(0, 1, 0, True)] * 3  # a query outside fit never raises
+    warned = [r.getMessage() for r in caplog.records if r.name == "estimatorch.cluster"]
+    assert len(warned) == 1 and named in warned[0]  # once, naming the variables
+    est, loader = _setup()
+    steps = []
+    est.optimizer.register_step_post_hook(lambda *a: steps.append(1))
+    with pytest.raises(RuntimeError) as info:
+        est.fit(loader, epochs=1)
+    assert named in str(info.value) and not steps and not torch.distributed.is_initialized()
+
+
 def test_the_rank_helpers_answer_from_slurm_before_a_process_group(monkeypatch):
     for key, value in SLURM.items():
         monkeypatch.setenv(key, value)
@@ -142,6 +168,47 @@ def test_the_requeue_signal_is_usr1_under_slurm_and_can_be_switched(env, expecte
 def test_a_requeue_signal_that_cannot_be_one_is_an_error_naming_it(name):
     with pytest.raises(RuntimeError, match=f"ESTIMATORCH_REQUEUE_SIGNAL='{name}'"):
         cluster.requeue_signal({"SLURM_JOB_ID": "5", "ESTIMATORCH_REQUEUE_SIGNAL": name})
+
+
+AGENT = {"TORCHELASTIC_RUN_ID": "r1", "SLURM_JOB_ID": "42"}
+
+
+@pytest.mark.parametrize("env, signum, problem", [
+    (dict(AGENT, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT"), signal.SIGUSR1,
+     "--signals-to-handle=SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"),  # torchrun's default: USR1 ends the agent
+    (dict(AGENT, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGUSR1"), signal.SIGUSR2, "SIGUSR2"),
+    (AGENT, signal.SIGUSR1, "This torch's torchrun cannot pass it on"),  # a torchrun without the option
+    (dict(AGENT, TORCHELASTIC_SIGNALS_TO_HANDLE="SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1"), signal.SIGUSR1, None),
+    (dict(AGENT, TORCHELASTIC_SIGNALS_TO_HANDLE="TERM, usr1"), signal.SIGUSR1, None),
+    ({"SLURM_JOB_ID": "42"}, signal.SIGUSR1, None),  # srun python: no agent in between
+    (AGENT, None, None),  # requeue off
+])
+def test_a_torchrun_agent_that_would_not_pass_the_requeue_signal_on_is_named(env, signum, problem):
+    said = cluster.agent_drops(signum, env)
+    if problem is None:
+        assert said is None
+    else:
+        assert problem in said and "SLURM job 42" in said and "ESTIMATORCH_REQUEUE=0" in said
+
+
+def test_fit_warns_when_torchruns_agent_would_drop_the_requeue_signal(monkeypatch, caplog):
+    from tests.test_distributed import _setup
+
+    for key in {**SLURM, **JOB, **TORCHRUN}:
+        monkeypatch.delenv(key, raising=False)
+    monkeypatch.setenv("SLURM_JOB_ID", "42")  # a batch script's own process: one process
+    monkeypatch.setenv("TORCHELASTIC_RUN_ID", "r1")
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT")
+    est, _ = _setup()
+    loader = [(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))]
+    with caplog.at_level(logging.WARNING):
+        est.fit(loader, epochs=1)
+    assert "does not handle SIGUSR1" in caplog.text
+    monkeypatch.setenv("TORCHELASTIC_SIGNALS_TO_HANDLE", "SIGTERM,SIGINT,SIGHUP,SIGQUIT,SIGUSR1")
+    caplog.clear()
+    with caplog.at_level(logging.WARNING):
+        est.fit(loader, epochs=1)
+    assert "does not handle" not in caplog.text
 
 
 def fake_scontrol(directory, status=0):

@@ -19,7 +19,7 @@ from .._checks import is_int
 from ..checkpoint import is_sharded_module
 from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
-from ._sharding import InferenceData, for_inference
+from ._sharding import InferenceData, for_inference, in_step
 from ._stream_base import loader_kwargs
 from ._streams import draws_no_randomness
 
@@ -128,6 +128,16 @@ def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Di
     return Dispatch(order_handlers(handlers, []))
 
 
+def _own_or_padding(shard: InferenceData, limit: Optional[int], sharded: bool) -> Iterable[tuple[Any, bool]]:
+    """``(batch, own)`` pairs: this rank's batches (at most ``limit``), and for a sharded net
+    padding ones, so that every rank runs as many forwards (:mod:`._sharding`)."""
+    batches = shard.batches if limit is None else itertools.islice(shard.batches, limit)
+    if sharded and not shard.split and distributed.is_distributed():
+        return in_step(batches)  # lengths unknown: agreed batch by batch
+    own = shard.own if sharded and shard.own is not None else None
+    return ((batch, own is None or i < own) for i, batch in enumerate(batches))
+
+
 def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[Any], step: Step, *,
                 agree_on_empty: bool, limit: Optional[int] = None,
                 forward: Optional[Callable[[Any], Any]] = None) -> InferenceData:
@@ -135,8 +145,9 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     ``epoch_end``, over this rank's batches of ``data``.
 
     For a sharded ``val_net`` (FSDP2: each forward gathers parameters from every rank) every
-    rank runs as many forwards: a rank with a batch fewer of a split loader runs ``forward`` on
-    a padding batch and discards its result, firing no event (:mod:`._sharding`).
+    rank runs as many forwards: a rank with a batch fewer of a split loader, or that has run out
+    of data it holds itself (the ranks agree before each batch: one small all-reduce per batch),
+    runs ``forward`` on a padding batch and discards its result, firing no event (:mod:`._sharding`).
 
     Args:
         agree_on_empty: with data each rank holds itself, under torch.distributed, raise only
@@ -155,9 +166,10 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
         device = estimator.device
         dispatch.fire("epoch_begin", estimator)
         seen = 0
-        for batch in shard.batches if limit is None else itertools.islice(shard.batches, limit):
+        for batch, own in _own_or_padding(shard, limit, sharded):
             batch = to_device(batch, device)
-            if forward is not None and shard.own is not None and seen >= shard.own:
+            if not own:
+                assert forward is not None
                 forward(batch)  # padding: the other ranks' forward needs this rank's shards
                 continue
             dispatch.fire("batch_begin", estimator, batch=batch)

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .. import distributed
+from ..checkpoint import is_sharded_module
 from ._evaluation import check_inference_args, run_batches
 
 __all__ = ["join_outputs", "run_prediction"]
@@ -87,7 +88,9 @@ def join_outputs(outputs: Sequence[Any], batch_axis: int = 0) -> Any:
 
 def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_handlers: Any) -> Any:
     """``Estimator.predict`` (see its docstring)."""
-    handlers = check_inference_args(data, "data", batch_axis, event_handlers)
+    # a sharded net's ranks run every forward together: one holding nothing pads, then raises
+    together = distributed.is_distributed() and is_sharded_module(estimator.val_net)
+    handlers = check_inference_args(data, "data", batch_axis, event_handlers, check_empty=not together)
     processor = estimator.batch_processor
     predict_batch = getattr(processor, "predict_batch", None)
     non_blocking = estimator.device.type == "cuda"

@@ -161,8 +161,12 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
 
     if not _console.in_notebook():  # a script ends a clean Ctrl-C stop with one line, not a traceback
         install_excepthook()
+    requeue = cluster.requeue_signal()
+    dropped = cluster.agent_drops(requeue)  # srun torchrun: the agent must pass the signal on
+    if dropped is not None:
+        logger.warning(dropped)
     return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}),
-                       requeue=cluster.requeue_signal(), resumes=any(declared(h, "resumes_run") for h in savers))
+                       requeue=requeue, resumes=any(declared(h, "resumes_run") for h in savers))
 
 
 def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> BaseException:

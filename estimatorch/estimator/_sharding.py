@@ -25,7 +25,10 @@ Used as it is, each rank iterating its own data: a loader whose sampler already 
 padding (:class:`estimatorch.samplers.DistributedSampler` / ``DistributedBatchSampler``) or
 looks distributed but unknown (it has ``num_replicas`` and ``rank``: a warning), and anything that
 is not a map-style loader (a list of batches, a loader over an ``IterableDataset``, a
-generator), as ``fit`` does with its training data.
+generator), as ``fit`` does with its training data. Their lengths are unknown in advance, so for
+a sharded net :func:`in_step` makes the ranks agree before each batch whether any of them still
+has one (one all-reduce of ``2 * world`` ints on the CPU per batch, only then), and a rank that
+has run out pads with its last batch (or, if it had none, one another rank sends once).
 """
 
 from __future__ import annotations
@@ -44,7 +47,7 @@ from ..samplers import composable
 from ..samplers.resumable import ResumableDistributedSampler
 from ._stream_base import loader_kwargs as _loader_kwargs
 
-__all__ = ["InferenceData", "for_inference"]
+__all__ = ["InferenceData", "for_inference", "in_step"]
 
 
 @dataclasses.dataclass
@@ -195,3 +198,41 @@ def for_inference(data: Iterable[Any], arg: str, pad: bool = False) -> Inference
     own = len(range(rank, len(units), world))
     return InferenceData(_rebuilt(data, units, rank, world, pad), split=True, total=len(units), rank=rank,
                          world=world, own=own)
+
+
+_END = object()
+
+
+def in_step(batches: Iterable[Any]) -> Iterator[tuple[Any, bool]]:
+    """This rank's own ``batches`` as ``(batch, True)``, then padding ``(batch, False)`` until
+    every rank has run out: every rank yields as many (a sharded net's forward is a collective).
+
+    Before each batch the ranks exchange whether they still have one (an all-reduce of
+    ``2 * world`` ints on a CPU group: :func:`estimatorch.distributed.all_reduce_max_async`),
+    and one more time when all have run out. A rank that has run out pads with its last batch;
+    a rank that never had one gets the batch of the lowest rank that has one, broadcast once
+    (every rank takes part). Every rank must iterate it to the end, at the same point.
+    """
+    rank, world = distributed.get_rank(), distributed.get_world_size()
+    it: Optional[Iterator[Any]] = iter(batches)
+    last: Any = _END
+    while True:
+        batch = next(it, _END) if it is not None else _END
+        if batch is _END:
+            it = None
+        flags = [0] * (2 * world)
+        flags[rank] = int(batch is not _END)
+        flags[world + rank] = int(batch is _END and last is _END)  # needs a batch to pad with
+        agreed = distributed.all_reduce_max_async(flags).wait()
+        if not any(agreed[:world]):
+            return
+        if any(agreed[world:]):
+            src = agreed.index(1)  # the lowest rank holding a batch
+            sent = distributed.broadcast_object(batch if rank == src else None, src=src)
+            if last is _END and batch is _END:
+                last = sent
+        if batch is _END:
+            yield last, False
+        else:
+            last = batch
+            yield batch, True
