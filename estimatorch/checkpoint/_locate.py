@@ -13,7 +13,7 @@ from typing import Any, Optional
 from . import _store
 from ._files import PathLike
 from ._format import CheckpointError
-from ._sharded import check_sharded, is_sharded, read_sharded_weights
+from ._sharded import check_sharded, is_directory, is_sharded, read_sharded_weights
 from ._weights import read_saved
 
 __all__ = ["Located", "load_weights", "locate", "saved_files"]
@@ -88,7 +88,7 @@ def _follow(pointer: str) -> str:
 
 def _read(path: str) -> tuple[str, Any]:
     """``read_saved`` for a file; a sharded checkpoint directory is checked, and its marker read."""
-    if os.path.isdir(path):
+    if is_directory(path):
         return "sharded", check_sharded(path)
     return read_saved(path)
 

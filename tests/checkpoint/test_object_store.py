@@ -286,12 +286,22 @@ def test_load_weights_and_inspect_of_a_bad_url_are_clear_errors(s3_dir, capsys, 
     assert code == 2 and err.startswith("error: ") and url in err and out == "", err
 
 
-def test_a_sharded_checkpoint_to_object_storage_is_refused_at_start(s3_dir):
+def test_sharded_checkpoints_go_to_object_storage_as_directories_and_resume_bitwise(reference, s3_dir):
+    """(In one process, ``sharded=True``; 2 ranks of a sharded net: test_object_store_sharded.py.)"""
+    crashed_at = 4
     estimator, loader = runs.build()
-    count = Count()
-    with pytest.raises(ValueError, match=f"model_dir '{s3_dir.url}': sharded .* not written to object storage"):
-        estimator.fit(loader, epochs=1, event_handlers=[handler(s3_dir, sharded=True), count])
-    assert count.batches == 0 and objects(s3_dir) == []
+    with pytest.raises(RuntimeError, match="crash at batch"):
+        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[handler(s3_dir, sharded=True, max_checkpoints=2),
+                                                                   CrashAt(crashed_at)])
+    names = [runs.name(step).replace(".pt", ".dcp") for step in (crashed_at - 2, crashed_at - 1)]
+    assert objects(s3_dir) == sorted([*names, "model-latest"])
+    assert "estimatorch.json" in [os.path.basename(p) for p in fs_of(s3_dir).ls(f"{s3_dir.url}/{names[-1]}")]
+    resumed = runs.fit_run(s3_dir.url, resume_from_checkpoint=True, storage_options=s3_dir.storage_options,
+                           sharded=True)
+    assert resumed.losses == reference.losses[crashed_at - 1:]
+    assert_tree_equal(resumed.estimator.net.state_dict(), reference.estimator.net.state_dict())
+    weights = checkpoint.load_weights(s3_dir.url, storage_options=s3_dir.storage_options)
+    assert_tree_equal(dict(weights), reference.estimator.net.state_dict())
 
 
 def test_another_fsspec_protocol_works_alike(reference):
