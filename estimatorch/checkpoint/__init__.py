@@ -74,6 +74,7 @@ from ._format import (
     validate,
 )
 from ._layout import Layout
+from ._lease import LeaseLostError
 from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
@@ -98,6 +99,7 @@ __all__ = [
     "CheckpointError",
     "DirectoryLock",
     "DirectoryLockedError",
+    "LeaseLostError",
     "Layout",
     "Staging",
     "NewerFormatError",

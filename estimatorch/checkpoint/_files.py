@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import _store
-from ._lease import lease_of
+from ._lease import check_writer, lease_of
 
 __all__ = [
     "atomic_save",
@@ -207,6 +207,7 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
     """
     path = os.fspath(path)
     if _store.is_url(path):
+        check_writer(path)  # a lease another writer took over: write nothing
         _store.save_to(path, obj, writer)
         return
     directory = os.path.dirname(os.path.abspath(path))
@@ -270,6 +271,7 @@ def remove_checkpoint(path: PathLike) -> None:
     Nothing happens when it is gone already."""
     path = os.fspath(path)
     if _store.is_url(path):  # one object, deleted at once; a sharded directory's marker first: a kill
+        check_writer(path)
         sharded = path.endswith(".dcp")  # in between leaves an incomplete directory, never a damaged one
         if sharded:
             _store.remove(os.path.join(path, MARKER))

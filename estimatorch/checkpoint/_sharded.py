@@ -52,6 +52,7 @@ from . import _store
 from ._files import _IN_FLIGHT, MARKER, PathLike, _fsync_dir, _write_error, _write_text, atomic_save
 from ._format import NewerFormatError
 from ._format import _read as read_file
+from ._lease import check_writer
 
 __all__ = [
     "MARKER",
@@ -211,6 +212,7 @@ def begin_sharded(path: PathLike) -> str:
 
     def create() -> str:
         if _store.is_url(path):
+            check_writer(path)  # before any rank writes: a lease another writer took over stops it
             if _store.exists(path):
                 raise FileExistsError(f"sharded checkpoint {path!r} already exists; a checkpoint is never "
                                       "overwritten")

@@ -10,12 +10,14 @@ import json
 import os
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from estimatorch import CheckpointHandler, checkpoint
-from estimatorch.checkpoint import _store
+from estimatorch.checkpoint import _lease, _store
+from estimatorch.event_handlers import BatchEnd
 from tests.checkpoint import runs
 from tests.conftest import Count, CrashAt, assert_tree_equal
 from tests.s3server import BUCKET
@@ -119,6 +121,79 @@ def test_a_lease_left_by_a_dead_process_is_taken_over(s3_dir, estimatorch_log):
     runs.fit_run(s3_dir.url, storage_options=s3_dir.storage_options)
     assert any("taking over the lease" in record.getMessage() for record in estimatorch_log)
     assert checkpoint.LOCK_NAME not in objects(s3_dir)
+
+
+_TAKE_OVER = """
+import json, os, sys
+os.environ["ESTIMATORCH_LEASE_SECONDS"] = "0.5"  # (read at import) the first writer's lease looks expired
+from estimatorch import checkpoint
+from estimatorch.checkpoint import _lease, _store
+from estimatorch.event_handlers import BatchEnd
+url = sys.argv[1]
+checkpoint.configure_store(url, json.loads(sys.argv[2]))
+checkpoint.DirectoryLock(url).acquire()  # taken over, not released: this writer goes on
+_store.write_bytes(url + "/other-latest", b"the other writer's")
+print(os.getpid())
+"""
+
+
+class TakeOver(BatchEnd):
+    """At step ``at``: another process takes the lease over, as a second writer would once this
+    fit had not renewed it for the expiry (this fit's renewals are held back by the test)."""
+
+    def __init__(self, where, at):
+        self.where, self.at, self.pid = where, at, None
+
+    def batch_end(self, estimator, **kwargs):
+        if estimator.position.step + 1 == self.at:
+            time.sleep(0.6)
+            other = subprocess.run([sys.executable, "-c", _TAKE_OVER, self.where.url,
+                                    json.dumps(self.where.storage_options)], capture_output=True, text=True,
+                                   timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+            assert other.returncode == 0, other.stderr[-2000:]
+            self.pid = int(other.stdout)
+
+
+def test_a_lease_taken_over_by_another_writer_stops_this_one_at_its_next_save(s3_dir, monkeypatch):
+    monkeypatch.setattr(_lease, "RENEW_SECONDS", 3600.0)  # this fit never renews: the other takes it over
+    estimator, loader = runs.build()
+    take_over = TakeOver(s3_dir, at=3)
+    with pytest.raises(checkpoint.LeaseLostError) as info:  # the save of step 3 comes after TakeOver's event
+        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[handler(s3_dir, max_checkpoints=1), take_over])
+    message = str(info.value)
+    assert f"model_dir {s3_dir.url!r}: another writer took over its lease" in message, message
+    assert f"pid {take_over.pid}" in message and "left that writer's checkpoints untouched" in message, message
+    fs = fs_of(s3_dir)
+    # this fit wrote nothing after the take-over (not step 3, no pointer move, no retention), nor
+    # removed the other writer's lease or objects
+    assert objects(s3_dir) == sorted([runs.name(2), "model-latest", "other-latest", checkpoint.LOCK_NAME])
+    assert fs.cat(f"{s3_dir.url}/model-latest").decode().strip() == runs.name(2)
+    assert json.loads(fs.cat(f"{s3_dir.url}/{checkpoint.LOCK_NAME}"))["pid"] == take_over.pid
+    assert fs.cat(f"{s3_dir.url}/other-latest") == b"the other writer's"
+    assert not checkpoint.DirectoryLock(s3_dir.url).held
+
+
+def test_a_retried_renewal_that_had_landed_keeps_the_lease(s3_dir):
+    """A renewal whose answer was lost and that was retried meets a 412 caused by its own write:
+    the record (this holding's token) says the lease is still held."""
+    checkpoint.configure_store(s3_dir.url, s3_dir.storage_options)
+    lock = checkpoint.DirectoryLock(s3_dir.url)
+    lock.acquire()
+    lease = _lease.lease_of(s3_dir.url)
+    try:
+        path = f"{s3_dir.url}/{checkpoint.LOCK_NAME}"
+        record = json.loads(_store.read_bytes(path))
+        _store.write_bytes(path, json.dumps(dict(record, renewed=record["renewed"] + 1)).encode())  # it landed
+        assert _store.etag_of(path) != lease.etag  # as the retry's 412 found it
+        _lease.check_writer(f"{s3_dir.url}/model-latest")  # no error: still ours
+        assert lock.held and lease.etag == _store.etag_of(path)
+        _store.write_bytes(path, json.dumps(dict(record, token="someone-else", pid=1)).encode())
+        with pytest.raises(checkpoint.LeaseLostError, match="pid 1"):
+            _lease.check_writer(f"{s3_dir.url}/model-latest")
+        assert not lock.held
+    finally:
+        lock.release()
+    assert checkpoint.LOCK_NAME in objects(s3_dir)  # the other holder's lease is left alone
 
 
 def test_incomplete_uploads_of_a_killed_writer_are_aborted_at_the_next_start(s3_dir):
