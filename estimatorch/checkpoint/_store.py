@@ -33,7 +33,7 @@ from typing import Any, Callable, Optional, TypeVar
 
 __all__ = ["ATTEMPTS", "abort_incomplete_uploads", "check_reachable", "configure", "create", "etag_of",
            "exists", "filesystem", "is_url", "isdir", "isfile", "listdir", "local_path", "mtime", "read_bytes",
-           "remove", "remove_if", "replace_if", "sizes", "write_bytes"]
+           "read_range", "remove", "remove_if", "replace_if", "sizes", "write_bytes"]
 
 logger = logging.getLogger("estimatorch")
 T = TypeVar("T")
@@ -257,6 +257,21 @@ class _Body(io.RawIOBase):
         chunk = bytes(self._view[self._pos:end])
         self._pos += len(chunk)
         return chunk
+
+
+def read_range(url: str, start: int, end: Optional[int] = None) -> bytes:
+    """Bytes ``start`` to ``end`` (exclusive; None: to the end) of the object ``url``; a negative
+    ``start`` with no ``end``, its last ``-start`` bytes (one ranged request).
+
+    Raises:
+        FileNotFoundError: there is no such object.
+        OSError: it cannot be read (after the retries), naming ``url``.
+    """
+    fs, key = filesystem(url)
+    try:
+        return _retried("read", url, lambda: fs.cat_file(key, start=start, end=end))
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "no such object", url) from None
 
 
 def write_bytes(url: str, data: Any) -> None:

@@ -332,6 +332,33 @@ def test_inspect_names_a_damaged_run_state_in_an_object(s3_dir, capsys, monkeypa
     assert code == 2 and "the snapshot of rank 0 is missing 'data'" in err and url in err
 
 
+def test_format_versions_and_inspect_read_an_objects_header_not_the_whole_of_it(s3_dir, capsys, monkeypatch):
+    runs.fit_run(s3_dir.url, storage_options=s3_dir.storage_options, max_checkpoints=2)
+    fs = fs_of(s3_dir)
+    newest = f"{s3_dir.url}/{runs.name(runs.STEPS)}"
+    damaged = f"{s3_dir.url}/{runs.name(runs.STEPS - 1)}"
+    whole = fs.cat(damaged)
+    fs.pipe(damaged, whole[:len(whole) // 2])
+    real = _store.read_bytes
+
+    def no_whole_checkpoint(url):
+        assert not url.endswith(".pt"), f"{url} was downloaded whole"
+        return real(url)
+
+    monkeypatch.setattr(_store, "read_bytes", no_whole_checkpoint)
+    assert checkpoint.format_versions(s3_dir.url, "model") == {damaged: None, newest: checkpoint.FORMAT_VERSION}
+    monkeypatch.setenv("ESTIMATORCH_STORAGE_OPTIONS", json.dumps(s3_dir.storage_options))
+    capsys.readouterr()
+    assert checkpoint.main(["inspect", f"{s3_dir.url}/model-latest"]) == 0
+    out = capsys.readouterr().out
+    model = runs.build()[0].net.state_dict()  # shapes and dtypes read from the header alone
+    sizes = f"model {len(model)} tensors, {sum(t.numel() for t in model.values())} values (float32)"
+    assert f"{newest}: checkpoint, format {checkpoint.FORMAT_VERSION}" in out and sizes in out, out
+    assert "position" in out, out
+    assert checkpoint.main(["inspect", damaged]) == 2
+    assert "truncated or damaged" in capsys.readouterr().err
+
+
 def test_local_paths_never_import_fsspec(tmp_path):
     code = f"""
 import sys
