@@ -33,7 +33,8 @@ pointed at like a file); :func:`load_weights` and ``inspect`` read one.
 
 A directory may also be a prefix on an object store, named by an fsspec URL (``s3://bucket/run``)
 and reached with ``storage_options`` (``_store.py``): the same files, as objects, each uploaded
-whole; a lease object (``_lease.py``) stands for the lock. ``file://`` URLs are plain paths.
+whole (a sharded directory in place, its marker object last: ``_sharded_store.py``); a lease
+object (``_lease.py``) stands for the lock. ``file://`` URLs are plain paths.
 
 Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 

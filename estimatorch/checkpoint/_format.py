@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
+from torch import _weights_only_unpickler
 
 from .._checks import is_int
 from .._saved import CheckpointError
@@ -306,8 +307,6 @@ class _Ranged:
 def _meta_unpickle(file: Any) -> Any:
     """torch.load's weights-only unpickler on a checkpoint's ``data.pkl``, every storage an
     empty one on the meta device (nothing is read)."""
-    from torch import _weights_only_unpickler
-
     def storage(saved_id: Any) -> Any:
         _, storage_type, _, _, numel = saved_id
         dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype

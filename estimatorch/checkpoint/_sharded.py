@@ -30,7 +30,6 @@ every file one object, and rank 0 writes the marker last, once every rank's part
 from __future__ import annotations
 
 import hashlib
-import io
 import json
 import logging
 import os
@@ -43,7 +42,7 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import distributed
 from .._saved import CheckpointError
@@ -53,6 +52,8 @@ from ._files import _IN_FLIGHT, MARKER, PathLike, _fsync_dir, _write_error, _wri
 from ._format import NewerFormatError
 from ._format import _read as read_file
 from ._lease import check_writer
+from ._sharded_store import METADATA as _METADATA
+from ._sharded_store import _read_bytes, _reader, _writer
 
 __all__ = [
     "MARKER",
@@ -68,7 +69,7 @@ __all__ = [
 
 #: the sharded layout's version (in the marker).
 SHARDED_FORMAT = 1
-_COMMON, _METADATA = "common.pt", ".metadata"
+_COMMON = "common.pt"
 logger = logging.getLogger("estimatorch")
 
 
@@ -85,29 +86,6 @@ def _absolute(path: PathLike) -> str:
 def is_directory(path: PathLike) -> bool:
     """A directory; at a URL, a prefix some objects are under."""
     return _store.isdir(os.fspath(path))
-
-
-def _reader(path: str) -> Any:
-    if _store.is_url(path):
-        from ._sharded_store import StoreReader  # (fsspec: only for a URL)
-
-        return StoreReader(path)
-    return _SafeReader(path)
-
-
-def _writer(path: str) -> Any:
-    if _store.is_url(path):
-        from ._sharded_store import StoreWriter  # (fsspec: only for a URL)
-
-        return StoreWriter(path)
-    return dcp.FileSystemWriter(path, sync_files=True, overwrite=False)
-
-
-def _read_bytes(path: str) -> bytes:
-    if _store.is_url(path):
-        return _store.read_bytes(path)
-    with open(path, "rb") as f:
-        return f.read()
 
 
 # -- the tensors DCP holds, the rest ------------------------------------------------------------
@@ -323,44 +301,6 @@ def sharded_marker(path: PathLike) -> dict[str, Any]:
         raise NewerFormatError(f"{path!r} was written by a newer estimatorch ({marker.get('estimatorch_version')}, "
                               f"sharded format {marker['estimatorch_sharded']}); upgrade estimatorch to read it")
     return marker
-
-
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", n) for n in
-    ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-     "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else: its classes, torch sizes and dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-def read_metadata(path: str, load_id: Any = None) -> Metadata:
-    """DCP's metadata of the sharded checkpoint at ``path``, unpickled without running code."""
-    metadata = _MetadataUnpickler(io.BytesIO(_read_bytes(os.path.join(path, _METADATA)))).load()
-    if not isinstance(metadata, Metadata):
-        raise pickle.UnpicklingError("not DCP metadata")
-    storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-    storage_meta.load_id = load_id
-    metadata.storage_meta = storage_meta
-    return metadata
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with a metadata unpickler that runs no code."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        return read_metadata(os.fspath(self.path), self.load_id)
 
 
 def sharded_digest(path: PathLike) -> str:

@@ -32,8 +32,8 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 __all__ = ["ATTEMPTS", "abort_incomplete_uploads", "check_reachable", "configure", "create", "etag_of",
-           "exists", "filesystem", "is_url", "isdir", "isfile", "listdir", "local_path", "mtime", "read_bytes",
-           "read_range", "remove", "remove_if", "replace_if", "sizes", "write_bytes"]
+           "exists", "filesystem", "is_url", "isdir", "isfile", "listdir", "local_path", "mtime", "open_file",
+           "read_bytes", "read_range", "remove", "remove_if", "replace_if", "sizes", "write_bytes"]
 
 logger = logging.getLogger("estimatorch")
 T = TypeVar("T")
@@ -257,6 +257,12 @@ class _Body(io.RawIOBase):
         chunk = bytes(self._view[self._pos:end])
         self._pos += len(chunk)
         return chunk
+
+
+def open_file(url: str, mode: str = "rb") -> Any:
+    """The object ``url`` open for reading as a file (fsspec's: ranged requests as it is read)."""
+    fs, key = filesystem(url)
+    return fs.open(key, mode)
 
 
 def read_range(url: str, start: int, end: Optional[int] = None) -> bytes:

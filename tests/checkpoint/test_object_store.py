@@ -8,6 +8,7 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
 import time
@@ -16,6 +17,7 @@ import pytest
 import torch
 
 from estimatorch import CheckpointHandler, checkpoint
+from estimatorch.checkpoint import CheckpointError
 from estimatorch.checkpoint import _lease, _store
 from estimatorch.event_handlers import BatchEnd
 from tests.checkpoint import runs
@@ -194,6 +196,21 @@ def test_a_retried_renewal_that_had_landed_keeps_the_lease(s3_dir):
     finally:
         lock.release()
     assert checkpoint.LOCK_NAME in objects(s3_dir)  # the other holder's lease is left alone
+
+
+def test_a_dead_pid_frees_a_lease_only_in_the_holders_own_pid_namespace(monkeypatch):
+    """Liveness by pid is judged only where the record's host is this one; ESTIMATORCH_LEASE_HOST
+    names a PID namespace where one host name covers several (containers), so that a pid of
+    another namespace is never taken for a dead one."""
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fresh = {"host": socket.gethostname(), "pid": int(dead.stdout), "renewed": time.time()}
+    assert "is gone" in _lease._stale(fresh)
+    monkeypatch.setenv("ESTIMATORCH_LEASE_HOST", "container-a")
+    assert _lease._stale(fresh) is None  # another namespace's pid: alive until its lease expires
+    assert _lease._stale(dict(fresh, renewed=time.time() - _lease.EXPIRES_SECONDS - 1)).startswith("a holder that")
+    assert "is gone" in _lease._stale(dict(fresh, host="container-a"))
 
 
 def test_incomplete_uploads_of_a_killed_writer_are_aborted_at_the_next_start(s3_dir):
@@ -404,6 +421,31 @@ def test_sharded_checkpoints_go_to_object_storage_as_directories_and_resume_bitw
     assert_tree_equal(resumed.estimator.net.state_dict(), reference.estimator.net.state_dict())
     weights = checkpoint.load_weights(s3_dir.url, storage_options=s3_dir.storage_options)
     assert_tree_equal(dict(weights), reference.estimator.net.state_dict())
+
+
+def test_a_sharded_directory_on_s3_round_trips_and_its_metadata_runs_no_code(s3_dir, tmp_path, monkeypatch):
+    from tests.checkpoint.test_sharded import _Boom, load_plain, save_plain
+
+    checkpoint.configure_store(s3_dir.url, s3_dir.storage_options)
+    url = f"{s3_dir.url}/model-epoch0batch2.dcp"
+    net, _ = save_plain(url)
+    assert sorted(objects_under(s3_dir, "model-epoch0batch2.dcp")) == [
+        ".metadata", "__0_0.distcp", "common.pt", "estimatorch.json", "rank-0.pt"]
+    loaded, _, rank_state = load_plain(url)
+    assert_tree_equal(loaded.state_dict(), net.state_dict()) and rank_state["step"] == 2
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        save_plain(url)
+    fs_of(s3_dir).pipe(f"{url}/.metadata", pickle.dumps(_Boom()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="posix.system is not part of a checkpoint's metadata"):
+        load_plain(url)
+    with pytest.raises(CheckpointError):
+        checkpoint.load_weights(url, storage_options=s3_dir.storage_options)
+    assert not (tmp_path / "pwned").exists()
+
+
+def objects_under(where, name) -> list[str]:
+    return [os.path.basename(p) for p in fs_of(where).ls(f"{where.url}/{name}", detail=False)]
 
 
 def test_another_fsspec_protocol_works_alike(reference):
