@@ -17,8 +17,7 @@ import pytest
 import torch
 
 from estimatorch import CheckpointHandler, checkpoint
-from estimatorch.checkpoint import CheckpointError
-from estimatorch.checkpoint import _lease, _store
+from estimatorch.checkpoint import CheckpointError, _lease, _store
 from estimatorch.event_handlers import BatchEnd
 from tests.checkpoint import runs
 from tests.conftest import Count, CrashAt, assert_tree_equal
@@ -347,6 +346,25 @@ def test_inspect_names_a_damaged_run_state_in_an_object(s3_dir, capsys, monkeypa
     code = checkpoint.main(["inspect", url])
     out, err = capsys.readouterr()
     assert code == 2 and "the snapshot of rank 0 is missing 'data'" in err and url in err
+
+
+@pytest.mark.parametrize("mib", [16, 120], ids=["one-put", "multipart"])
+def test_an_upload_streams_from_the_serialized_buffer_without_a_second_copy(s3_dir, mib):
+    import tracemalloc
+
+    checkpoint.configure_store(s3_dir.url, s3_dir.storage_options)
+    buffer = io.BytesIO()
+    buffer.write(bytes(range(256)) * (mib << 12))
+    url = f"{s3_dir.url}/big"
+    _store.listdir(s3_dir.url)  # the client made before measuring
+    tracemalloc.start()
+    try:
+        _store.write_bytes(url, buffer.getbuffer())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (mib << 20) // 4, f"{peak / 2**20:.1f} MiB allocated to upload {mib} MiB"
+    assert _store.read_bytes(url) == buffer.getvalue()
 
 
 def test_format_versions_and_inspect_read_an_objects_header_not_the_whole_of_it(s3_dir, capsys, monkeypatch):
