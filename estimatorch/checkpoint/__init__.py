@@ -33,7 +33,8 @@ pointed at like a file); :func:`load_weights` and ``inspect`` read one.
 
 A directory may also be a prefix on an object store, named by an fsspec URL (``s3://bucket/run``)
 and reached with ``storage_options`` (``_store.py``): the same files, as objects, each uploaded
-whole; a lease object (``_lease.py``) stands for the lock. ``file://`` URLs are plain paths.
+whole (a sharded directory in place, its marker object last: ``_sharded_store.py``); a lease
+object (``_lease.py``) stands for the lock. ``file://`` URLs are plain paths.
 
 Command line (exit status 0 when done, 2 on an error, the message on stderr)::
 
@@ -74,6 +75,7 @@ from ._format import (
     validate,
 )
 from ._layout import Layout
+from ._lease import LeaseLostError
 from ._locate import Located, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
@@ -98,6 +100,7 @@ __all__ = [
     "CheckpointError",
     "DirectoryLock",
     "DirectoryLockedError",
+    "LeaseLostError",
     "Layout",
     "Staging",
     "NewerFormatError",

@@ -97,7 +97,7 @@ def storage_options(pairs: list[str]) -> Optional[dict[str, Any]]:
 
 
 def _inspect(path: str, options: Optional[dict[str, Any]] = None) -> int:
-    found: Located = locate(path, options)
+    found: Located = locate(path, options, header=True)  # an object's tensors are not downloaded
     for reason in found.skipped:
         print(f"warning: skipped {reason}", file=sys.stderr)
     if found.how:

@@ -21,7 +21,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import _store
-from ._lease import lease_of
+from ._lease import check_writer, lease_of
 
 __all__ = [
     "atomic_save",
@@ -43,6 +43,8 @@ __all__ = [
 logger = logging.getLogger("estimatorch")
 PathLike = Union[str, "os.PathLike[str]"]
 
+#: the file that marks a sharded checkpoint directory complete, written last (``_sharded.py``).
+MARKER = "estimatorch.json"
 #: ``.{target}.{12 hex digits}.tmp``: the temporary file :func:`atomic_save` writes first.
 _TEMPORARY = re.compile(r"\.(?P<target>.+)\.[0-9a-f]{12}\.tmp")
 #: the targets estimatorch writes (any prefix): periodic, best and pointer files, weights exports, and
@@ -205,6 +207,7 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
     """
     path = os.fspath(path)
     if _store.is_url(path):
+        check_writer(path)  # a lease another writer took over: write nothing
         _store.save_to(path, obj, writer)
         return
     directory = os.path.dirname(os.path.abspath(path))
@@ -267,8 +270,12 @@ def remove_checkpoint(path: PathLike) -> None:
     removed; a kill in between leaves a temporary that :func:`remove_orphan_temporaries` clears.
     Nothing happens when it is gone already."""
     path = os.fspath(path)
-    if _store.is_url(path):  # one object, deleted at once
-        _store.remove(path)
+    if _store.is_url(path):  # one object, deleted at once; a sharded directory's marker first: a kill
+        check_writer(path)
+        sharded = path.endswith(".dcp")  # in between leaves an incomplete directory, never a damaged one
+        if sharded:
+            _store.remove(os.path.join(path, MARKER))
+        _store.remove(path, prefix=sharded)
         return
     try:
         if not os.path.isdir(path) or os.path.islink(path):
@@ -303,16 +310,24 @@ def remove_orphan_temporaries(model_dir: PathLike) -> list[str]:
     writing. The caller holds the directory's lock, so no other live process writes here.
 
     On an object store, a killed writer leaves no temporary object but an incomplete multipart
-    upload (never listed as an object): those begun before this process took the prefix's lease
-    are aborted, once per lease.
+    upload (never listed as an object), and a sharded checkpoint directory without its marker
+    (written in place: there is no rename): those begun before this process took the prefix's
+    lease are removed, once per lease.
     """
     model_dir = os.fspath(model_dir)
-    if _store.is_url(model_dir):  # once per lease: this process leaves no upload incomplete but by dying
+    if _store.is_url(model_dir):  # once per lease: this process leaves nothing incomplete but by dying
         lease = lease_of(model_dir)
         if lease.held and lease.swept:
             return []
         lease.swept = lease.held
-        return _store.abort_incomplete_uploads(model_dir, lease.since or time.time())
+        removed = _store.abort_incomplete_uploads(model_dir, lease.since or time.time())
+        for name in _store.listdir(model_dir):
+            path = os.path.join(model_dir, name)
+            if name.endswith(".dcp") and _TARGET.fullmatch(name) and path not in _IN_FLIGHT \
+                    and _store.isdir(path) and not _store.isfile(os.path.join(path, MARKER)):
+                _store.remove(path, prefix=True)
+                removed.append(name)
+        return removed
     try:
         names = os.listdir(model_dir)
     except FileNotFoundError:

@@ -10,6 +10,7 @@ from collections import OrderedDict
 from typing import Any, Callable, Optional
 
 import torch
+from torch import _weights_only_unpickler
 
 from .._checks import is_int
 from .._saved import CheckpointError
@@ -237,14 +238,84 @@ def load(path: PathLike) -> dict[str, Any]:
 
 def read_format_version(path: PathLike) -> Optional[int]:
     """The format version of a checkpoint file, reading little more than its header (tensors are
-    memory-mapped, not read); None when the file cannot be read as a checkpoint."""
+    memory-mapped, not read; of an object, a few ranged requests, not the whole of it); None when
+    the file cannot be read as a checkpoint."""
     path = os.fspath(path)
     try:
-        payload = _read(path, mmap=True)
+        payload = _url_header(path) if _store.is_url(path) else _read(path, mmap=True)
     except (CheckpointError, OSError):
         return None
     version = payload.get("format_version") if isinstance(payload, dict) else None
     return version if is_int(version) else None
+
+
+#: the first bytes of an object read for its header (more when its pickle is longer).
+_HEAD_BYTES = 1 << 16
+_ZIP_END = b"PK\x05\x06"  # the end of a zip archive's central directory (torch.save writes no comment)
+
+
+def _url_header(url: str) -> Any:
+    """The payload of the checkpoint object ``url`` with every tensor on the meta device: its
+    ``data.pkl`` (the first record torch.save writes, stored uncompressed; a pickle ends itself,
+    so its size need not be known) read with ranged requests, and the archive's end checked to
+    be there (a damaged object is unreadable, as :func:`_read` would find it); the whole object
+    where its layout is another."""
+    head = _store.read_range(url, 0, _HEAD_BYTES)
+    fixed = head[:30]
+    if len(fixed) < 30 or fixed[:4] != b"PK\x03\x04":
+        return _read(url)
+    method = int.from_bytes(fixed[8:10], "little")
+    name_length, extra_length = int.from_bytes(fixed[26:28], "little"), int.from_bytes(fixed[28:30], "little")
+    if method != 0 or not head[30:30 + name_length].endswith(b"data.pkl"):
+        return _read(url)  # compressed, or another first record: not what torch.save writes
+    if not _store.read_range(url, -22).startswith(_ZIP_END):
+        raise CheckpointError(f"cannot read checkpoint {url!r}: it is truncated or damaged (no end of archive)")
+    try:
+        return _meta_unpickle(_Ranged(url, head, 30 + name_length + extra_length))
+    except Exception as err:  # noqa: BLE001 - damaged, or holding what weights_only refuses
+        raise CheckpointError(f"cannot read checkpoint {url!r}: {err}") from err
+
+
+class _Ranged:
+    """The object ``url`` read from ``start`` as a file, in ranged requests of growing size as
+    the reader asks for more (what an unpickler reads of ``data.pkl``, not the tensors after it)."""
+
+    def __init__(self, url: str, head: bytes, start: int):
+        self.url, self.data, self.pos, self.end = url, head, start, False
+
+    def _want(self, stop: int) -> None:
+        while stop > len(self.data) and not self.end:
+            more = _store.read_range(self.url, len(self.data), 2 * len(self.data))
+            self.end = len(more) < len(self.data)
+            self.data += more
+
+    def read(self, size: int = -1) -> bytes:
+        if size is None or size < 0:
+            raise OSError("reading a checkpoint's header to its end")  # never what an unpickler does
+        self._want(self.pos + size)
+        chunk = self.data[self.pos:self.pos + size]
+        self.pos += len(chunk)
+        return chunk
+
+    def readline(self) -> bytes:
+        while self.data.find(b"\n", self.pos) < 0 and not self.end:
+            self._want(2 * len(self.data))
+        stop = self.data.find(b"\n", self.pos)
+        return self.read((stop + 1 if stop >= 0 else len(self.data)) - self.pos)
+
+
+def _meta_unpickle(file: Any) -> Any:
+    """torch.load's weights-only unpickler on a checkpoint's ``data.pkl``, every storage an
+    empty one on the meta device (nothing is read)."""
+    def storage(saved_id: Any) -> Any:
+        _, storage_type, _, _, numel = saved_id
+        dtype = torch.uint8 if storage_type is torch.UntypedStorage else storage_type.dtype
+        return torch.storage.TypedStorage(wrap_storage=torch.UntypedStorage(numel * dtype.itemsize, device="meta"),
+                                          dtype=dtype, _internal=True)
+
+    unpickler = _weights_only_unpickler.Unpickler(file, encoding="utf-8")
+    unpickler.persistent_load = storage  # type: ignore[method-assign]
+    return unpickler.load()
 
 
 def file_digest(path: PathLike) -> str:

@@ -13,7 +13,7 @@ from typing import Any, Optional
 from . import _store
 from ._files import PathLike
 from ._format import CheckpointError
-from ._sharded import check_sharded, is_sharded, read_sharded_weights
+from ._sharded import check_sharded, is_directory, is_sharded, read_sharded_weights
 from ._weights import read_saved
 
 __all__ = ["Located", "load_weights", "locate", "saved_files"]
@@ -86,21 +86,22 @@ def _follow(pointer: str) -> str:
     return target
 
 
-def _read(path: str) -> tuple[str, Any]:
+def _read(path: str, header: bool = False) -> tuple[str, Any]:
     """``read_saved`` for a file; a sharded checkpoint directory is checked, and its marker read."""
-    if os.path.isdir(path):
+    if is_directory(path):
         return "sharded", check_sharded(path)
-    return read_saved(path)
+    return read_saved(path, header)
 
 
-def locate(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> Located:
+def locate(path: PathLike, storage_options: Optional[dict[str, Any]] = None, header: bool = False) -> Located:
     """Read what ``path`` names, without running code: a checkpoint or weights export file; a
     sharded checkpoint directory (checked, not loaded); a ``{prefix}-latest`` pointer (what it
     names); or a directory: its newest checkpoint or export that can be read (see
     :func:`saved_files`; newer ones that cannot are listed in ``skipped``).
 
     ``path`` may be an fsspec URL (``s3://bucket/prefix/model-latest``), reached with
-    ``storage_options`` (fsspec's: endpoint, credentials).
+    ``storage_options`` (fsspec's: endpoint, credentials). With ``header``, an object is read
+    only up to its tensors, which come back on the meta device (what ``inspect`` shows).
 
     Raises:
         FileNotFoundError: nothing is at ``path``.
@@ -112,16 +113,16 @@ def locate(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> 
     if is_sharded(path):
         return Located(path, "sharded", check_sharded(path))
     if _store.isdir(path):
-        return _newest(path)
+        return _newest(path, header)
     if _POINTER.fullmatch(os.path.basename(path)):
         target = _follow(path)
-        kind, content = _read(target)
+        kind, content = _read(target, header)
         return Located(target, kind, content, how=f"{path} points to it")
-    kind, content = read_saved(path)
+    kind, content = read_saved(path, header)
     return Located(path, kind, content)
 
 
-def _newest(directory: str) -> Located:
+def _newest(directory: str, header: bool = False) -> Located:
     files = saved_files(directory)
     if not files:
         raise CheckpointError(f"directory {directory!r} holds no checkpoint or weights export (files named "
@@ -129,7 +130,7 @@ def _newest(directory: str) -> Located:
     skipped = []
     for path in files:
         try:
-            kind, content = _read(path)
+            kind, content = _read(path, header)
         except FileNotFoundError:  # removed since it was listed
             continue
         except (CheckpointError, OSError) as err:

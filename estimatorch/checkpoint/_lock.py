@@ -93,7 +93,9 @@ class DirectoryLock:
     @property
     def held(self) -> bool:
         """True between :meth:`acquire` and :meth:`release`."""
-        return self._leased if self._lease is not None else self._key is not None
+        if self._lease is not None:  # a lease another writer took over is not held
+            return self._leased and self._lease.held
+        return self._key is not None
 
     def _locked_error(self, fd: int) -> DirectoryLockedError:
         record: dict[str, Any] = {}

@@ -21,12 +21,17 @@ the directory fsynced, renamed to its name, the parent fsynced. A killed writer 
 temporary directory that discovery never takes for a checkpoint. Reading runs no code: the
 ``.pt`` files load with ``weights_only=True``, DCP's ``.metadata`` through an unpickler that knows
 DCP's metadata classes only, and DCP's data holds tensors only (no pickled objects).
+
+On an object store (a URL) there is no rename: the directory is written in place under its name,
+every file one object, and rank 0 writes the marker last, once every rank's part is uploaded
+(``_sharded_store.py``); a directory without its marker is never a checkpoint.
 """
 
 from __future__ import annotations
 
 import hashlib
 import json
+import logging
 import os
 import pickle
 import secrets
@@ -37,14 +42,18 @@ from typing import Any, Optional
 
 import torch
 import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta, TensorStorageMetadata
+from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import distributed
 from .._saved import CheckpointError
 from .._version import __version__
-from ._files import _IN_FLIGHT, PathLike, _fsync_dir, _write_error, _write_text, atomic_save
+from . import _store
+from ._files import _IN_FLIGHT, MARKER, PathLike, _fsync_dir, _write_error, _write_text, atomic_save
 from ._format import NewerFormatError
 from ._format import _read as read_file
+from ._lease import check_writer
+from ._sharded_store import METADATA as _METADATA
+from ._sharded_store import _read_bytes, _reader, _writer
 
 __all__ = [
     "MARKER",
@@ -58,15 +67,25 @@ __all__ = [
     "sharded_tensors",
 ]
 
-#: the file that marks a sharded checkpoint directory complete, written last.
-MARKER = "estimatorch.json"
 #: the sharded layout's version (in the marker).
 SHARDED_FORMAT = 1
-_COMMON, _METADATA = "common.pt", ".metadata"
+_COMMON = "common.pt"
+logger = logging.getLogger("estimatorch")
 
 
 def _rank_file(rank: int) -> str:
     return f"rank-{rank}.pt"
+
+
+def _absolute(path: PathLike) -> str:
+    """A local path made absolute; a URL as it is."""
+    path = os.fspath(path)
+    return path if _store.is_url(path) else os.path.abspath(path)
+
+
+def is_directory(path: PathLike) -> bool:
+    """A directory; at a URL, a prefix some objects are under."""
+    return _store.isdir(os.fspath(path))
 
 
 # -- the tensors DCP holds, the rest ------------------------------------------------------------
@@ -153,7 +172,7 @@ def save_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike) -> s
         OSError: a write failed on some rank (on every rank, naming the file and keeping the
             errno); no directory is left at ``path``.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = _absolute(path)
     return write_sharded(state, rank_state, path, begin_sharded(path))
 
 
@@ -161,13 +180,21 @@ def begin_sharded(path: PathLike) -> str:
     """The first part of :func:`save_sharded` (a collective): rank 0 creates the temporary
     directory every rank writes into; every rank gets its path.
 
+    At a URL the directory is written in place (there is no rename): its own path is returned.
+
     Raises:
         FileExistsError: ``path`` exists (on every rank).
     """
-    path = os.path.abspath(os.fspath(path))
+    path = _absolute(path)
     parent, name = os.path.split(path)
 
     def create() -> str:
+        if _store.is_url(path):
+            check_writer(path)  # before any rank writes: a lease another writer took over stops it
+            if _store.exists(path):
+                raise FileExistsError(f"sharded checkpoint {path!r} already exists; a checkpoint is never "
+                                      "overwritten")
+            return path
         if os.path.exists(path):
             raise FileExistsError(f"sharded checkpoint {path!r} already exists; a checkpoint is never overwritten")
         tmp = os.path.join(parent, f".{name}.{secrets.token_hex(6)}.tmp")
@@ -188,15 +215,14 @@ def write_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike, tmp
     marks the directory complete and renames it to ``path``. With :func:`distributed.side_group
     <estimatorch.distributed.side_group>` it runs on a background thread while the training
     thread's collectives go on."""
-    path = os.path.abspath(os.fspath(path))
-    parent = os.path.dirname(path)
+    path = _absolute(path)
+    parent, url = os.path.dirname(path), _store.is_url(path)
     rank, world = distributed.get_rank(), distributed.get_world_size()
     error: Optional[BaseException] = None
     with distributed.on_group(group):
         try:
             try:
-                writer = dcp.FileSystemWriter(tmp, sync_files=True, overwrite=False)
-                _dcp(dcp.save, flatten_tensors(state), storage_writer=writer, process_group=group)
+                _dcp(dcp.save, flatten_tensors(state), storage_writer=_writer(tmp), process_group=group)
             except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
                 error = err
             if error is None:
@@ -209,12 +235,15 @@ def write_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike, tmp
             _agree(error, f"writing the sharded checkpoint {path}")
 
             def finish() -> None:
-                for entry in os.listdir(tmp):  # DCP fsyncs its data; a shared filesystem: fsync all
+                for entry in os.listdir(tmp) if not url else ():  # DCP fsyncs its data; a shared fs: all
                     _fsync_file(os.path.join(tmp, entry))
                 marker = {"estimatorch_sharded": SHARDED_FORMAT, "world_size": world,
                           "estimatorch_version": __version__, "torch_version": torch.__version__,
                           "id": secrets.token_hex(8)}  # tells two writes of one name apart (digest)
+                # every rank's part is uploaded (the agreement above): the marker makes it complete
                 atomic_save(json.dumps(marker, indent=1) + "\n", os.path.join(tmp, MARKER), writer=_write_text)
+                if url:  # written in place: no rename
+                    return
                 _fsync_dir(tmp)
                 if os.path.exists(path):
                     raise FileExistsError(f"sharded checkpoint {path!r} appeared while it was written")
@@ -224,17 +253,30 @@ def write_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike, tmp
             distributed.run_on_main(finish, f"completing the sharded checkpoint {path}")
         except BaseException:
             if rank == 0:
-                shutil.rmtree(tmp, ignore_errors=True)
+                _discard_partial(tmp)
             raise
         finally:
             _IN_FLIGHT.discard(tmp)
     return path
 
 
+def _discard_partial(tmp: str) -> None:
+    """Remove what a failed write left (a local temporary directory; at a URL the partial
+    directory, which has no marker: never taken for a checkpoint if this fails too)."""
+    if not _store.is_url(tmp):
+        shutil.rmtree(tmp, ignore_errors=True)
+        return
+    try:
+        _store.remove(tmp, prefix=True)
+    except OSError as err:
+        logger.warning("Could not remove the incomplete sharded checkpoint %s: %s (removed at the next fit start)",
+                       tmp, err)
+
+
 # -- reading ------------------------------------------------------------------------------------
 def is_sharded(path: PathLike) -> bool:
     """``path`` is a directory holding the completion marker of a sharded checkpoint."""
-    return os.path.isfile(os.path.join(os.fspath(path), MARKER))
+    return _store.isfile(os.path.join(os.fspath(path), MARKER))
 
 
 def sharded_marker(path: PathLike) -> dict[str, Any]:
@@ -246,8 +288,7 @@ def sharded_marker(path: PathLike) -> dict[str, Any]:
     path = os.fspath(path)
     marker_path = os.path.join(path, MARKER)
     try:
-        with open(marker_path, encoding="utf-8") as f:
-            marker = json.load(f)
+        marker = json.loads(_read_bytes(marker_path).decode("utf-8"))
     except FileNotFoundError:
         raise CheckpointError(f"{path!r} is not a complete sharded checkpoint: it has no {MARKER} "
                               "(a writer that was killed leaves such a directory)") from None
@@ -262,53 +303,18 @@ def sharded_marker(path: PathLike) -> dict[str, Any]:
     return marker
 
 
-_METADATA_CLASSES = {
-    ("torch.distributed.checkpoint.metadata", n) for n in
-    ("Metadata", "MetadataIndex", "TensorStorageMetadata", "BytesStorageMetadata", "ChunkStorageMetadata",
-     "TensorProperties", "StorageMeta", "_MEM_FORMAT_ENCODING")
-} | {("torch.distributed.checkpoint.filesystem", "_StorageInfo"), ("torch", "Size"),
-     ("torch.serialization", "_get_layout"), ("pathlib", "PosixPath"), ("pathlib", "WindowsPath"),
-     ("collections", "OrderedDict")}
-
-
-class _MetadataUnpickler(pickle.Unpickler):
-    """Unpickles DCP's ``.metadata`` and nothing else: its classes, torch sizes and dtypes."""
-
-    def find_class(self, module: str, name: str) -> Any:
-        if (module, name) in _METADATA_CLASSES:
-            return super().find_class(module, name)
-        if module == "torch" and isinstance(getattr(torch, name, None), torch.dtype):
-            return getattr(torch, name)
-        raise pickle.UnpicklingError(f"{module}.{name} is not part of a checkpoint's metadata")
-
-
-class _SafeReader(dcp.FileSystemReader):
-    """DCP's file reader with a metadata unpickler that runs no code."""
-
-    def read_metadata(self, *args: Any, **kwargs: Any) -> Metadata:
-        with open(os.path.join(os.fspath(self.path), _METADATA), "rb") as f:
-            metadata = _MetadataUnpickler(f).load()
-        if not isinstance(metadata, Metadata):
-            raise pickle.UnpicklingError("not DCP metadata")
-        storage_meta = getattr(metadata, "storage_meta", None) or StorageMeta()
-        storage_meta.load_id = self.load_id
-        metadata.storage_meta = storage_meta
-        return metadata
-
-
 def sharded_digest(path: PathLike) -> str:
     """A SHA-256 of the marker and DCP's metadata of the sharded checkpoint at ``path``: ranks
     compare it to know they read the same checkpoint (the marker holds a random id per write)."""
     h = hashlib.sha256()
     for name in (MARKER, _METADATA):
-        with open(os.path.join(os.fspath(path), name), "rb") as f:
-            h.update(f.read())
+        h.update(_read_bytes(os.path.join(os.fspath(path), name)))
     return h.hexdigest()
 
 
 def _metadata(path: str) -> Metadata:
     try:
-        return _SafeReader(path).read_metadata()
+        return _reader(path).read_metadata()
     except FileNotFoundError:
         raise CheckpointError(f"sharded checkpoint {path!r} has no {_METADATA} file") from None
     except (OSError, EOFError, pickle.UnpicklingError, AttributeError, TypeError, ValueError) as err:
@@ -330,16 +336,16 @@ def check_sharded(path: PathLike, template: Optional[Mapping[str, Any]] = None) 
     needed: dict[str, int] = {}
     for info in metadata.storage_data.values():
         needed[info.relative_path] = max(needed.get(info.relative_path, 0), info.offset + info.length)
+    sizes = _store.sizes(path)  # one listing (of objects, at a URL)
     for relative, size in sorted(needed.items()):
         shard = os.path.join(path, relative)
-        try:
-            have = os.path.getsize(shard)
-        except OSError:
-            raise CheckpointError(f"sharded checkpoint {path!r} is missing its shard {relative!r}") from None
+        have = sizes.get(relative)
+        if have is None:
+            raise CheckpointError(f"sharded checkpoint {path!r} is missing its shard {relative!r}")
         if have < size:
             raise CheckpointError(f"shard {shard!r} is truncated: {have} bytes where its metadata needs {size}")
     for name in [_COMMON] + [_rank_file(r) for r in range(marker["world_size"])]:
-        if not os.path.isfile(os.path.join(path, name)):
+        if name not in sizes:
             raise CheckpointError(f"sharded checkpoint {path!r} is missing {name!r}")
     if template is not None:
         _check_template(path, metadata, flatten_tensors(template))
@@ -383,7 +389,7 @@ def load_sharded(path: PathLike, template: Mapping[str, Any]) -> tuple[dict[str,
     """
     path = os.fspath(path)
     marker = check_sharded(path, template)
-    _dcp(dcp.load, flatten_tensors(template), storage_reader=_SafeReader(path))
+    _dcp(dcp.load, flatten_tensors(template), storage_reader=_reader(path))
     common = _read(os.path.join(path, _COMMON))
     rank = distributed.get_rank()
     rank_state = _read(os.path.join(path, _rank_file(rank))) if rank < marker["world_size"] else None
@@ -427,7 +433,7 @@ def read_sharded_weights(path: PathLike, key: str = "model") -> dict[str, torch.
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)
-            dcp.load(state, storage_reader=_SafeReader(path), no_dist=True)
+            dcp.load(state, storage_reader=_reader(path), no_dist=True)
     except (Exception, dcp.api.CheckpointException) as err:  # noqa: BLE001 - DCP's is a BaseException
         raise CheckpointError(f"sharded checkpoint {path!r} cannot be read: {err}") from None
     return {k[len(prefix):]: v for k, v in state.items()}

@@ -44,8 +44,10 @@ from ._format import (
 )
 from ._sharded import (
     _COMMON,
+    _absolute,
     begin_sharded,
     check_sharded,
+    is_directory,
     read_rank_state,
     save_sharded,
     sharded_digest,
@@ -95,7 +97,7 @@ def save_fit_checkpoint(estimator: Any, path: PathLike, *, writer: Optional[Back
         error = err
     distributed.raise_on_every_rank(error, "CheckpointHandler writing a checkpoint in the background")
     group = distributed.side_group()  # (created at the first save: every rank is here)
-    path = os.path.abspath(os.fspath(path))
+    path = _absolute(path)
     tmp = begin_sharded(path)
     local, specs = _local_shards(state)
 
@@ -163,7 +165,7 @@ def read_sharded_payload(path: PathLike) -> dict[str, Any]:
     Raises:
         CheckpointError: the directory is incomplete or damaged, naming it and the reason.
     """
-    path = os.path.abspath(os.fspath(path))
+    path = _absolute(path)
     marker = check_sharded(path)
     common = _checked_version(read_part(os.path.join(path, _COMMON)), repr(os.path.join(path, _COMMON)))
     ranks = [_checked_version(read_rank_state(path, rank), f"rank {rank}'s file in {path!r}")
@@ -188,20 +190,20 @@ def read_sharded_payload(path: PathLike) -> dict[str, Any]:
 def read_checkpoint(path: PathLike) -> dict[str, Any]:
     """A checkpoint's payload: a file loaded (:func:`~estimatorch.checkpoint.load`), or a sharded
     checkpoint directory's run part (:func:`read_sharded_payload`)."""
-    return read_sharded_payload(path) if os.path.isdir(os.fspath(path)) else load(path)
+    return read_sharded_payload(path) if is_directory(path) else load(path)
 
 
 def digest_of(path: PathLike) -> str:
     """What ranks compare to know they read the same checkpoint: a file's bytes, or a sharded
     directory's marker and metadata."""
-    return sharded_digest(path) if os.path.isdir(os.fspath(path)) else file_digest(path)
+    return sharded_digest(path) if is_directory(path) else file_digest(path)
 
 
 def version_of(path: PathLike) -> Optional[int]:
     """The format version of a checkpoint file or sharded directory; None when unreadable (a
     directory without its marker included). A sharded layout newer than this library's reads
     as a newer format."""
-    if not os.path.isdir(os.fspath(path)):
+    if not is_directory(path):
         return read_format_version(path)
     try:
         sharded_marker(path)

@@ -32,8 +32,8 @@ import time
 from typing import Any, Callable, Optional, TypeVar
 
 __all__ = ["ATTEMPTS", "abort_incomplete_uploads", "check_reachable", "configure", "create", "etag_of",
-           "exists", "filesystem", "is_url", "isdir", "isfile", "listdir", "local_path", "mtime", "read_bytes",
-           "remove", "remove_if", "replace_if", "write_bytes"]
+           "exists", "filesystem", "is_url", "isdir", "isfile", "listdir", "local_path", "mtime", "open_file",
+           "read_bytes", "read_range", "remove", "remove_if", "replace_if", "sizes", "write_bytes"]
 
 logger = logging.getLogger("estimatorch")
 T = TypeVar("T")
@@ -133,6 +133,7 @@ def exists(path: str) -> bool:
     if not is_url(path):
         return os.path.exists(path)
     fs, key = filesystem(path)
+    fs.invalidate_cache(key)  # another process (another rank) may have written since
     return bool(_retried("look up", path, lambda: fs.exists(key)))
 
 
@@ -140,6 +141,7 @@ def isfile(path: str) -> bool:
     if not is_url(path):
         return os.path.isfile(path)
     fs, key = filesystem(path)
+    fs.invalidate_cache(key)
     return bool(_retried("look up", path, lambda: fs.isfile(key)))
 
 
@@ -148,7 +150,31 @@ def isdir(path: str) -> bool:
     if not is_url(path):
         return os.path.isdir(path)
     fs, key = filesystem(path)
+    fs.invalidate_cache(key)
     return bool(_retried("look up", path, lambda: fs.isdir(key)))
+
+
+def sizes(path: str) -> dict[str, int]:
+    """The files right in directory ``path`` and their sizes in bytes (at a URL, the objects
+    right under the prefix, from one listing); empty when there is none."""
+    if not is_url(path):
+        try:
+            entries = list(os.scandir(path))
+        except FileNotFoundError:
+            return {}
+        return {entry.name: entry.stat().st_size for entry in entries if entry.is_file()}
+    fs, key = filesystem(path)
+    fs.invalidate_cache(key)
+
+    def listing() -> dict[str, int]:
+        try:
+            found = fs.ls(key, detail=True)
+        except FileNotFoundError:
+            return {}
+        return {os.path.basename(info["name"].rstrip("/")): int(info.get("size") or 0)
+                for info in found if info.get("type") == "file"}
+
+    return _retried("list", path, listing)
 
 
 def listdir(path: str) -> list[str]:
@@ -191,16 +217,85 @@ def read_bytes(url: str) -> bytes:
         raise FileNotFoundError(2, "no such object", url) from None
 
 
-def write_bytes(url: str, data: bytes) -> None:
-    """Write ``data`` as the object ``url``, whole or not at all (see the module's docstring).
+class _Body(io.RawIOBase):
+    """A read-only file over a buffer (a ``BytesIO.getbuffer()``), sliced without copying: what
+    S3's client uploads from, as a request body or, sliced, the parts of a multipart upload
+    (s3fs's ``pipe_file`` takes ``len`` and slices of its data)."""
+
+    def __init__(self, view: memoryview):
+        super().__init__()
+        self._view, self._pos = view.cast("B") if view.format != "B" or view.ndim != 1 else view, 0
+
+    def __len__(self) -> int:
+        return len(self._view)
+
+    def __getitem__(self, part: slice) -> "_Body":
+        return _Body(self._view[part])
+
+    def readable(self) -> bool:
+        return True
+
+    def seekable(self) -> bool:
+        return True
+
+    def tell(self) -> int:
+        return self._pos
+
+    def seek(self, offset: int, whence: int = io.SEEK_SET) -> int:
+        base = {io.SEEK_SET: 0, io.SEEK_CUR: self._pos, io.SEEK_END: len(self._view)}[whence]
+        self._pos = max(0, base + offset)
+        return self._pos
+
+    def readinto(self, buffer: Any) -> int:
+        chunk = self._view[self._pos:self._pos + len(buffer)]
+        buffer[:len(chunk)] = chunk
+        self._pos += len(chunk)
+        return len(chunk)
+
+    def read(self, size: Optional[int] = -1) -> bytes:
+        end = len(self._view) if size is None or size < 0 else self._pos + size
+        chunk = bytes(self._view[self._pos:end])
+        self._pos += len(chunk)
+        return chunk
+
+
+def open_file(url: str, mode: str = "rb") -> Any:
+    """The object ``url`` open for reading as a file (fsspec's: ranged requests as it is read)."""
+    fs, key = filesystem(url)
+    return fs.open(key, mode)
+
+
+def read_range(url: str, start: int, end: Optional[int] = None) -> bytes:
+    """Bytes ``start`` to ``end`` (exclusive; None: to the end) of the object ``url``; a negative
+    ``start`` with no ``end``, its last ``-start`` bytes (one ranged request).
+
+    Raises:
+        FileNotFoundError: there is no such object.
+        OSError: it cannot be read (after the retries), naming ``url``.
+    """
+    fs, key = filesystem(url)
+    try:
+        return _retried("read", url, lambda: fs.cat_file(key, start=start, end=end))
+    except FileNotFoundError:
+        raise FileNotFoundError(2, "no such object", url) from None
+
+
+def write_bytes(url: str, data: Any) -> None:
+    """Write ``data`` (bytes, or any buffer: a ``BytesIO.getbuffer()`` is uploaded without a copy
+    of its own on S3) as the object ``url``, whole or not at all (see the module's docstring).
 
     Raises:
         OSError: the upload failed (after the retries), naming ``url``; the previous object of
             that name, if any, is unchanged.
     """
     fs, key = filesystem(url)
+    view = memoryview(data)
+
+    def upload() -> None:
+        fs.pipe_file(key, _Body(view) if _s3(fs) else bytes(view))  # (other filesystems take bytes)
+
     try:
-        _retried("upload", url, lambda: fs.pipe_file(key, data))
+        _retried("upload", url, upload)
     except OSError as err:
         if str(url) in str(err):
             raise
@@ -211,18 +306,24 @@ def save_to(url: str, obj: Any, writer: Callable[[Any, Any], None]) -> None:
     """``writer(obj, file)`` into memory, then one upload of the bytes to ``url``."""
     buffer = io.BytesIO()
     writer(obj, buffer)
-    write_bytes(url, buffer.getvalue())
+    write_bytes(url, buffer.getbuffer())  # the buffer itself, not a copy of its bytes
 
 
-def remove(url: str) -> None:
-    """Delete the object ``url``, or every object under the prefix ``url`` (nothing when gone)."""
+def remove(url: str, prefix: bool = False) -> None:
+    """Delete the object ``url``, or every object under the prefix ``url`` (nothing when gone).
+    With ``prefix`` on S3, also the folder entry some servers keep for a prefix whose objects
+    are gone (SeaweedFS lists an empty directory; on AWS S3 that is a no-op request)."""
     fs, key = filesystem(url)
 
     def rm() -> None:
         try:
             fs.rm(key, recursive=True)
         except FileNotFoundError:
-            return
+            pass
+        if prefix and _s3(fs):
+            bucket, name, _ = fs.split_path(key)
+            fs.call_s3("delete_object", Bucket=bucket, Key=name.rstrip("/") + "/")
+            fs.invalidate_cache(key)
 
     _retried("remove", url, rm)
 

@@ -17,8 +17,9 @@ from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .. import distributed
+from . import _store
 from ._files import PathLike
-from ._format import CheckpointError, _read, migrate, validate
+from ._format import CheckpointError, _read, _url_header, migrate, validate
 from ._model import is_sharded_module, model_state
 
 __all__ = ["is_weights", "read_saved", "weights_state"]
@@ -61,9 +62,11 @@ def is_weights(obj: Any) -> bool:
                for k, v in obj.items())
 
 
-def read_saved(path: PathLike) -> tuple[str, Any]:
+def read_saved(path: PathLike, header: bool = False) -> tuple[str, Any]:
     """Read a checkpoint or a weights export without running code: ``("checkpoint", payload)``
     (migrated and checked like :func:`~estimatorch.checkpoint.load`) or ``("weights", state)``.
+    With ``header``, an object (a URL) is read only up to its tensors (ranged requests), which
+    come back on the meta device: shapes and dtypes, no values.
 
     Raises:
         NewerFormatError: a checkpoint written by a newer estimatorch.
@@ -71,7 +74,7 @@ def read_saved(path: PathLike) -> tuple[str, Any]:
         FileNotFoundError: there is no such file.
     """
     path = os.fspath(path)
-    raw = _read(path)
+    raw = _url_header(path) if header and _store.is_url(path) else _read(path)
     if is_weights(raw):
         return "weights", raw
     if not isinstance(raw, dict) or "format_version" not in raw:

@@ -65,9 +65,6 @@ class DirectoryChecks:
         url = checkpoint.is_url(self.model_dir)
         if url:  # again in this process (a handler sent to a spawned one keeps its options only)
             checkpoint.configure_store(self.model_dir, self.storage_options)
-            if sharded and not self.save_weights_only:
-                raise ValueError(f"model_dir {self.model_dir!r}: sharded (FSDP2) checkpoints are not written to "
-                                 "object storage yet; use a directory on a filesystem every rank sees")
         if sharded and not self.save_weights_only:
             for arg in ("save_best", "save_best_only"):
                 if getattr(self, arg):

@@ -132,7 +132,9 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
     a killed writer are aborted at the next fit start; a failed upload (after bounded retries)
     keeps the previous checkpoint and pointer and raises naming the URL. The store is checked at
     ``fit`` start (protocol, bucket, credentials, endpoint), before any step (docs/checkpoints.md).
-    Sharded (FSDP2) checkpoints are not written to object storage yet.
+    A sharded (FSDP2) checkpoint is written in place, one object per file, every rank its own;
+    rank 0 writes its marker object last, once every rank's part is uploaded: a directory without
+    it is never resumed from, and is removed at the next fit start.
 
     **Counters.** ``current_epoch`` and ``current_batch`` are the epochs completed and batches
     trained in the current fit, those before a resume included, whatever the periods set: they
@@ -408,7 +410,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         if reason is None or not self._layout.resumable or pos.step in (0, self._saved_step, self._resumed_step):
             return
         self._save(estimator, background=False)  # the process exits once it is durable
-        name = checkpoint.checkpoint_name(self.model_prefix, pos.epoch, pos.step)
+        name = self._layout.periodic_name(pos.epoch, pos.step)  # a sharded net's is a directory
         estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
                               os.path.join(self.model_dir, name), reason)
 

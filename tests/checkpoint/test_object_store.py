@@ -8,14 +8,17 @@ from __future__ import annotations
 import io
 import json
 import os
+import pickle
 import subprocess
 import sys
+import time
 
 import pytest
 import torch
 
 from estimatorch import CheckpointHandler, checkpoint
-from estimatorch.checkpoint import _store
+from estimatorch.checkpoint import CheckpointError, _lease, _store
+from estimatorch.event_handlers import BatchEnd
 from tests.checkpoint import runs
 from tests.conftest import Count, CrashAt, assert_tree_equal
 from tests.s3server import BUCKET
@@ -119,6 +122,94 @@ def test_a_lease_left_by_a_dead_process_is_taken_over(s3_dir, estimatorch_log):
     runs.fit_run(s3_dir.url, storage_options=s3_dir.storage_options)
     assert any("taking over the lease" in record.getMessage() for record in estimatorch_log)
     assert checkpoint.LOCK_NAME not in objects(s3_dir)
+
+
+_TAKE_OVER = """
+import json, os, sys
+os.environ["ESTIMATORCH_LEASE_SECONDS"] = "0.5"  # (read at import) the first writer's lease looks expired
+from estimatorch import checkpoint
+from estimatorch.checkpoint import _lease, _store
+from estimatorch.event_handlers import BatchEnd
+url = sys.argv[1]
+checkpoint.configure_store(url, json.loads(sys.argv[2]))
+checkpoint.DirectoryLock(url).acquire()  # taken over, not released: this writer goes on
+_store.write_bytes(url + "/other-latest", b"the other writer's")
+print(os.getpid())
+"""
+
+
+class TakeOver(BatchEnd):
+    """At step ``at``: another process takes the lease over, as a second writer would once this
+    fit had not renewed it for the expiry (this fit's renewals are held back by the test)."""
+
+    def __init__(self, where, at):
+        self.where, self.at, self.pid = where, at, None
+
+    def batch_end(self, estimator, **kwargs):
+        if estimator.position.step + 1 == self.at:
+            time.sleep(0.6)
+            other = subprocess.run([sys.executable, "-c", _TAKE_OVER, self.where.url,
+                                    json.dumps(self.where.storage_options)], capture_output=True, text=True,
+                                   timeout=120, env=dict(os.environ, PYTHONPATH=os.pathsep.join(sys.path)))
+            assert other.returncode == 0, other.stderr[-2000:]
+            self.pid = int(other.stdout)
+
+
+def test_a_lease_taken_over_by_another_writer_stops_this_one_at_its_next_save(s3_dir, monkeypatch):
+    monkeypatch.setattr(_lease, "RENEW_SECONDS", 3600.0)  # this fit never renews: the other takes it over
+    estimator, loader = runs.build()
+    take_over = TakeOver(s3_dir, at=3)
+    with pytest.raises(checkpoint.LeaseLostError) as info:  # the save of step 3 comes after TakeOver's event
+        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[handler(s3_dir, max_checkpoints=1), take_over])
+    message = str(info.value)
+    assert f"model_dir {s3_dir.url!r}: another writer took over its lease" in message, message
+    assert f"pid {take_over.pid}" in message and "left that writer's checkpoints untouched" in message, message
+    fs = fs_of(s3_dir)
+    # this fit wrote nothing after the take-over (not step 3, no pointer move, no retention), nor
+    # removed the other writer's lease or objects
+    assert objects(s3_dir) == sorted([runs.name(2), "model-latest", "other-latest", checkpoint.LOCK_NAME])
+    assert fs.cat(f"{s3_dir.url}/model-latest").decode().strip() == runs.name(2)
+    assert json.loads(fs.cat(f"{s3_dir.url}/{checkpoint.LOCK_NAME}"))["pid"] == take_over.pid
+    assert fs.cat(f"{s3_dir.url}/other-latest") == b"the other writer's"
+    assert not checkpoint.DirectoryLock(s3_dir.url).held
+
+
+def test_a_retried_renewal_that_had_landed_keeps_the_lease(s3_dir):
+    """A renewal whose answer was lost and that was retried meets a 412 caused by its own write:
+    the record (this holding's token) says the lease is still held."""
+    checkpoint.configure_store(s3_dir.url, s3_dir.storage_options)
+    lock = checkpoint.DirectoryLock(s3_dir.url)
+    lock.acquire()
+    lease = _lease.lease_of(s3_dir.url)
+    try:
+        path = f"{s3_dir.url}/{checkpoint.LOCK_NAME}"
+        record = json.loads(_store.read_bytes(path))
+        _store.write_bytes(path, json.dumps(dict(record, renewed=record["renewed"] + 1)).encode())  # it landed
+        assert _store.etag_of(path) != lease.etag  # as the retry's 412 found it
+        _lease.check_writer(f"{s3_dir.url}/model-latest")  # no error: still ours
+        assert lock.held and lease.etag == _store.etag_of(path)
+        _store.write_bytes(path, json.dumps(dict(record, token="someone-else", pid=1)).encode())
+        with pytest.raises(checkpoint.LeaseLostError, match="pid 1"):
+            _lease.check_writer(f"{s3_dir.url}/model-latest")
+        assert not lock.held
+    finally:
+        lock.release()
+    assert checkpoint.LOCK_NAME in objects(s3_dir)  # the other holder's lease is left alone
+
+
+def test_a_dead_pid_frees_a_lease_only_in_the_holders_own_pid_namespace(monkeypatch):
+    """Liveness by pid is judged only where the record's host is this one; ESTIMATORCH_LEASE_HOST
+    names a PID namespace where one host name covers several (containers), so that a pid of
+    another namespace is never taken for a dead one."""
+    import socket
+
+    dead = subprocess.run([sys.executable, "-c", "import os; print(os.getpid())"], capture_output=True, text=True)
+    fresh = {"host": socket.gethostname(), "pid": int(dead.stdout), "renewed": time.time()}
+    assert "is gone" in _lease._stale(fresh)
+    monkeypatch.setenv("ESTIMATORCH_LEASE_HOST", "container-a")
+    assert _lease._stale(fresh) is None  # another namespace's pid: alive until its lease expires
+    assert _lease._stale(dict(fresh, renewed=time.time() - _lease.EXPIRES_SECONDS - 1)).startswith("a holder that")
+    assert "is gone" in _lease._stale(dict(fresh, host="container-a"))
 
 
 def test_incomplete_uploads_of_a_killed_writer_are_aborted_at_the_next_start(s3_dir):
@@ -257,6 +348,52 @@ def test_inspect_names_a_damaged_run_state_in_an_object(s3_dir, capsys, monkeypa
     assert code == 2 and "the snapshot of rank 0 is missing 'data'" in err and url in err
 
 
+@pytest.mark.parametrize("mib", [16, 120], ids=["one-put", "multipart"])
+def test_an_upload_streams_from_the_serialized_buffer_without_a_second_copy(s3_dir, mib):
+    import tracemalloc
+
+    checkpoint.configure_store(s3_dir.url, s3_dir.storage_options)
+    buffer = io.BytesIO()
+    buffer.write(bytes(range(256)) * (mib << 12))
+    url = f"{s3_dir.url}/big"
+    _store.listdir(s3_dir.url)  # the client made before measuring
+    tracemalloc.start()
+    try:
+        _store.write_bytes(url, buffer.getbuffer())
+        peak = tracemalloc.get_traced_memory()[1]
+    finally:
+        tracemalloc.stop()
+    assert peak < (mib << 20) // 4, f"{peak / 2**20:.1f} MiB allocated to upload {mib} MiB"
+    assert _store.read_bytes(url) == buffer.getvalue()
+
+
+def test_format_versions_and_inspect_read_an_objects_header_not_the_whole_of_it(s3_dir, capsys, monkeypatch):
+    runs.fit_run(s3_dir.url, storage_options=s3_dir.storage_options, max_checkpoints=2)
+    fs = fs_of(s3_dir)
+    newest = f"{s3_dir.url}/{runs.name(runs.STEPS)}"
+    damaged = f"{s3_dir.url}/{runs.name(runs.STEPS - 1)}"
+    whole = fs.cat(damaged)
+    fs.pipe(damaged, whole[:len(whole) // 2])
+    real = _store.read_bytes
+
+    def no_whole_checkpoint(url):
+        assert not url.endswith(".pt"), f"{url} was downloaded whole"
+        return real(url)
+
+    monkeypatch.setattr(_store, "read_bytes", no_whole_checkpoint)
+    assert checkpoint.format_versions(s3_dir.url, "model") == {damaged: None, newest: checkpoint.FORMAT_VERSION}
+    monkeypatch.setenv("ESTIMATORCH_STORAGE_OPTIONS", json.dumps(s3_dir.storage_options))
+    capsys.readouterr()
+    assert checkpoint.main(["inspect", f"{s3_dir.url}/model-latest"]) == 0
+    out = capsys.readouterr().out
+    model = runs.build()[0].net.state_dict()  # shapes and dtypes read from the header alone
+    sizes = f"model {len(model)} tensors, {sum(t.numel() for t in model.values())} values (float32)"
+    assert f"{newest}: checkpoint, format {checkpoint.FORMAT_VERSION}" in out and sizes in out, out
+    assert "position" in out, out
+    assert checkpoint.main(["inspect", damaged]) == 2
+    assert "truncated or damaged" in capsys.readouterr().err
+
+
 def test_local_paths_never_import_fsspec(tmp_path):
     code = f"""
 import sys
@@ -286,12 +423,47 @@ def test_load_weights_and_inspect_of_a_bad_url_are_clear_errors(s3_dir, capsys, 
     assert code == 2 and err.startswith("error: ") and url in err and out == "", err
 
 
-def test_a_sharded_checkpoint_to_object_storage_is_refused_at_start(s3_dir):
+def test_sharded_checkpoints_go_to_object_storage_as_directories_and_resume_bitwise(reference, s3_dir):
+    """(In one process, ``sharded=True``; 2 ranks of a sharded net: test_object_store_sharded.py.)"""
+    crashed_at = 4
     estimator, loader = runs.build()
-    count = Count()
-    with pytest.raises(ValueError, match=f"model_dir '{s3_dir.url}': sharded .* not written to object storage"):
-        estimator.fit(loader, epochs=1, event_handlers=[handler(s3_dir, sharded=True), count])
-    assert count.batches == 0 and objects(s3_dir) == []
+    with pytest.raises(RuntimeError, match="crash at batch"):
+        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[handler(s3_dir, sharded=True, max_checkpoints=2),
+                                                                   CrashAt(crashed_at)])
+    names = [runs.name(step).replace(".pt", ".dcp") for step in (crashed_at - 2, crashed_at - 1)]
+    assert objects(s3_dir) == sorted([*names, "model-latest"])
+    assert "estimatorch.json" in [os.path.basename(p) for p in fs_of(s3_dir).ls(f"{s3_dir.url}/{names[-1]}")]
+    resumed = runs.fit_run(s3_dir.url, resume_from_checkpoint=True, storage_options=s3_dir.storage_options,
+                           sharded=True)
+    assert resumed.losses == reference.losses[crashed_at - 1:]
+    assert_tree_equal(resumed.estimator.net.state_dict(), reference.estimator.net.state_dict())
+    weights = checkpoint.load_weights(s3_dir.url, storage_options=s3_dir.storage_options)
+    assert_tree_equal(dict(weights), reference.estimator.net.state_dict())
+
+
+def test_a_sharded_directory_on_s3_round_trips_and_its_metadata_runs_no_code(s3_dir, tmp_path, monkeypatch):
+    from tests.checkpoint.test_sharded import _Boom, load_plain, save_plain
+
+    checkpoint.configure_store(s3_dir.url, s3_dir.storage_options)
+    url = f"{s3_dir.url}/model-epoch0batch2.dcp"
+    net, _ = save_plain(url)
+    assert sorted(objects_under(s3_dir, "model-epoch0batch2.dcp")) == [
+        ".metadata", "__0_0.distcp", "common.pt", "estimatorch.json", "rank-0.pt"]
+    loaded, _, rank_state = load_plain(url)
+    assert_tree_equal(loaded.state_dict(), net.state_dict()) and rank_state["step"] == 2
+    with pytest.raises(FileExistsError, match="never overwritten"):
+        save_plain(url)
+    fs_of(s3_dir).pipe(f"{url}/.metadata", pickle.dumps(_Boom()))
+    monkeypatch.chdir(tmp_path)
+    with pytest.raises(CheckpointError, match="posix.system is not part of a checkpoint's metadata"):
+        load_plain(url)
+    with pytest.raises(CheckpointError):
+        checkpoint.load_weights(url, storage_options=s3_dir.storage_options)
+    assert not (tmp_path / "pwned").exists()
+
+
+def objects_under(where, name) -> list[str]:
+    return [os.path.basename(p) for p in fs_of(where).ls(f"{where.url}/{name}", detail=False)]
 
 
 def test_another_fsspec_protocol_works_alike(reference):

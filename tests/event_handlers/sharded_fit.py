@@ -107,10 +107,17 @@ def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
         outcome = f"SystemExit({exit.code})"
     except OSError as err:
         return {"outcome": "OSError", "errno": err.errno, "message": str(err), "step": est.position.step,
-                "files": sorted(os.listdir(ckpt_dir))}
+                "files": _listing(ckpt_dir)}
     return {"outcome": outcome, "step": est.position.step, "losses": record.losses, **full_state(est),
-            "log": lines.messages, "files": sorted(os.listdir(ckpt_dir)) if ckpt_dir else [],
+            "log": lines.messages, "files": _listing(ckpt_dir) if ckpt_dir else [],
             "states": scribble.states if scribble else None, "scribbled": scribble.scribbled if scribble else 0}
+
+
+def _listing(ckpt_dir: str) -> list[str]:
+    """The names in the checkpoint directory (at a URL, the objects and prefixes right under it)."""
+    from estimatorch.checkpoint import _store
+
+    return sorted(_store.listdir(ckpt_dir))
 
 
 # -- background writes ----------------------------------------------------------------------------

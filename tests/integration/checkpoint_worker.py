@@ -177,7 +177,7 @@ def _arm_object_store(how, at):
             bucket, name, _ = fs.split_path(key)
             upload = fs.call_s3("create_multipart_upload", Bucket=bucket, Key=name)
             fs.call_s3("upload_part", Bucket=bucket, Key=name, UploadId=upload["UploadId"], PartNumber=1,
-                       Body=data[:len(data) // 2])
+                       Body=bytes(data[:len(data) // 2]))  # (data: the serialized buffer, a memoryview)
             _die()
         return real(url, data)
 
