@@ -1,0 +1,399 @@
+"""A light thread per rank that watches the other ranks during ``fit``, beside the process
+group and never on the step path: one rank's failure ends every rank within seconds, and a
+hang (no step completing for a while) is told where each rank is.
+
+The ranks talk over the default group's key-value store (the TCPStore every launcher's
+rendezvous creates), which needs no collective: a rank whose step raised writes ``rank R
+failed at step S: <exception>`` there, and every rank's thread reads the store every
+:data:`POLL_S` seconds (one small request; nothing runs in the training thread).
+
+What ends a rank that waits in a gloo collective for a peer that will never join (measured on
+torch 2.13, CPU): neither ``ProcessGroup.abort()``, ``shutdown()`` nor
+``destroy_process_group()`` called from another thread of the waiting process, nor a signal;
+only the peer's connections closing (its process ending) makes the collective raise at once.
+So a rank that sees a peer's failure gives its training thread :data:`GRACE_S` seconds to
+leave ``fit`` on its own (it does at once when the failing process has ended: its next
+collective raises), then logs the failure and ends its process with exit code
+:data:`EXIT_CODE` (a checkpoint being written then is left as a temporary file that the next
+start removes; every complete checkpoint stays valid).
+
+Lowest layer, beside :mod:`estimatorch.distributed`.
+"""
+
+from __future__ import annotations
+
+import faulthandler
+import json
+import logging
+import os
+import sys
+import threading
+import time
+import traceback
+from types import FrameType
+from typing import Any, Callable, Optional
+
+import torch.distributed as dist
+
+from ._checks import is_int
+from ._spawn import RankFailedError
+
+__all__ = ["EXIT_CODE", "GRACE_S", "POLL_S", "RankWatch", "Watchdog", "mark_agreed", "summarize", "where_is"]
+
+_logger = logging.getLogger("estimatorch")
+
+#: how often each rank's thread reads the store, in seconds.
+POLL_S = 0.5
+#: how long a rank that saw a peer fail waits for its training thread to leave ``fit``.
+GRACE_S = 5.0
+#: after ``train_end`` began (the training thread left the loop), how long it may still take.
+ENDING_GRACE_S = 30.0
+#: the exit status of a rank ended because another rank failed (or by ``Watchdog(action="raise")``).
+EXIT_CODE = 1
+
+_AGREED = "estimatorch_agreed"
+
+
+def mark_agreed(error: BaseException) -> BaseException:
+    """Mark ``error`` as raised on every rank at once (an agreed outcome, not one rank's failure
+    that the others must hear of); returns it."""
+    setattr(error, _AGREED, True)
+    return error
+
+
+class Watchdog:
+    """A hang watchdog for ``Estimator(watchdog=...)``: when no training step completes within
+    ``timeout`` seconds (counted from the first completed step), every rank writes its Python
+    stacks (``faulthandler``) to the run's directory (a handler's ``diagnostics_location``, else
+    the local checkpoint directory, else the working directory) and to the log, and rank 0 logs a
+    one-line summary of where each rank is, e.g. ``watchdog: no step completed for 60 s; behind:
+    rank 1: step 1234, in the dataset's __getitem__ (data.py:41)``.
+
+    Args:
+        timeout: seconds without a completed step (> 0). Choose more than your longest
+            validation or checkpoint, which count as time without a step.
+        action: ``"log"`` (report, never stop the run) or ``"raise"`` (report, then end every
+            rank's process with the summary, exit status 1: a hung thread cannot be made to
+            raise). Defaults to ``"log"``.
+
+    Example:
+        >>> Watchdog(600, action="raise")
+        Watchdog(600, action='raise')
+    """
+
+    def __init__(self, timeout: float, action: str = "log"):
+        if isinstance(timeout, bool) or not isinstance(timeout, (int, float)) or not timeout > 0 \
+                or timeout == float("inf"):
+            raise ValueError(f"watchdog timeout must be a positive number of seconds, got {timeout!r}")
+        if action not in ("log", "raise"):
+            raise ValueError(f"watchdog action must be 'log' or 'raise', got {action!r}")
+        self.timeout, self.action = float(timeout), action
+
+    @classmethod
+    def of(cls, value: Any) -> Optional["Watchdog"]:
+        """``Estimator(watchdog=...)``'s value as a :class:`Watchdog` (None stays None)."""
+        if value is None or isinstance(value, Watchdog):
+            return value
+        if is_int(value) or isinstance(value, float):
+            return cls(value)
+        raise TypeError(f"watchdog must be None, a number of seconds or a Watchdog, got {value!r}")
+
+    def __repr__(self) -> str:
+        return f"Watchdog({self.timeout:g}, action={self.action!r})"
+
+
+class _LocalStore:
+    """The store of a single process: the same calls as a c10d store, in memory."""
+
+    def __init__(self) -> None:
+        self._data: dict[str, bytes] = {}
+        self._lock = threading.Lock()
+
+    def set(self, key: str, value: str) -> None:
+        with self._lock:
+            self._data[key] = value.encode()
+
+    def get(self, key: str) -> bytes:
+        with self._lock:
+            return self._data[key]
+
+    def check(self, keys: list[str]) -> bool:
+        with self._lock:
+            return all(k in self._data for k in keys)
+
+    def compare_set(self, key: str, expected: str, desired: str) -> bytes:
+        with self._lock:
+            current = self._data.get(key)
+            if (current is None and expected == "") or current == expected.encode():
+                self._data[key] = desired.encode()
+            return self._data.get(key, expected.encode())
+
+
+#: per default group: how many fits it has watched (every rank counts the same), for key spaces.
+_FITS: dict[int, tuple[Any, int]] = {}
+
+
+def _shared_store() -> tuple[Any, int, int]:
+    """The default group's store under a key space of this fit (the same on every rank: each
+    rank counts its fits), this rank and the world size; a store in memory without a group."""
+    if not (dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1):
+        return _LocalStore(), 0, 1
+    world = dist.group.WORLD
+    previous = _FITS.get(id(world))
+    count = previous[1] + 1 if previous is not None and previous[0] is world else 0
+    _FITS[id(world)] = (world, count)
+    # torchrun's agent keeps its store across restarts: a restart gets a key space of its own
+    restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
+    store = dist.PrefixStore(f"estimatorch/watch/restart{restart}/fit{count}",
+                             dist.distributed_c10d._get_default_store())
+    return store, dist.get_rank(), dist.get_world_size()
+
+
+def _rel(path: str) -> str:
+    return os.path.basename(path)
+
+
+def where_is(frame: Optional[FrameType]) -> str:
+    """Where a thread whose innermost frame is ``frame`` is, in words: ``"in the dataset's
+    __getitem__ (data.py:41)"``, ``"in the DataLoader's collate"``, ``"waiting for a DataLoader
+    worker"``, ``"waiting in a collective (all_reduce)"``, ``"in backward (...)"``, else the
+    innermost function (``"in train_step (train.py:12)"``); ``"in validation, ..."`` when it is
+    in ``evaluate``."""
+    if frame is None:
+        return "gone (its training thread ended)"
+    stack = traceback.extract_stack(frame)
+    files = [f.filename.replace("\\", "/") for f in stack]
+    prefix = "in validation, " if any(f.name == "evaluate_batches" for f in stack) else ""
+    for i, name in enumerate(files):
+        if name.endswith("torch/utils/data/_utils/fetch.py") and i + 1 < len(stack):
+            callee = stack[i + 1]
+            if "torch/utils/data/_utils/collate.py" in "".join(files[i + 1:]):
+                return prefix + "in the DataLoader's collate"
+            inner = stack[-1]
+            return prefix + f"in the dataset's {callee.name} ({_rel(inner.filename)}:{inner.lineno})"
+    inner = stack[-1]
+    if "torch/utils/data/" in files[-1] or files[-1].endswith(("queue.py", "connection.py", "threading.py")) \
+            and any("torch/utils/data/dataloader.py" in f for f in files):
+        return prefix + "waiting for a DataLoader worker"
+    for i in range(len(files) - 1, -1, -1):
+        if "torch/distributed/" in files[i] and "torch/distributed/checkpoint" not in files[i]:
+            return prefix + f"waiting in a collective ({stack[i].name})"
+    if any("torch/autograd/" in f for f in files):
+        return prefix + "in backward (under DDP it waits there for the gradients' all-reduce)"
+    return prefix + f"in {inner.name} ({_rel(inner.filename)}:{inner.lineno})"
+
+
+def _waiting(where: str) -> bool:
+    return "waiting in a collective" in where or "in backward" in where
+
+
+class RankWatch:
+    """The watching thread of one rank for one ``fit``: start it with the fit, :meth:`stop` it
+    when the fit ends; :meth:`failed` publishes this rank's failure, :meth:`peer_failure`
+    reads another rank's.
+
+    Args:
+        progress: returns the number of the last completed step (read from the thread).
+        logger: where reports go (``extra={"all_ranks": True}`` for this rank's own lines).
+        watchdog: a :class:`Watchdog`, or None for failures only.
+        stacks_dir: returns the directory stack dumps go to.
+    """
+
+    def __init__(self, progress: Callable[[], int], logger: logging.Logger, watchdog: Optional[Watchdog],
+                 stacks_dir: Callable[[], str]):
+        self.store, self.rank, self.world = _shared_store()
+        self.progress, self.logger, self.watchdog, self.stacks_dir = progress, logger, watchdog, stacks_dir
+        self.multi = self.world > 1
+        self.peer: Optional[dict[str, Any]] = None  # a peer's failure, once seen
+        self.ending = False  # the training thread left the loop (train_end runs)
+        self._seen_at: Optional[float] = None
+        self._stop = threading.Event()
+        self._main = threading.get_ident()  # the training thread (the caller of fit)
+        self._thread: Optional[threading.Thread] = None
+        self._episode = 0
+
+    # -- the training thread -------------------------------------------------------------------
+    def start(self) -> "RankWatch":
+        """Start the thread (only where it has something to do: several ranks, or a watchdog)."""
+        if self.multi or self.watchdog is not None:
+            self._thread = threading.Thread(target=self._run, name="estimatorch-rank-watch", daemon=True)
+            self._thread.start()
+        return self
+
+    def stop(self) -> None:
+        """End the thread (the fit ended, one way or another)."""
+        self._stop.set()
+        if self._thread is not None and self._thread is not threading.current_thread():
+            self._thread.join(POLL_S * 4)
+
+    def failed(self, error: BaseException, step: int) -> None:
+        """Publish this rank's failure (unless it is an agreed one, or a peer's came first)."""
+        self.ending = True
+        if not self.multi or getattr(error, _AGREED, False) or self.peer_failure() is not None:
+            return
+        record = {"rank": self.rank, "step": step, "type": type(error).__name__, "text": str(error)[:2000],
+                  "traceback": "".join(traceback.format_exception(error))[-8000:]}
+        try:
+            self.store.compare_set("failed", "", json.dumps(record))
+        except (RuntimeError, OSError) as err:  # the store is gone (rank 0's process ended)
+            _logger.debug("could not publish rank %d's failure: %s", self.rank, err)
+
+    def peer_failure(self) -> Optional[dict[str, Any]]:
+        """Another rank's published failure (read now), or None."""
+        if self.peer is None and self.multi:
+            self.peer = self._read_failure()
+        return self.peer
+
+    def peer_error(self, error: BaseException) -> Optional[RankFailedError]:
+        """The error this rank raises instead of ``error`` when another rank failed first: a
+        :class:`RankFailedError` naming it (raise it ``from error``); None otherwise."""
+        if getattr(error, _AGREED, False):
+            return None
+        peer = self.peer_failure()
+        if peer is None:
+            return None
+        return RankFailedError(self._describe(peer) + f"; rank {self.rank} stopped too", peer["rank"],
+                               remote_traceback=peer.get("traceback", ""))
+
+    # -- the watching thread ----------------------------------------------------------------
+    def _read_failure(self) -> Optional[dict[str, Any]]:
+        try:
+            if not self.store.check(["failed"]):
+                return None
+            record = json.loads(self.store.get("failed"))
+        except (RuntimeError, OSError, ValueError):  # the store is gone: its owner ended
+            return None
+        return record if record["rank"] != self.rank else None
+
+    @staticmethod
+    def _describe(peer: dict[str, Any]) -> str:
+        if "watchdog" in peer:
+            return str(peer["watchdog"])
+        return f"rank {peer['rank']} failed at step {peer['step'] + 1}: {peer['type']}: {peer['text']}"
+
+    def _run(self) -> None:
+        last_step, last_time, armed = self.progress(), time.monotonic(), False
+        while not self._stop.wait(POLL_S):
+            if self.multi:
+                self._check_peers()
+            if self.watchdog is None:
+                continue
+            step, now = self.progress(), time.monotonic()
+            if step != last_step:
+                last_step, last_time, armed = step, now, True
+            elif armed and now - last_time > self.watchdog.timeout:
+                self._raise_alarm(now - last_time)
+                last_time = now  # report again after another timeout without a step
+            self._answer_alarm()
+
+    def _check_peers(self) -> None:
+        if self.peer is None:
+            self.peer = self._read_failure()
+            if self.peer is None:
+                return
+            self._seen_at = time.monotonic()
+            self.logger.error("%s; rank %d stops", self._describe(self.peer), self.rank, extra={"all_ranks": True})
+        assert self._seen_at is not None
+        if time.monotonic() - self._seen_at > (ENDING_GRACE_S if self.ending else GRACE_S):
+            self._end_process()
+
+    def _end_process(self) -> None:
+        """The last resort: this rank's training thread is stuck (a collective a failed peer will
+        never join cannot be interrupted): log why and end the process."""
+        assert self.peer is not None
+        message = (f"estimatorch: {self._describe(self.peer)}; rank {self.rank} ends its process (exit code "
+                   f"{EXIT_CODE}): its training thread is {where_is(self._main_frame())} and cannot be interrupted")
+        self.logger.error(message, extra={"all_ranks": True})
+        for stream in (sys.stdout, sys.stderr):
+            try:
+                stream.flush()
+            except (OSError, ValueError):
+                continue
+        os.write(2, (message + "\n").encode())
+        os._exit(EXIT_CODE)
+
+    def _main_frame(self) -> Optional[FrameType]:
+        return sys._current_frames().get(self._main) if self._main is not None else None
+
+    def _raise_alarm(self, waited: float) -> None:
+        """No step for longer than the timeout here: start a report (every rank answers)."""
+        try:
+            self.store.compare_set("hang", str(self._episode) if self._episode else "", str(self._episode + 1))
+        except (RuntimeError, OSError) as err:
+            _logger.debug("watchdog could not reach the store: %s", err)
+
+    def _answer_alarm(self) -> None:
+        try:
+            if not self.store.check(["hang"]):
+                return
+            episode = int(self.store.get("hang"))
+        except (RuntimeError, OSError, ValueError):
+            return
+        if episode <= self._episode:
+            return
+        self._episode = episode
+        step, frame = self.progress(), self._main_frame()
+        where = where_is(frame)
+        path = self._dump_stacks(episode, step)
+        stack = "".join(traceback.format_stack(frame)) if frame is not None else ""
+        self.logger.warning("watchdog: rank %d, step %d, %s; its training thread's stack:\n%s%s", self.rank, step,
+                            where, stack, f"(every thread's stack: {path})" if path else "",
+                            extra={"all_ranks": True})
+        self.store.set(f"status/{episode}/{self.rank}", json.dumps({"step": step, "where": where, "path": path}))
+        if self.rank == 0:
+            self._summarize(episode)
+
+    def _dump_stacks(self, episode: int, step: int) -> Optional[str]:
+        try:
+            directory = self.stacks_dir()
+            os.makedirs(directory, exist_ok=True)
+            path = os.path.join(directory, f"hang_stacks_rank{self.rank}_step{step}_{episode}.txt")
+            with open(path, "w") as f:
+                faulthandler.dump_traceback(file=f, all_threads=True)
+            return path
+        except OSError as err:
+            self.logger.warning("watchdog: could not write the stacks (%s)", err, extra={"all_ranks": True})
+            return None
+
+    def _summarize(self, episode: int) -> None:
+        """Rank 0: gather every rank's answer (a few seconds at most) and log the summary."""
+        assert self.watchdog is not None
+        keys = {r: f"status/{episode}/{r}" for r in range(self.world)}
+        deadline = time.monotonic() + max(5.0, 4 * POLL_S)
+        statuses: dict[int, dict[str, Any]] = {}
+        while len(statuses) < self.world and time.monotonic() < deadline and not self._stop.is_set():
+            for r, key in keys.items():
+                if r not in statuses and self.store.check([key]):
+                    statuses[r] = json.loads(self.store.get(key))
+            if len(statuses) < self.world:
+                time.sleep(POLL_S / 5)
+        summary = summarize(statuses, self.world, self.watchdog.timeout)
+        self.logger.warning(summary)
+        if self.watchdog.action == "raise":
+            self.store.compare_set("failed", "", json.dumps({"rank": -1, "watchdog": summary}))
+            self.peer = {"rank": -1, "watchdog": summary}
+            self._seen_at = time.monotonic() - GRACE_S  # end at once: the run is hung
+
+
+def summarize(statuses: dict[int, dict[str, Any]], world: int, timeout: float) -> str:
+    """The watchdog's one line: the ranks behind (the fewest completed steps; among those, the
+    ones not waiting for the others), then the others, and where the stacks are."""
+    if not statuses:
+        return f"watchdog: no step completed for {timeout:g} s; no rank answered"
+    least = min(s["step"] for s in statuses.values())
+    behind = [r for r, s in sorted(statuses.items()) if s["step"] == least]
+    working = [r for r in behind if not _waiting(statuses[r]["where"])]
+    behind = working or behind
+    def line(r: int) -> str:
+        return f"rank {r}: step {statuses[r]['step']}, {statuses[r]['where']}"
+    text = f"watchdog: no step completed for {timeout:g} s; behind: " + "; ".join(line(r) for r in behind)
+    others = [r for r in sorted(statuses) if r not in behind]
+    if others:
+        text += " | others: " + "; ".join(line(r) for r in others)
+    silent = [r for r in range(world) if r not in statuses]
+    if silent:
+        text += " | no answer from rank " + ", ".join(map(str, silent))
+    paths = [s["path"] for s in statuses.values() if s.get("path")]
+    if paths:
+        text += f" | stacks: {os.path.dirname(paths[0]) or '.'}/hang_stacks_rank*"
+    return text
