@@ -25,6 +25,7 @@ from __future__ import annotations
 import faulthandler
 import json
 import logging
+import multiprocessing
 import os
 import sys
 import threading
@@ -36,7 +37,7 @@ from typing import Any, Callable, Optional
 import torch.distributed as dist
 
 from ._checks import is_int
-from ._spawn import RankFailedError
+from ._spawn import RankFailedError, report_failure
 
 __all__ = ["EXIT_CODE", "GRACE_S", "POLL_S", "RankWatch", "Watchdog", "mark_agreed", "summarize", "where_is"]
 
@@ -172,8 +173,7 @@ def where_is(frame: Optional[FrameType]) -> str:
             inner = stack[-1]
             return prefix + f"in the dataset's {callee.name} ({_rel(inner.filename)}:{inner.lineno})"
     inner = stack[-1]
-    if "torch/utils/data/" in files[-1] or files[-1].endswith(("queue.py", "connection.py", "threading.py")) \
-            and any("torch/utils/data/dataloader.py" in f for f in files):
+    if any(f.endswith("torch/utils/data/dataloader.py") for f in files):  # and not fetching itself
         return prefix + "waiting for a DataLoader worker"
     for i in range(len(files) - 1, -1, -1):
         if "torch/distributed/" in files[i] and "torch/distributed/checkpoint" not in files[i]:
@@ -211,6 +211,7 @@ class RankWatch:
         self._main = threading.get_ident()  # the training thread (the caller of fit)
         self._thread: Optional[threading.Thread] = None
         self._episode = 0
+        self._store_lost = False
 
     # -- the training thread -------------------------------------------------------------------
     def start(self) -> "RankWatch":
@@ -233,10 +234,7 @@ class RankWatch:
             return
         record = {"rank": self.rank, "step": step, "type": type(error).__name__, "text": str(error)[:2000],
                   "traceback": "".join(traceback.format_exception(error))[-8000:]}
-        try:
-            self.store.compare_set("failed", "", json.dumps(record))
-        except (RuntimeError, OSError) as err:  # the store is gone (rank 0's process ended)
-            _logger.debug("could not publish rank %d's failure: %s", self.rank, err)
+        self._put("failed", json.dumps(record), expected="")  # the first failure is the one told
 
     def peer_failure(self) -> Optional[dict[str, Any]]:
         """Another rank's published failure (read now), or None."""
@@ -255,15 +253,40 @@ class RankWatch:
         return RankFailedError(self._describe(peer) + f"; rank {self.rank} stopped too", peer["rank"],
                                remote_traceback=peer.get("traceback", ""))
 
+    # -- the store ---------------------------------------------------------------------------
+    def _get(self, key: str) -> Optional[str]:
+        """The value of ``key`` (None while it is not set, or once the store is gone)."""
+        if self._store_lost:
+            return None
+        try:
+            return self.store.get(key).decode() if self.store.check([key]) else None
+        except (RuntimeError, OSError) as err:
+            self._lose_store(err)
+            return None
+
+    def _put(self, key: str, value: str, expected: Optional[str] = None) -> None:
+        """Set ``key`` (only where it holds ``expected`` when given; "" for not set)."""
+        if self._store_lost:
+            return
+        try:
+            if expected is None:
+                self.store.set(key, value)
+            else:
+                self.store.compare_set(key, expected, value)
+        except (RuntimeError, OSError) as err:
+            self._lose_store(err)
+
+    def _lose_store(self, err: BaseException) -> None:
+        """The store is gone (the process hosting it, rank 0's, ended): stop asking it (each
+        failed request would log torch's warning)."""
+        self._store_lost = True
+        _logger.debug("rank %d no longer reaches the store: %s", self.rank, err)
+
     # -- the watching thread ----------------------------------------------------------------
     def _read_failure(self) -> Optional[dict[str, Any]]:
-        try:
-            if not self.store.check(["failed"]):
-                return None
-            record = json.loads(self.store.get("failed"))
-        except (RuntimeError, OSError, ValueError):  # the store is gone: its owner ended
-            return None
-        return record if record["rank"] != self.rank else None
+        value = self._get("failed")
+        record = json.loads(value) if value else None
+        return record if record is not None and record["rank"] != self.rank else None
 
     @staticmethod
     def _describe(peer: dict[str, Any]) -> str:
@@ -279,12 +302,13 @@ class RankWatch:
             if self.watchdog is None:
                 continue
             step, now = self.progress(), time.monotonic()
-            if step != last_step:
+            if step != last_step:  # a step completed: a later stall is reported again
                 last_step, last_time, armed = step, now, True
             elif armed and now - last_time > self.watchdog.timeout:
-                self._raise_alarm(now - last_time)
-                last_time = now  # report again after another timeout without a step
-            self._answer_alarm()
+                armed = False  # one report per stall
+                self._raise_alarm()
+            if self._answer_alarm():
+                armed = False  # another rank reported this stall
 
     def _check_peers(self) -> None:
         if self.peer is None:
@@ -304,6 +328,9 @@ class RankWatch:
         message = (f"estimatorch: {self._describe(self.peer)}; rank {self.rank} ends its process (exit code "
                    f"{EXIT_CODE}): its training thread is {where_is(self._main_frame())} and cannot be interrupted")
         self.logger.error(message, extra={"all_ranks": True})
+        report_failure(RankFailedError(message, self.peer["rank"], remote_traceback=self.peer.get("traceback", "")))
+        for child in multiprocessing.active_children():  # DataLoader workers would outlive it
+            child.kill()
         for stream in (sys.stdout, sys.stderr):
             try:
                 stream.flush()
@@ -315,22 +342,17 @@ class RankWatch:
     def _main_frame(self) -> Optional[FrameType]:
         return sys._current_frames().get(self._main) if self._main is not None else None
 
-    def _raise_alarm(self, waited: float) -> None:
+    def _raise_alarm(self) -> None:
         """No step for longer than the timeout here: start a report (every rank answers)."""
-        try:
-            self.store.compare_set("hang", str(self._episode) if self._episode else "", str(self._episode + 1))
-        except (RuntimeError, OSError) as err:
-            _logger.debug("watchdog could not reach the store: %s", err)
+        # one report when several ranks raise the alarm at once: the first one's
+        self._put("hang", str(self._episode + 1), expected=str(self._episode) if self._episode else "")
 
-    def _answer_alarm(self) -> None:
-        try:
-            if not self.store.check(["hang"]):
-                return
-            episode = int(self.store.get("hang"))
-        except (RuntimeError, OSError, ValueError):
-            return
+    def _answer_alarm(self) -> bool:
+        """Answer a report a rank started (this one included); True when there was one."""
+        value = self._get("hang")
+        episode = int(value) if value else 0
         if episode <= self._episode:
-            return
+            return False
         self._episode = episode
         step, frame = self.progress(), self._main_frame()
         where = where_is(frame)
@@ -339,9 +361,10 @@ class RankWatch:
         self.logger.warning("watchdog: rank %d, step %d, %s; its training thread's stack:\n%s%s", self.rank, step,
                             where, stack, f"(every thread's stack: {path})" if path else "",
                             extra={"all_ranks": True})
-        self.store.set(f"status/{episode}/{self.rank}", json.dumps({"step": step, "where": where, "path": path}))
+        self._put(f"status/{episode}/{self.rank}", json.dumps({"step": step, "where": where, "path": path}))
         if self.rank == 0:
             self._summarize(episode)
+        return True
 
     def _dump_stacks(self, episode: int, step: int) -> Optional[str]:
         try:
@@ -363,14 +386,15 @@ class RankWatch:
         statuses: dict[int, dict[str, Any]] = {}
         while len(statuses) < self.world and time.monotonic() < deadline and not self._stop.is_set():
             for r, key in keys.items():
-                if r not in statuses and self.store.check([key]):
-                    statuses[r] = json.loads(self.store.get(key))
+                value = None if r in statuses else self._get(key)
+                if value:
+                    statuses[r] = json.loads(value)
             if len(statuses) < self.world:
                 time.sleep(POLL_S / 5)
         summary = summarize(statuses, self.world, self.watchdog.timeout)
         self.logger.warning(summary)
         if self.watchdog.action == "raise":
-            self.store.compare_set("failed", "", json.dumps({"rank": -1, "watchdog": summary}))
+            self._put("failed", json.dumps({"rank": -1, "watchdog": summary}), expected="")
             self.peer = {"rank": -1, "watchdog": summary}
             self._seen_at = time.monotonic() - GRACE_S  # end at once: the run is hung
 
