@@ -103,6 +103,14 @@ class Watchdog:
         return f"Watchdog({self.timeout:g}, action={self.action!r})"
 
 
+def _one_line(text: str) -> str:
+    """An error's text on one line: a multi-line one (a DataLoader worker's, with the worker's
+    traceback) as its first and last lines."""
+    lines = [line.strip() for line in text.strip().splitlines() if line.strip()]
+    text = lines[0] if len(lines) < 2 else f"{lines[0]} ... {lines[-1]}"
+    return text[:2000]
+
+
 class _LocalStore:
     """The store of a single process: the same calls as a c10d store, in memory."""
 
@@ -232,7 +240,7 @@ class RankWatch:
         self.ending = True
         if not self.multi or getattr(error, _AGREED, False) or self.peer_failure() is not None:
             return
-        record = {"rank": self.rank, "step": step, "type": type(error).__name__, "text": str(error)[:2000],
+        record = {"rank": self.rank, "step": step, "type": type(error).__name__, "text": _one_line(str(error)),
                   "traceback": "".join(traceback.format_exception(error))[-8000:]}
         self._put("failed", json.dumps(record), expected="")  # the first failure is the one told
 
@@ -325,7 +333,7 @@ class RankWatch:
         """The last resort: this rank's training thread is stuck (a collective a failed peer will
         never join cannot be interrupted): log why and end the process."""
         assert self.peer is not None
-        message = (f"estimatorch: {self._describe(self.peer)}; rank {self.rank} ends its process (exit code "
+        message = (f"{self._describe(self.peer)}; rank {self.rank} ends its process (exit code "
                    f"{EXIT_CODE}): its training thread is {where_is(self._main_frame())} and cannot be interrupted")
         self.logger.error(message, extra={"all_ranks": True})
         report_failure(RankFailedError(message, self.peer["rank"], remote_traceback=self.peer.get("traceback", "")))
@@ -336,7 +344,7 @@ class RankWatch:
                 stream.flush()
             except (OSError, ValueError):
                 continue
-        os.write(2, (message + "\n").encode())
+        os.write(2, f"estimatorch: {message}\n".encode())
         os._exit(EXIT_CODE)
 
     def _main_frame(self) -> Optional[FrameType]:
