@@ -31,6 +31,7 @@ import sys
 import threading
 import time
 import traceback
+from collections.abc import Sequence
 from types import FrameType
 from typing import Any, Callable, Optional
 
@@ -173,13 +174,13 @@ def where_is(frame: Optional[FrameType]) -> str:
     stack = traceback.extract_stack(frame)
     files = [f.filename.replace("\\", "/") for f in stack]
     prefix = "in validation, " if any(f.name == "evaluate_batches" for f in stack) else ""
-    for i, name in enumerate(files):
-        if name.endswith("torch/utils/data/_utils/fetch.py") and i + 1 < len(stack):
-            callee = stack[i + 1]
-            if "torch/utils/data/_utils/collate.py" in "".join(files[i + 1:]):
-                return prefix + "in the DataLoader's collate"
-            inner = stack[-1]
-            return prefix + f"in the dataset's {callee.name} ({_rel(inner.filename)}:{inner.lineno})"
+    fetch = [i for i, name in enumerate(files) if name.endswith("torch/utils/data/_utils/fetch.py")]
+    if fetch and fetch[-1] + 1 < len(stack):
+        callee, inner = stack[fetch[-1] + 1], _innermost_own(stack[fetch[-1] + 1:])
+        place = f"({_rel(inner.filename)}:{inner.lineno})"
+        if "collate_fn" in (stack[fetch[-1]].line or ""):
+            return prefix + "in the DataLoader's collate" + ("" if "/torch/" in inner.filename else " " + place)
+        return prefix + f"in the dataset's {callee.name} {place}"
     inner = stack[-1]
     if any(f.endswith("torch/utils/data/dataloader.py") for f in files):  # and not fetching itself
         return prefix + "waiting for a DataLoader worker"
@@ -188,7 +189,21 @@ def where_is(frame: Optional[FrameType]) -> str:
             return prefix + f"waiting in a collective ({stack[i].name})"
     if any("torch/autograd/" in f for f in files):
         return prefix + "in backward (under DDP it waits there for the gradients' all-reduce)"
+    inner = _innermost_own(stack)
     return prefix + f"in {inner.name} ({_rel(inner.filename)}:{inner.lineno})"
+
+
+_STDLIB = os.path.dirname(os.__file__)
+
+
+def _innermost_own(stack: Sequence[traceback.FrameSummary]) -> traceback.FrameSummary:
+    """The innermost frame of the program's own code (not Python's library nor torch's), else
+    the innermost frame."""
+    for frame in reversed(stack):
+        name = frame.filename.replace("\\", "/")
+        if not name.startswith(_STDLIB) and "/torch/" not in name:
+            return frame
+    return stack[-1]
 
 
 def _waiting(where: str) -> bool:
