@@ -104,8 +104,8 @@ def _launch(tmp_path, where, keep_alive):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
                    MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
         with open(tmp_path / f"out{rank}.txt", "w") as out:
-            procs.append(subprocess.Popen([sys.executable, str(script), str(tmp_path), where, "1" if keep_alive else "0",
-                                           str(STEP)], env=env, stdout=out, stderr=subprocess.STDOUT))
+            args = [sys.executable, str(script), str(tmp_path), where, "1" if keep_alive else "0", str(STEP)]
+            procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT))
     return procs
 
 
@@ -138,7 +138,8 @@ def test_the_other_rank_ends_within_seconds_while_the_failing_process_stays_aliv
         assert rank0.wait(timeout=240) == 1, _output(tmp_path, 0)[-3000:]
         assert rank1.poll() is None, "rank 1 stays alive: it is not what ended rank 0"
         failed = json.loads((tmp_path / "rank1.json").read_text())
-        assert failed["outcome"] == "ValueError" and f"boom in {'the step' if where == 'step' else 'a'}" in failed["text"]
+        assert failed["outcome"] == "ValueError"
+        assert f"boom in {'the step' if where == 'step' else 'a'}" in failed["text"]
         out = _output(tmp_path, 0)
         assert f"rank 1 failed at step {STEP}: ValueError: " in out
         assert "boom" in out.split(f"rank 1 failed at step {STEP}")[1].split("\n")[0]
