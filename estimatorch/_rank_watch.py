@@ -131,6 +131,12 @@ class _LocalStore:
         with self._lock:
             return all(k in self._data for k in keys)
 
+    def add(self, key: str, amount: int) -> int:
+        with self._lock:
+            value = int(self._data.get(key, b"0")) + amount
+            self._data[key] = str(value).encode()
+            return value
+
     def compare_set(self, key: str, expected: str, desired: str) -> bytes:
         with self._lock:
             current = self._data.get(key)
@@ -257,7 +263,7 @@ class RankWatch:
             return
         record = {"rank": self.rank, "step": step, "type": type(error).__name__, "text": _one_line(str(error)),
                   "traceback": "".join(traceback.format_exception(error))[-8000:]}
-        self._put("failed", json.dumps(record), expected="")  # the first failure is the one told
+        self._announce("failed", json.dumps(record))  # the first failure is the one told
 
     def peer_failure(self) -> Optional[dict[str, Any]]:
         """Another rank's published failure (read now), or None."""
@@ -271,8 +277,8 @@ class RankWatch:
         if getattr(error, _AGREED, False):
             return None
         peer = self.peer_failure()
-        if peer is None:
-            return None
+        if peer is None or (peer.get("type"), peer.get("text")) == (type(error).__name__, _one_line(str(error))):
+            return None  # no other rank failed, or every rank met the same error: it is this rank's own
         return RankFailedError(self._describe(peer) + f"; rank {self.rank} stopped too", peer["rank"],
                                remote_traceback=peer.get("traceback", ""))
 
@@ -299,6 +305,22 @@ class RankWatch:
         except (RuntimeError, OSError) as err:
             self._lose_store(err)
 
+    def _announce(self, key: str, value: str, expected: str = "") -> None:
+        """Set ``key`` where it holds ``expected``, then count an event: the other ranks' threads
+        read the count (one request per poll) and only on a change the keys."""
+        self._put(key, value, expected=expected)
+        self._events(1)
+
+    def _events(self, add: int = 0) -> Optional[int]:
+        """The number of announcements so far (after adding ``add``); None once the store is gone."""
+        if self._store_lost:
+            return None
+        try:
+            return int(self.store.add("events", add))
+        except (RuntimeError, OSError) as err:
+            self._lose_store(err)
+            return None
+
     def _lose_store(self, err: BaseException) -> None:
         """The store is gone (the process hosting it, rank 0's, ended): stop asking it (each
         failed request would log torch's warning)."""
@@ -319,9 +341,12 @@ class RankWatch:
 
     def _run(self) -> None:
         last_step, last_time, armed = self.progress(), time.monotonic(), False
+        seen = 0
         while not self._stop.wait(POLL_S):
+            events = self._events() if self.multi or self.watchdog is not None else None
+            news, seen = events is not None and events != seen, events if events is not None else seen
             if self.multi:
-                self._check_peers()
+                self._check_peers(news)
             if self.watchdog is None:
                 continue
             step, now = self.progress(), time.monotonic()
@@ -330,11 +355,14 @@ class RankWatch:
             elif armed and now - last_time > self.watchdog.timeout:
                 armed = False  # one report per stall
                 self._raise_alarm()
-            if self._answer_alarm():
+                news = True
+            if news and self._answer_alarm():
                 armed = False  # another rank reported this stall
 
-    def _check_peers(self) -> None:
+    def _check_peers(self, news: bool) -> None:
         if self.peer is None:
+            if not news:
+                return
             self.peer = self._read_failure()
             if self.peer is None:
                 return
@@ -368,7 +396,7 @@ class RankWatch:
     def _raise_alarm(self) -> None:
         """No step for longer than the timeout here: start a report (every rank answers)."""
         # one report when several ranks raise the alarm at once: the first one's
-        self._put("hang", str(self._episode + 1), expected=str(self._episode) if self._episode else "")
+        self._announce("hang", str(self._episode + 1), expected=str(self._episode) if self._episode else "")
 
     def _answer_alarm(self) -> bool:
         """Answer a report a rank started (this one included); True when there was one."""
@@ -417,7 +445,7 @@ class RankWatch:
         summary = summarize(statuses, self.world, self.watchdog.timeout)
         self.logger.warning(summary)
         if self.watchdog.action == "raise":
-            self._put("failed", json.dumps({"rank": -1, "watchdog": summary}), expected="")
+            self._announce("failed", json.dumps({"rank": -1, "watchdog": summary}))
             self.peer = {"rank": -1, "watchdog": summary}
             self._seen_at = time.monotonic() - GRACE_S  # end at once: the run is hung
 

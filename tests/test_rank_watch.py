@@ -15,7 +15,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, Watchdog, distributed
-from estimatorch._rank_watch import RankWatch, _one_line, mark_agreed, summarize, where_is
+from estimatorch._rank_watch import RankWatch, _LocalStore, _one_line, mark_agreed, summarize, where_is
 from estimatorch.event_handlers import BatchEnd
 
 
@@ -174,3 +174,33 @@ def test_no_watch_thread_runs_in_one_process_without_a_watchdog():
 
     est.fit([(torch.randn(2, 2), torch.randn(2, 2))], epochs=1, event_handlers=[Threads()])
     assert "estimatorch-rank-watch" not in seen and not distributed.is_distributed()
+
+
+def _pair():
+    """Two ranks' watches over one store in memory, as under a process group of two."""
+    store = _LocalStore()
+    watches = []
+    for rank in range(2):
+        watch = RankWatch(lambda: 0, logging.getLogger("test"), None, lambda: ".")
+        watch.store, watch.rank, watch.world, watch.multi = store, rank, 2, True
+        watches.append(watch)
+    return watches
+
+
+def test_another_ranks_failure_is_named_and_an_error_every_rank_met_stays_its_own():
+    w0, w1 = _pair()
+    w1.failed(ValueError("bad label"), 4)
+    error = w0.peer_error(RuntimeError("Connection closed by peer"))
+    assert isinstance(error, distributed.RankFailedError) and error.rank == 1
+    assert str(error) == "rank 1 failed at step 5: ValueError: bad label; rank 0 stopped too"
+    assert "ValueError: bad label" in error.remote_traceback
+    assert w0.peer_error(ValueError("bad label")) is None  # rank 0 met the same error itself
+    assert w1.peer_error(ValueError("bad label")) is None  # its own failure
+    assert w1._events() == 1  # announced once
+
+
+def test_the_first_failure_is_the_one_told():
+    w0, w1 = _pair()
+    w1.failed(ValueError("first"), 2)
+    w0.failed(KeyError("second"), 2)
+    assert w0.peer_failure()["text"] == "first" and w1.peer_failure() is None
