@@ -160,9 +160,14 @@ def _shared_store() -> tuple[Any, int, int]:
     _FITS[id(world)] = (world, count)
     # torchrun's agent keeps its store across restarts: a restart gets a key space of its own
     restart = os.environ.get("TORCHELASTIC_RESTART_COUNT", "0")
-    store = dist.PrefixStore(f"estimatorch/watch/restart{restart}/fit{count}",
-                             dist.distributed_c10d._get_default_store())
-    return store, dist.get_rank(), dist.get_world_size()
+    try:  # (a private function of torch's, there since torch 1.x)
+        shared = dist.distributed_c10d._get_default_store()
+    except (AttributeError, RuntimeError, ValueError) as err:  # a group without a store: no watch
+        _logger.warning("estimatorch: the process group has no store (%s): a rank's failure will not end the "
+                        "others promptly", err)
+        return _LocalStore(), dist.get_rank(), 1  # (a watchdog then reports this rank only)
+    return dist.PrefixStore(f"estimatorch/watch/restart{restart}/fit{count}", shared), dist.get_rank(), \
+        dist.get_world_size()
 
 
 def _rel(path: str) -> str:
