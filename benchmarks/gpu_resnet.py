@@ -19,6 +19,16 @@ first configuration rotates every round); each run is ``--steps`` optimizer step
 - ``fit-default``: ``fit`` with the default handler set it adds without a terminal (stopping,
   gradient update, metrics ``train_loss``/``train_accuracy`` on the device, logging per epoch).
 - ``fit-default+bar``: the same plus ``ProgressBarHandler`` writing to a null stream.
+- ``fit-graphs`` (with ``--cuda-graphs``, which needs ``--optimizer adamw``): ``fit-default`` with
+  ``Estimator(..., cuda_graphs=True)``, the step captured in one CUDA graph after a 3-step
+  warm-up and replayed.
+
+``--model mlp`` trains an MLP 256-1024-1024-10 on 256 features instead of the ResNet: a step of
+little GPU work, bound by the host's kernel launches, where a captured step pays off (target:
+``fit-graphs`` at least 3x faster than ``raw``). ``--optimizer adamw`` uses ``AdamW(lr=1e-3)``
+(its default foreach implementation in ``raw`` and ``fit-default``) instead of SGD with momentum.
+With ``--data loader`` every configuration copies each batch from pinned memory, ``fit`` on a
+side stream that the step waits for on the device (the copy of batch k+1 overlaps step k).
 
 It also counts the synchronising CUDA calls of one ``fit-default`` run after its first batch,
 with ``torch.cuda.set_sync_debug_mode("warn")`` (the figure should be 0 between epoch ends: the
@@ -28,6 +38,7 @@ Usage (on a machine with a CUDA device)::
 
     python benchmarks/gpu_resnet.py                       # bf16-mixed, list data
     python benchmarks/gpu_resnet.py --precision 32 --data loader --json
+    python benchmarks/gpu_resnet.py --model mlp --optimizer adamw --precision 32 --cuda-graphs
     python benchmarks/gpu_resnet.py --device cpu --steps 2 --repeats 1 --batch-size 4 --batches 2  # smoke
 """
 
@@ -90,10 +101,15 @@ class NullStream(io.TextIOBase):
         return True
 
 
+def mlp(classes: int = 10) -> nn.Module:
+    """MLP 256-1024-1024-10: little GPU work per step, many kernel launches."""
+    return nn.Sequential(nn.Linear(256, 1024), nn.ReLU(), nn.Linear(1024, 1024), nn.ReLU(), nn.Linear(1024, classes))
+
+
 def make_data(args: argparse.Namespace, device: torch.device) -> Any:
     g = torch.Generator().manual_seed(SEED)
     n = args.batch_size * args.batches
-    x = torch.randn(n, 3, 32, 32, generator=g)
+    x = torch.randn(n, 256, generator=g) if args.model == "mlp" else torch.randn(n, 3, 32, 32, generator=g)
     y = torch.randint(0, 10, (n,), generator=g)
     if args.data == "list":
         return [(xb.to(device), yb.to(device)) for xb, yb in zip(x.split(args.batch_size), y.split(args.batch_size))]
@@ -102,14 +118,17 @@ def make_data(args: argparse.Namespace, device: torch.device) -> Any:
                                        persistent_workers=args.workers > 0)
 
 
-def make_model(device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
+def make_model(args: argparse.Namespace, device: torch.device) -> tuple[nn.Module, torch.optim.Optimizer]:
     torch.manual_seed(SEED)
-    net = resnet18().to(device, memory_format=torch.channels_last)
+    net = mlp().to(device) if args.model == "mlp" else resnet18().to(device, memory_format=torch.channels_last)
+    if args.optimizer == "adamw":
+        return net, torch.optim.AdamW(net.parameters(), lr=1e-3)
     return net, torch.optim.SGD(net.parameters(), lr=0.05, momentum=0.9)
 
 
-def raw_loop(data: Any, steps: int, precision: str, device: torch.device) -> None:
-    net, opt = make_model(device)
+def raw_loop(data: Any, steps: int, args: argparse.Namespace, device: torch.device) -> None:
+    precision = args.precision
+    net, opt = make_model(args, device)
     loss_fn = nn.CrossEntropyLoss()
     amp = torch.autocast(device.type, dtype=torch.bfloat16) if precision == "bf16-mixed" else contextlib.nullcontext()
     net.train()
@@ -127,10 +146,11 @@ def raw_loop(data: Any, steps: int, precision: str, device: torch.device) -> Non
                 return
 
 
-def fit_run(data: Any, steps: int, precision: str, device: torch.device, bar: bool,
-            extra: Optional[list[Any]] = None) -> Estimator:
-    net, opt = make_model(device)
-    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, device=device, precision=precision, seed=SEED)
+def fit_run(data: Any, steps: int, args: argparse.Namespace, device: torch.device, bar: bool,
+            extra: Optional[list[Any]] = None, cuda_graphs: bool = False) -> Estimator:
+    net, opt = make_model(args, device)
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=opt, device=device, precision=args.precision, seed=SEED,
+                    cuda_graphs=cuda_graphs)
     handlers: list[Any] = list(extra or [])
     if bar:
         handlers.append(eh.ProgressBarHandler(file=NullStream()))
@@ -149,9 +169,9 @@ def timed(config: str, data: Any, args: argparse.Namespace, device: torch.device
     _synchronize(device)
     start = time.perf_counter()
     if config == "raw":
-        raw_loop(data, args.steps, args.precision, device)
+        raw_loop(data, args.steps, args, device)
     else:
-        fit_run(data, args.steps, args.precision, device, bar=config.endswith("+bar"))
+        fit_run(data, args.steps, args, device, bar=config.endswith("+bar"), cuda_graphs=config == "fit-graphs")
     _synchronize(device)
     return time.perf_counter() - start
 
@@ -187,7 +207,7 @@ class _CountSyncs(eh.BatchBegin, eh.BatchEnd, eh.EpochEnd, eh.TrainEnd):
 def count_syncs(data: Any, args: argparse.Namespace, device: torch.device) -> int:
     """Synchronising calls during one epoch of ``fit-default`` (``args.batches`` steps)."""
     counter = _CountSyncs()
-    fit_run(data, args.batches, args.precision, device, bar=False, extra=[counter])
+    fit_run(data, args.batches, args, device, bar=False, extra=[counter])
     records = counter.records or []
     # torch also warns that the debug mode itself is a prototype: count only the calls it caught
     return sum("called a synchronizing cuda operation" in str(r.message).lower() for r in records)
@@ -203,28 +223,38 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--data", default="list", choices=["list", "loader"])
     parser.add_argument("--workers", type=int, default=4, help="loader workers for --data loader (default 4)")
     parser.add_argument("--device", default="cuda", help="cuda (default); cpu only to check that the script runs")
+    parser.add_argument("--model", default="resnet18", choices=["resnet18", "mlp"])
+    parser.add_argument("--optimizer", default="sgd", choices=["sgd", "adamw"])
+    parser.add_argument("--cuda-graphs", action="store_true",
+                        help="add fit-graphs: fit with cuda_graphs=True (needs --optimizer adamw and a CUDA device)")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
     args = parser.parse_args(argv)
+    if args.cuda_graphs and args.optimizer != "adamw":
+        parser.error("--cuda-graphs needs --optimizer adamw (SGD has no capturable mode), "
+                     f"got --optimizer {args.optimizer}")
+    if args.cuda_graphs and args.device != "cuda":
+        parser.error(f"--cuda-graphs needs --device cuda, got --device {args.device}")
+    configs = CONFIGS + ["fit-graphs"] * args.cuda_graphs
     device = torch.device(args.device)
     if device.type == "cuda" and not torch.cuda.is_available():
         print("gpu_resnet.py: no CUDA device here (--device cpu only checks that the script runs)", file=sys.stderr)
         return 2
     torch.backends.cudnn.benchmark = False
     data = make_data(args, device)
-    for config in CONFIGS:  # warm-up: kernels chosen, allocator primed, workers started
+    for config in configs:  # warm-up: kernels chosen, allocator primed, workers started
         timed(config, data, args, device)
-    times: dict[str, list[float]] = {c: [] for c in CONFIGS}
+    times: dict[str, list[float]] = {c: [] for c in configs}
     for r in range(args.repeats):
-        order = CONFIGS[r % len(CONFIGS):] + CONFIGS[:r % len(CONFIGS)]
+        order = configs[r % len(configs):] + configs[:r % len(configs)]
         for config in order:
             times[config].append(timed(config, data, args, device) / args.steps)
     raw = statistics.median(times["raw"])
-    paired = {c: statistics.median(t / b for t, b in zip(times[c], times["raw"])) for c in CONFIGS}
+    paired = {c: statistics.median(t / b for t, b in zip(times[c], times["raw"])) for c in configs}
     result = {
         "machine": common.machine_info(device),
         "settings": {k: v for k, v in vars(args).items() if k != "json"},
         "ms_per_step": {c: 1000 * statistics.median(v) for c, v in times.items()},
-        "ratio_median": {c: statistics.median(times[c]) / raw for c in CONFIGS},
+        "ratio_median": {c: statistics.median(times[c]) / raw for c in configs},
         "ratio_paired": paired,
         "syncs_in_one_epoch_of_fit_default": count_syncs(data, args, device) if device.type == "cuda" else None,
     }
@@ -232,10 +262,11 @@ def main(argv: Optional[list[str]] = None) -> int:
         print(json.dumps(result, indent=2))
         return 0
     common.print_machine(result["machine"])
-    print(f"ResNet-18, 3x32x32, batch {args.batch_size}, {args.precision}, data {args.data}, {device.type}, "
+    model = "MLP 256-1024-1024-10" if args.model == "mlp" else "ResNet-18, 3x32x32"
+    print(f"{model}, {args.optimizer}, batch {args.batch_size}, {args.precision}, data {args.data}, {device.type}, "
           f"{args.steps} steps x {args.repeats} rounds")
     rows = [[c, f"{result['ms_per_step'][c]:.3f}", f"{result['ratio_median'][c]:.3f}", f"{paired[c]:.3f}"]
-            for c in CONFIGS]
+            for c in configs]
     print(common.format_table(["config", "ms/step (median)", "ratio", "paired ratio"], rows))
     print(f"synchronising CUDA calls in one epoch of fit-default ({args.batches} steps, after its "
           f"first batch_begin): {result['syncs_in_one_epoch_of_fit_default']}")

@@ -7,6 +7,7 @@ from __future__ import annotations
 import json
 import math
 import os
+import runpy
 import subprocess
 import sys
 
@@ -133,6 +134,24 @@ def test_gpu_resnet_compares_fit_with_a_hand_written_loop():
     assert list(out["ratio_median"]) == ["raw", "fit-default", "fit-default+bar"]
     assert out["ratio_median"]["raw"] == 1.0 and all(_positive(v) for v in out["ms_per_step"].values())
     assert out["syncs_in_one_epoch_of_fit_default"] is None  # counted on CUDA only
+
+
+def test_gpu_resnet_runs_the_mlp_with_adamw_and_refuses_cuda_graphs_without_what_they_need(capsys):
+    out = json.loads(_run("gpu_resnet.py", "--device", "cpu", "--steps", "2", "--repeats", "1", "--batch-size", "4",
+                          "--batches", "2", "--model", "mlp", "--optimizer", "adamw", "--precision", "32", "--json"))
+    assert list(out["ratio_median"]) == ["raw", "fit-default", "fit-default+bar"]
+    assert out["settings"]["model"] == "mlp" and out["settings"]["optimizer"] == "adamw"
+    sys.path.insert(0, BENCHMARKS)  # the script imports its _common helper from there
+    try:
+        script = runpy.run_path(os.path.join(BENCHMARKS, "gpu_resnet.py"), run_name="gpu_resnet")
+    finally:
+        sys.path.remove(BENCHMARKS)
+    for args, message in ((["--cuda-graphs"], "--cuda-graphs needs --optimizer adamw"),
+                          (["--cuda-graphs", "--optimizer", "adamw", "--device", "cpu"],
+                           "--cuda-graphs needs --device cuda, got --device cpu")):
+        with pytest.raises(SystemExit) as stopped:  # argparse's error: before any work
+            script["main"](args)
+        assert stopped.value.code == 2 and message in capsys.readouterr().err
 
 
 @pytest.mark.distributed

@@ -12,7 +12,7 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .._batches import to_device
+from .._batches import batch_mover
 from ._interrupts import stop_exception
 from ._plan import limited
 from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
@@ -67,13 +67,15 @@ def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> 
 def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
     pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
-    processor, device, axis, multi = estimator.batch_processor, estimator.device, run.batch_axis, agreement.multi
+    processor = run.step or estimator.batch_processor  # run.step: the captured step (cuda_graphs)
+    device, axis, multi = estimator.device, run.batch_axis, agreement.multi
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
+    move = batch_mover(device)  # on CUDA, the copy of the next batch overlaps this step
     started = pos.batch
     code = 0
     for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
         signals.stoppable = run.at_boundary = False
-        batch = to_device(batch, device)
+        batch = move(batch)
         for fn in batch_begin:
             fn(estimator, batch=batch)
         _, label, pred, loss = processor.fit_batch(estimator, batch, axis)

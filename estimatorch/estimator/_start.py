@@ -6,10 +6,11 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any, Optional
 
-from .. import rng
+from .. import distributed, rng
 from .._checks import warn_user
 from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
 from ..events.monitor import resolve_monitors
+from ._capture import check_capture
 from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
 from ._elastic import configure_elastic
 from ._plan import plan_counts, schedule_length
@@ -42,6 +43,7 @@ def start_run(estimator: Any, train_data: Iterable[Any], val_data: Optional[Iter
     resolve_monitors(handlers, estimator.train_metrics + estimator.val_metrics)  # monitors given by name
     check_metric_references(handlers, estimator.train_metrics + estimator.val_metrics)
     check_fit(handlers, estimator, resume)
+    check_capture(estimator, handlers, distributed.get_world_size())  # cuda_graphs=True
     configure_elastic(stream, handlers, estimator.device)  # CheckpointHandler(..., elastic=True)
     resumes = resume or any(declared(h, "resumes_run") or declared(h, "checkpoint_location") is not None
                             for h in handlers)

@@ -89,6 +89,8 @@ class Run:
         self.started = False  # the loop holds this fit's state (a resume applied): worth recording
         self.evaluated = False
         self.stateless_metrics: set[str] = set()
+        #: the step the loop runs in place of the batch processor (``cuda_graphs=True``), else None
+        self.step: Any = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:

@@ -22,6 +22,7 @@ from ._checks import (
     resolve_device,
 )
 from ._evaluation import check_inference_args, evaluate_batches
+from ._graphed_step import graphed_step
 from ._interrupts import stop_exception
 from ._logging import default_logger as _default_logger
 from ._loop import end_run, run_loop
@@ -91,6 +92,17 @@ class Estimator(RunView):
             top-level child with parameters and on the root when fit starts, the optimizer
             pointed at the sharded parameters). Defaults to None: a net already sharded with
             ``fully_shard`` trains as it is, any other under DDP. No effect in one process.
+        cuda_graphs: capture the train step (forward, loss, backward, gradient clipping and the
+            optimizer step) in one CUDA graph after a few eager warm-up steps, and replay it for
+            every batch of the captured shapes: the host no longer launches each kernel, which is
+            what limits a step of little GPU work. A batch of other shapes (a partial last batch)
+            runs eagerly; handlers run outside the graph, ``batch_end`` seeing the step's outputs.
+            The optimizer is switched to ``capturable=True`` with its learning rate in a device
+            tensor (LR schedules keep working). A configuration it cannot capture (not CUDA,
+            several processes, ``"16-mixed"``, an optimizer without a capturable mode, gradient
+            accumulation, a handler listening inside the step) is a ``ValueError`` at ``fit``
+            start; a model the capture fails on trains eagerly with one warning. See
+            docs/cuda-graphs.md. Defaults to False.
         watchdog: report a hang: seconds without a completed step (counted from the first), or
             a :class:`~estimatorch.Watchdog` (``action="raise"`` ends the run). Every rank's
             stacks go to the run's directory and the log, with a one-line summary of where each
@@ -128,11 +140,12 @@ class Estimator(RunView):
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
                  lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
                  deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
-                 watchdog: Union[float, Watchdog, None] = None):
+                 cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None):
         check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = precision_name(precision)
         check_bool(deterministic, "deterministic")
         check_bool(cudnn_benchmark, "cudnn_benchmark")
+        check_bool(cuda_graphs, "cuda_graphs")
         if deterministic and cudnn_benchmark:
             raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
@@ -147,6 +160,7 @@ class Estimator(RunView):
         self.precision = precision
         self.deterministic = deterministic
         self.cudnn_benchmark = cudnn_benchmark
+        self.cuda_graphs = cuda_graphs
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
         self.logger = _default_logger()
 
@@ -211,7 +225,8 @@ class Estimator(RunView):
         """The mixed-precision context of ``precision`` (a no-op for ``"32"``)."""
         if self._amp_dtype is None:
             return _NO_AUTOCAST
-        return torch.autocast(self.device.type, dtype=self._amp_dtype)
+        # a captured step (cuda_graphs) keeps no cast weights across the graph: PyTorch's advice
+        return torch.autocast(self.device.type, dtype=self._amp_dtype, cache_enabled=not self.cuda_graphs)
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled under ``"16-mixed"``; a per-sample loss is averaged."""
@@ -333,6 +348,7 @@ class Estimator(RunView):
                     run.at_boundary, run.began = False, True
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
+                    run.step = graphed_step(self, run)  # cuda_graphs=True: the captured step
                     run_loop(self, run)
                 except torch.cuda.OutOfMemoryError as err:  # told where: no cost until it is raised
                     failed, stopping = True, err
@@ -349,7 +365,7 @@ class Estimator(RunView):
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
                 return run.history
         finally:
-            self._dispatch, self._fitting = Dispatch([]), False
+            self._dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
             if not run.started:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
 

@@ -1,0 +1,242 @@
+"""The captured train step of ``Estimator(..., cuda_graphs=True)``: PyTorch's whole-network
+capture recipe (``torch.cuda.graph``), run by the loop in place of the batch processor.
+
+For a fit that :mod:`._capture` accepted, :class:`GraphedStep` owns the step: the batch
+processor's forward, loss and backward, and ``GradientUpdateHandler``'s optimizer step (with
+its clipping), taken out of the ``batch_end`` handlers. It runs
+
+1. the first :data:`WARMUP_STEPS` batches eagerly on a side stream (lazy state: the optimizer's
+   moments, cuBLAS handles, autograd's streams), as the recipe asks;
+2. then records the step for the next batch whose layout (structure, shapes, dtypes, strides)
+   is the previous batch's (never a one-off such as an epoch's partial last batch) in one
+   graph, on static input buffers cloned from that batch, in a private memory pool, and
+   replays it;
+3. every later batch of that layout: copied into the static buffers, the graph replayed; any
+   other batch (the partial last one) eagerly, on the current stream.
+
+The optimizer is switched to ``capturable=True`` with its learning rate in a device tensor
+first, so that the graph reads the rate a scheduler sets (in place, ``fill_``). Dropout's
+random numbers come from the default CUDA generator, which ``torch.cuda.graph`` registers: a
+replay draws what the eager step would and advances the generator as it would, so the
+generator state a checkpoint saves is exact. ``batch_end`` handlers get copies of the graph's
+``pred`` and ``loss`` (its own are overwritten by the next replay) and the batch's own inputs
+and label. A capture that fails (a host read in the model) leaves the fit eager, with one warning.
+"""
+
+from __future__ import annotations
+
+import warnings
+from collections.abc import Mapping
+from typing import Any, Callable, Optional
+
+import torch
+
+from .._batches import tensors_in
+from .._checks import warn_user
+from ..event_handlers import GradientUpdateHandler
+from ..events import subscribes
+from ._capture import fallback_message, refusal_error, schedule_refusal
+
+__all__ = ["GraphedStep", "WARMUP_STEPS", "graphed_step", "layout_of"]
+
+#: eager steps on a side stream before the capture (PyTorch's examples take 3; DDP would need 11)
+WARMUP_STEPS = 3
+
+# torch warns once per optimizer that a capturable one steps uncaptured: the warm-up steps do
+_UNCAPTURED = r".*capturable=True.*"
+
+
+def graphed_step(estimator: Any, run: Any) -> Optional[GraphedStep]:
+    """The step ``fit`` runs for ``estimator`` (None without ``cuda_graphs``): takes
+    ``GradientUpdateHandler``'s ``batch_end`` out of ``run``'s dispatch, into the step. Called
+    after ``train_begin`` (a resume's scheduler and handler states are in place)."""
+    if not estimator.cuda_graphs:
+        return None
+    stepper = next(h for h in run.dispatch.handlers
+                   if isinstance(h, GradientUpdateHandler) and subscribes(h, "batch_end"))  # _capture checked
+    reason = schedule_refusal(estimator.lr_scheduler)  # one given as a callable is built by now
+    if reason is not None:
+        raise refusal_error(reason)
+    run.dispatch.batch_end = tuple(fn for fn in run.dispatch.batch_end if getattr(fn, "__self__", None) is not stepper)
+    return GraphedStep(estimator, stepper)
+
+
+def layout_of(obj: Any, tensors: list[torch.Tensor]) -> Any:
+    """A hashable key of ``obj``'s structure, its tensors' shapes, dtypes and devices and its
+    other values, collecting its tensors into ``tensors`` (in order): batches of one key can
+    share a graph.
+
+    Example:
+        >>> found = []
+        >>> layout_of([torch.zeros(2, 3), {"n": 1}], found) == layout_of([torch.ones(2, 3), {"n": 1}], [])
+        True
+        >>> len(found)
+        1
+    """
+    if isinstance(obj, torch.Tensor):
+        tensors.append(obj)
+        return (obj.shape, obj.dtype, obj.device, obj.stride())
+    if isinstance(obj, (tuple, list)):
+        return (type(obj), tuple(layout_of(x, tensors) for x in obj))
+    if isinstance(obj, Mapping):
+        return (type(obj), tuple((k, layout_of(v, tensors)) for k, v in obj.items()))
+    try:
+        hash(obj)
+    except TypeError:
+        return ("unhashable", id(obj))  # never equal to another batch's: eager
+    return ("value", obj)
+
+
+def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
+    """``obj`` with every tensor replaced by ``swap(tensor)`` (tuples, named tuples, lists, dicts)."""
+    if isinstance(obj, torch.Tensor):
+        return swap(obj)
+    if isinstance(obj, tuple):
+        moved = [_rebuild(x, swap) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
+    if isinstance(obj, list):
+        return [_rebuild(x, swap) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: _rebuild(v, swap) for k, v in obj.items()}
+    return obj
+
+
+class GraphedStep:
+    """The loop's step under ``cuda_graphs=True`` (see the module): ``fit_batch`` as a batch
+    processor's, plus the optimizer step."""
+
+    def __init__(self, estimator: Any, stepper: GradientUpdateHandler):
+        self.estimator = estimator
+        self.processor = estimator.batch_processor
+        self.stepper = stepper
+        self.device = estimator.device
+        self.warm = 0
+        self.failed = False
+        self.prepared = False
+        self.graph: Optional[torch.cuda.CUDAGraph] = None
+        self.key: Any = None
+        self.last_key: Any = None  # the layout of the last warm-up batch
+        self.static: list[torch.Tensor] = []
+        self.static_batch: Any = None
+        self.rates: list[torch.Tensor] = []
+        self.outputs: Any = None
+        self.side = torch.cuda.Stream(self.device)
+        self.pool = torch.cuda.graph_pool_handle()
+        #: steps replayed from the graph, and steps run eagerly (warm-up, other layouts, a fallback)
+        self.replayed = 0
+        self.eager = 0
+
+    def fit_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
+        """One training step on ``batch`` (on the device): forward, loss, backward and the
+        optimizer step; returns ``(data, label, pred, loss)`` for ``batch_end``."""
+        tensors: list[torch.Tensor] = []
+        key = layout_of(batch, tensors)
+        if self.graph is not None:
+            if key == self.key:
+                self._keep_rates(estimator.optimizer)
+                for static, tensor in zip(self.static, tensors):
+                    static.copy_(tensor, non_blocking=True)
+                self.graph.replay()
+                self.replayed += 1
+                self.stepper.stepped = True  # the replay stepped the optimizer; no Python of it ran
+                return self._outputs(tensors)
+            return self._eager(batch, batch_axis, side=False)
+        if not self.prepared:
+            _make_capturable(estimator.optimizer, self.device)
+            self.prepared = True
+        if self.failed or self.warm < WARMUP_STEPS or key != self.last_key:  # never a one-off layout
+            self.warm += 1
+            self.last_key = key
+            return self._eager(batch, batch_axis, side=not self.failed)
+        return self._capture(batch, batch_axis, key, tensors)
+
+    # -- eager ---------------------------------------------------------------------------------
+    def _eager(self, batch: Any, batch_axis: int, side: bool) -> tuple[Any, Any, Any, Any]:
+        self.eager += 1
+        with warnings.catch_warnings():
+            warnings.filterwarnings("ignore", message=_UNCAPTURED)
+            if not side:
+                return self._step(batch, batch_axis)
+            current = torch.cuda.current_stream(self.device)
+            self.side.wait_stream(current)
+            with torch.cuda.stream(self.side):
+                out = self._step(batch, batch_axis)
+            current.wait_stream(self.side)
+        for t in tensors_in(out):  # made on the side stream, used on this one: not reused before
+            t.record_stream(current)
+        return out
+
+    def _step(self, batch: Any, batch_axis: int) -> tuple[Any, Any, Any, Any]:
+        data, label, pred, loss = self.processor.fit_batch(self.estimator, batch, batch_axis)
+        self.stepper.batch_end(self.estimator, batch=batch, pred=pred, label=label, loss=loss)
+        return data, label, pred, loss
+
+    # -- captured ------------------------------------------------------------------------------
+    def _capture(self, batch: Any, batch_axis: int, key: Any, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any, Any]:
+        static = [t.clone() for t in tensors]
+        ids = {id(t): s for t, s in zip(tensors, static)}
+        static_batch = _rebuild(batch, lambda t: ids.get(id(t), t))
+        optimizer = self.estimator.optimizer
+        optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients in the graph's pool
+        pending = self.stepper.pending
+        graph = torch.cuda.CUDAGraph()
+        try:
+            # thread_local: the DataLoader's pin-memory thread may allocate pinned memory meanwhile
+            # (an error for the capture in "global" mode); this thread's host reads still fail it
+            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+                outputs = self._step(static_batch, batch_axis)
+        except RuntimeError as err:  # a host read, a CPU tensor: CUDA refused the capture
+            self.failed = True
+            self.stepper.pending = pending
+            optimizer.zero_grad(set_to_none=True)  # the capture's gradients were never computed
+            torch.cuda.synchronize(self.device)
+            warn_user(fallback_message(err))
+            return self._eager(batch, batch_axis, side=False)
+        self.graph, self.key, self.static, self.static_batch = graph, key, static, static_batch
+        self.rates = [group["lr"] for group in optimizer.param_groups]  # the tensors the graph reads
+        inputs = {id(s): i for i, s in enumerate(static)}
+        self.outputs = (outputs, inputs)
+        graph.replay()
+        self.replayed += 1
+        return self._outputs(tensors)
+
+    def _keep_rates(self, optimizer: torch.optim.Optimizer) -> None:
+        """Keep each group's learning rate in the tensor the graph reads: a rate assigned
+        instead of filled in (``group["lr"] = 0.01``) is copied into it (no host sync)."""
+        for group, rate in zip(optimizer.param_groups, self.rates):
+            lr = group["lr"]
+            if lr is not rate:
+                if isinstance(lr, torch.Tensor):
+                    rate.copy_(lr.reshape(()), non_blocking=True)
+                else:
+                    rate.fill_(lr)
+                group["lr"] = rate
+
+    def _outputs(self, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any, Any]:
+        """The graph's outputs for ``batch_end``: the batch's own tensors where the step returned
+        its inputs, copies of the rest (the next replay overwrites the graph's)."""
+        outputs, inputs = self.outputs
+
+        def swap(t: torch.Tensor) -> torch.Tensor:
+            index = inputs.get(id(t))
+            return tensors[index] if index is not None else t.detach().clone()
+
+        return _rebuild(outputs, swap)
+
+
+def _make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
+    """Switch ``optimizer`` to its capturable mode: ``capturable=True`` in every group, each
+    learning rate in a 0-dim device tensor (a scheduler then fills it in place, and the graph
+    reads it), the step counts on the device. Idempotent; a state restored from a checkpoint of
+    an eager run is moved as it is."""
+    for group in optimizer.param_groups:
+        group["capturable"] = True
+        lr = group["lr"]
+        if not (isinstance(lr, torch.Tensor) and lr.device == device and lr.dim() == 0):
+            group["lr"] = torch.tensor(float(lr), dtype=torch.float32, device=device)
+    for state in optimizer.state.values():
+        step = state.get("step")
+        if isinstance(step, torch.Tensor) and step.device != device:
+            state["step"] = step.to(device)
+        elif isinstance(step, (int, float)):
+            state["step"] = torch.tensor(float(step), dtype=torch.float32, device=device)

@@ -1,0 +1,245 @@
+"""The control flow of the captured step (``cuda_graphs=True``) on the CPU, with stand-ins for
+torch.cuda's streams and graphs: warm-up, one capture, replays for batches of the captured
+layout, eager steps for others, outputs for ``batch_end``, the fallback after a failed capture.
+
+A stand-in graph cannot record kernels: its capture runs the step (a real capture only records
+it), so its first replay does nothing and later ones run the step again on the static inputs,
+writing into the captured outputs, as a replay does. What only a GPU shows (the replay's
+bits, the generator's offsets, the memory pool) is tested in tests/test_cuda_graphs.py.
+"""
+
+from __future__ import annotations
+
+import contextlib
+import warnings
+from types import SimpleNamespace
+
+import pytest
+import torch
+from torch import nn
+
+from estimatorch import Estimator
+from estimatorch.estimator import _graphed_step, _start
+from estimatorch.estimator._graphed_step import WARMUP_STEPS, GraphedStep, _make_capturable
+from estimatorch.event_handlers import BatchEnd, GradientUpdateHandler
+
+
+class FakeGraph:
+    """A CUDA graph's stand-in: see the module docstring."""
+
+    made: list[FakeGraph] = []
+
+    def __init__(self):
+        self.step = None
+        self.replays = 0
+        FakeGraph.made.append(self)
+
+    def replay(self):
+        self.replays += 1
+        if self.replays == 1:  # the capture ran this step already
+            return
+        step = self.step
+        outputs, _ = step.outputs
+        python_state = dict(vars(step.stepper))  # a replay runs kernels, not the handler's Python
+        fresh = step._step(step.static_batch, 0)
+        vars(step.stepper).clear()
+        vars(step.stepper).update(python_state)
+        for old, new in zip(outputs[2:], fresh[2:]):  # pred and loss: written in place
+            old.detach().copy_(new.detach())
+
+
+class FakeStream:
+    def wait_stream(self, other):
+        pass
+
+
+@pytest.fixture
+def fake_cuda(monkeypatch):
+    """Stand-ins for what GraphedStep takes from torch.cuda; ``fail`` makes the capture raise."""
+    state = {"fail": None}
+    FakeGraph.made = []
+
+    @contextlib.contextmanager
+    def graph(g, pool=None, capture_error_mode="global"):
+        assert pool == "pool" and capture_error_mode == "thread_local"
+        if state["fail"] is not None:  # before the body: a stand-in cannot undo the step it ran
+            raise state["fail"]
+        yield
+
+    def capture_owner(estimator, run):
+        step = real_graphed_step(estimator, run)
+        state["step"] = step
+        return step
+
+    cuda = torch.cuda
+    monkeypatch.setattr(cuda, "Stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(cuda, "current_stream", lambda device=None: FakeStream())
+    monkeypatch.setattr(cuda, "stream", lambda s: contextlib.nullcontext())
+    monkeypatch.setattr(cuda, "graph_pool_handle", lambda: "pool")
+    monkeypatch.setattr(cuda, "CUDAGraph", FakeGraph)
+    monkeypatch.setattr(cuda, "graph", graph)
+    monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
+    # the rate stays a float here (a CPU SGD with a tensor rate would change the bits): tested apart
+    monkeypatch.setattr(_graphed_step, "_make_capturable", lambda optimizer, device: None)
+    monkeypatch.setattr(_graphed_step.GraphedStep, "_keep_rates", lambda self, optimizer: None)
+    monkeypatch.setattr(_start, "check_capture", lambda *args: None)  # the device check: a CPU stands in
+    real_graphed_step = _graphed_step.graphed_step
+    from estimatorch.estimator import estimator as estimator_module
+    monkeypatch.setattr(estimator_module, "graphed_step", capture_owner)
+
+    def link(graph_made):  # the replays need the step that made them
+        graph_made.step = state["step"]
+
+    state["link"] = link
+    return state
+
+
+class Linking(BatchEnd):
+    """Links each new fake graph to its step, and keeps what batch_end receives."""
+
+    priority = 10
+
+    def __init__(self, state):
+        self.state, self.seen = state, []
+
+    def batch_end(self, estimator, *, batch, pred, label, loss, **kwargs):
+        for g in FakeGraph.made:
+            if g.step is None:
+                self.state["link"](g)
+        self.seen.append((pred.detach().clone(), label, loss.detach().clone(), batch[1]))
+
+
+def _data(sizes=(8, 8, 8, 8, 8, 8, 5)):
+    g = torch.Generator().manual_seed(0)
+    return [(torch.randn(n, 6, generator=g), torch.randint(0, 3, (n,), generator=g)) for n in sizes]
+
+
+def _fit(cuda_graphs, handlers=(), epochs=2, **kwargs):
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1, momentum=0.9),
+                    cuda_graphs=cuda_graphs, deterministic=True, **kwargs)
+    history = est.fit(_data(), epochs=epochs, event_handlers=list(handlers))
+    return est, history
+
+
+def test_warm_up_then_one_capture_then_replays_with_other_layouts_eager(fake_cuda):
+    probe = Linking(fake_cuda)
+    est, history = _fit(True, [probe])
+    step = fake_cuda["step"]
+    assert len(FakeGraph.made) == 1
+    # 2 epochs of 6 full batches and a partial one: 3 warm-up steps, the 4th captured, the
+    # partial batches (one per epoch) eager, every other full batch replayed
+    assert step.eager == WARMUP_STEPS + 2
+    assert step.replayed == 14 - WARMUP_STEPS - 2
+    assert FakeGraph.made[0].replays == step.replayed
+    reference, ref_history = _fit(False)
+    for a, b in zip(est.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
+    assert history["train_loss"] == ref_history["train_loss"]
+    assert history["train_accuracy"] == ref_history["train_accuracy"]
+
+
+def test_batch_end_gets_the_batch_s_own_label_and_copies_of_the_graph_s_outputs(fake_cuda):
+    probe = Linking(fake_cuda)
+    _fit(True, [probe], epochs=1)
+    preds = [seen[0] for seen in probe.seen]
+    for _, label, _, batch_label in probe.seen:
+        assert label is batch_label  # the step's static input is swapped back for the batch's own
+    # copies: a replay does not change what an earlier batch_end received
+    assert not torch.equal(preds[WARMUP_STEPS + 1], preds[WARMUP_STEPS + 2])
+
+
+def test_the_optimizer_step_leaves_batch_end_for_the_step(fake_cuda):
+    probe = Linking(fake_cuda)
+    est, _ = _fit(True, [probe], epochs=1)
+    updater = next(h for h in est._run.dispatch.handlers if isinstance(h, GradientUpdateHandler))
+    assert all(getattr(fn, "__self__", None) is not updater for fn in est._run.dispatch.batch_end)
+    assert est._run.step is None  # released with the fit
+
+
+def test_a_failed_capture_warns_once_and_the_fit_trains_eagerly(fake_cuda):
+    fake_cuda["fail"] = RuntimeError("operation not permitted when stream is capturing")
+    probe = Linking(fake_cuda)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est, history = _fit(True, [probe])
+    messages = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
+    assert len(messages) == 1 and "could not be captured" in messages[0]
+    step = fake_cuda["step"]
+    assert step.replayed == 0 and step.eager == 14 and step.graph is None
+    reference, ref_history = _fit(False)
+    for a, b in zip(est.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
+    assert history["train_loss"] == ref_history["train_loss"]
+
+
+def test_make_capturable_puts_the_rate_and_the_step_counts_on_the_device():
+    net = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam(net.parameters(), lr=0.01)
+    scheduler = torch.optim.lr_scheduler.StepLR(optimizer, step_size=1, gamma=0.5)
+    net(torch.randn(4, 3)).sum().backward()
+    optimizer.step()
+    cpu = torch.device("cpu")  # the device the state is put on: the CPU stands for the GPU
+    _make_capturable(optimizer, cpu)
+    group = optimizer.param_groups[0]
+    assert group["capturable"] is True
+    assert isinstance(group["lr"], torch.Tensor) and group["lr"].dim() == 0
+    assert float(group["lr"]) == pytest.approx(0.01)
+    rate = group["lr"]
+    _make_capturable(optimizer, cpu)  # idempotent: the tensor a scheduler fills stays the same
+    assert group["lr"] is rate
+    scheduler.step()
+    assert group["lr"] is rate and float(rate) == pytest.approx(0.005)  # filled in place
+    assert all(isinstance(s["step"], torch.Tensor) and s["step"].device == cpu for s in optimizer.state.values())
+
+
+def test_a_rate_assigned_instead_of_filled_is_copied_into_the_tensor_the_graph_reads():
+    net = nn.Linear(3, 2)
+    optimizer = torch.optim.Adam([{"params": [net.weight]}, {"params": [net.bias]}], lr=0.01)
+    _make_capturable(optimizer, torch.device("cpu"))
+    step = SimpleNamespace(rates=[group["lr"] for group in optimizer.param_groups])
+    first, second = step.rates
+    optimizer.param_groups[0]["lr"] = 0.5  # a user's handler assigning, not filling
+    optimizer.param_groups[1]["lr"] = torch.tensor([0.25])
+    GraphedStep._keep_rates(step, optimizer)
+    assert optimizer.param_groups[0]["lr"] is first and float(first) == 0.5
+    assert optimizer.param_groups[1]["lr"] is second and float(second) == 0.25
+
+
+def test_a_per_batch_schedule_steps_after_every_replayed_step(fake_cuda):
+    """LRSchedulerHandler steps after each optimizer step, told by GradientUpdateHandler.stepped:
+    a replay, which runs no Python, must still count as a step (also after an epoch_end)."""
+    def schedule(optimizer, total_steps):
+        return torch.optim.lr_scheduler.StepLR(optimizer, step_size=2, gamma=0.8)
+
+    probe = Linking(fake_cuda)
+    est, history = _fit(True, [probe], epochs=3, lr_scheduler=schedule, lr_scheduler_interval="batch")
+    reference, ref_history = _fit(False, epochs=3, lr_scheduler=schedule, lr_scheduler_interval="batch")
+    assert est.lr_scheduler.last_epoch == reference.lr_scheduler.last_epoch == 21
+    assert history["lr"] == ref_history["lr"]
+    for a, b in zip(est.net.parameters(), reference.net.parameters()):
+        assert torch.equal(a, b)
+
+
+def test_a_resumed_fit_warms_up_and_captures_again_from_its_checkpoint(fake_cuda, tmp_path):
+    import shutil
+
+    from estimatorch import CheckpointHandler, checkpoint
+
+    probe = Linking(fake_cuda)
+    full = tmp_path / "full"
+    reference, _ = _fit(True, [probe, CheckpointHandler(full, batch_period=5, epoch_period=None,
+                                                        max_checkpoints=None)], epochs=3)
+    start = tmp_path / "start"
+    start.mkdir()
+    shutil.copy(full / checkpoint.checkpoint_name("model", 1, 10), start)
+    resumed, _ = _fit(True, [Linking(fake_cuda), CheckpointHandler(start, batch_period=5, epoch_period=None,
+                                                                    resume_from_checkpoint=True)], epochs=3)
+    step = fake_cuda["step"]
+    # from step 11: 3 warm-up steps, the partial batch 14 and batch 15 (a layout after another)
+    # eager, 16 captured (its layout is 15's), 17-20 replayed, the partial 21 eager
+    assert step.eager == WARMUP_STEPS + 3 and step.replayed == 5
+    for a, b in zip(reference.net.parameters(), resumed.net.parameters()):
+        assert torch.equal(a, b)
