@@ -10,6 +10,7 @@ from . import (  # noqa: E402
     samplers,
     statistics,  # noqa: E402
 )
+from ._rank_watch import Watchdog
 from ._version import __version__
 from .estimator import BatchProcessor, Estimator, History  # noqa: E402
 from .event_handlers import (  # noqa: E402  # noqa: E402  # noqa: E402
@@ -48,6 +49,7 @@ __all__ = [
     "ProgressBarHandler",
     "StoppingHandler",
     "ValidationHandler",
+    "Watchdog",
     "__version__",
     "distributed",
     "metrics",

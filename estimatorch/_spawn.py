@@ -26,7 +26,7 @@ import torch.multiprocessing as mp
 
 from ._checks import is_int
 
-__all__ = ["RankFailedError", "portable_exception", "spawn"]
+__all__ = ["RankFailedError", "portable_exception", "report_failure", "spawn"]
 
 
 def _free_port() -> int:
@@ -59,6 +59,23 @@ _FAILURE_GRACE_S = 10.0
 _RELEASE_WAIT_S = 60.0
 
 
+#: in a process :func:`spawn` started: sends a failure to the parent at once.
+_REPORT: Optional[Callable[[BaseException], None]] = None
+
+
+def report_failure(error: BaseException) -> None:
+    """In a process :func:`spawn` started, hand ``error`` to the parent now (before this process
+    ends without unwinding, see :mod:`estimatorch._rank_watch`); elsewhere nothing."""
+    if _REPORT is not None:
+        _REPORT(error)
+
+
+def _send_error(conn: Any, err: BaseException) -> None:
+    with contextlib.suppress(Exception):
+        conn.send_bytes(pickle.dumps(("error", portable_exception(err), type(err).__name__, str(err),
+                                      "".join(traceback.format_exception(err)))))
+
+
 def portable_exception(err: BaseException) -> Optional[BaseException]:
     """``err`` when it survives pickling (so the parent can re-raise it), else None."""
     try:
@@ -81,6 +98,8 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = 0
+    global _REPORT
+    _REPORT = lambda err: _send_error(conn, err)  # noqa: E731
     try:
         if backend == "nccl":
             torch.cuda.set_device(local_rank)
@@ -96,9 +115,7 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
         conn.send_bytes(message)
     except BaseException as err:  # noqa: BLE001 - every failure is reported to the parent
         code = 1
-        with contextlib.suppress(Exception):
-            conn.send_bytes(pickle.dumps(("error", portable_exception(err), type(err).__name__, str(err),
-                                          traceback.format_exc())))
+        _send_error(conn, err)
     try:
         if code == 0:  # a failed rank leaves at once, so that peers in a collective notice
             with contextlib.suppress(Exception):
@@ -240,6 +257,8 @@ def _raise_rank_failure(failures: list[tuple[int, tuple]], silent: list[int], pr
     """Raise a :class:`RankFailedError` for the rank that raised first (later failures are
     usually its consequence: a collective that lost a peer), or else the first that died."""
     raised = [(rank, report) for rank, report in failures if report[0] == "error"]
+    # a rank that stopped because another failed (RankFailedError) is a consequence: the cause first
+    raised.sort(key=lambda item: isinstance(item[1][1], RankFailedError))
     others = [f"rank {rank}: {report[3] if report[0] == 'error' else report[1]}"
               for rank, report in failures[1:] if report[0] == "error" or report[0] == "died"]
     others += [f"rank {rank}: no report ({_describe_exit(procs[rank].exitcode)}, terminated)" for rank in silent]

@@ -24,6 +24,7 @@ import torch
 import torch.distributed as dist
 
 from . import cluster
+from ._rank_watch import mark_agreed
 from ._spawn import RankFailedError, portable_exception, spawn
 
 __all__ = [
@@ -423,6 +424,7 @@ def raise_on_every_rank(error: Optional[BaseException], what: str = "a step ever
     if failure is None:
         return
     rank, exception = failure
+    mark_agreed(exception)  # every rank raises it: none waits for another (estimatorch._rank_watch)
     if exception is error:
         raise exception
     if hasattr(exception, "add_note"):

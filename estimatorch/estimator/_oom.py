@@ -16,7 +16,7 @@ import torch
 from .. import distributed
 from ..events import declared
 
-__all__ = ["describe_out_of_memory", "failing_phase"]
+__all__ = ["describe_out_of_memory", "diagnostics_dir", "failing_phase"]
 
 _logger = logging.getLogger(__name__)
 
@@ -42,7 +42,7 @@ def failing_phase(traceback: Optional[TracebackType]) -> str:
     return "a handler"
 
 
-def _snapshot_dir(handlers: Any) -> str:
+def diagnostics_dir(handlers: Any) -> str:
     """The first handler's ``diagnostics_location`` (a ``ProfilerHandler``'s ``log_dir``), else the
     local checkpoint directory, else the working directory."""
     for handler in handlers:
@@ -61,7 +61,7 @@ def _dump_snapshot(handlers: Any, step: int) -> Optional[str]:
     on); its path, or None without CUDA or when it cannot be written (logged)."""
     if not torch.cuda.is_available():
         return None
-    path = os.path.join(_snapshot_dir(handlers), f"oom_snapshot_rank{distributed.get_rank()}_step{step}.pickle")
+    path = os.path.join(diagnostics_dir(handlers), f"oom_snapshot_rank{distributed.get_rank()}_step{step}.pickle")
     try:
         os.makedirs(os.path.dirname(path), exist_ok=True)
         torch.cuda.memory._dump_snapshot(path)

@@ -11,6 +11,7 @@ from torch import nn
 
 from .. import distributed, rng
 from .._checks import check_bool
+from .._rank_watch import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
 from ._checks import (
@@ -43,6 +44,7 @@ from ._state import (
     Run,
 )
 from ._strategy import check_strategy, train_wrapper, wraps
+from ._watch import publish_failure, watching
 from .batch_processor import BatchProcessor
 from .history import History
 
@@ -101,6 +103,10 @@ class Estimator(RunView):
             accumulation, a handler listening inside the step) is a ``ValueError`` at ``fit``
             start; a model the capture fails on trains eagerly with one warning. See
             docs/cuda-graphs.md. Defaults to False.
+        watchdog: report a hang: seconds without a completed step (counted from the first), or
+            a :class:`~estimatorch.Watchdog` (``action="raise"`` ends the run). Every rank's
+            stacks go to the run's directory and the log, with a one-line summary of where each
+            rank is. Defaults to None (off).
 
     Example:
         >>> import torch
@@ -134,7 +140,7 @@ class Estimator(RunView):
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
                  lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
                  deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
-                 cuda_graphs: bool = False):
+                 cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None):
         check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = precision_name(precision)
         check_bool(deterministic, "deterministic")
@@ -144,6 +150,7 @@ class Estimator(RunView):
             raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
         seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
+        self.watchdog = Watchdog.of(watchdog)
         self.device = resolve_device(device)
         self.net = net.to(self.device)
         self.loss = loss
@@ -329,7 +336,8 @@ class Estimator(RunView):
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed, stopping = False, BaseException()
         try:
-            with torch_flags(self.deterministic, self.cudnn_benchmark, self.device.type == "cpu"), run.signals:
+            with torch_flags(self.deterministic, self.cudnn_benchmark, self.device.type == "cpu"), run.signals, \
+                    watching(self, run) as watch:
                 try:
                     if self._ddp is None and wraps(self):
                         self._ddp = train_wrapper(self)  # None for a sharded net
@@ -344,9 +352,11 @@ class Estimator(RunView):
                     run_loop(self, run)
                 except torch.cuda.OutOfMemoryError as err:  # told where: no cost until it is raised
                     failed, stopping = True, err
+                    publish_failure(watch, run, err)
                     raise describe_out_of_memory(self, run, err) from err
                 except BaseException as err:
                     failed, stopping = True, err
+                    publish_failure(watch, run, err)  # the other ranks end instead of waiting for this one
                     raise
                 finally:
                     end_run(self, run, failed)
