@@ -197,7 +197,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
-                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None,
+                 elastic: bool = False, async_save: Union[bool, str] = False, sharded: Optional[bool] = None,
                  storage_options: Optional[dict[str, Any]] = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
@@ -207,7 +207,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
                            ("save_best_only", save_best_only), ("save_weights_only", save_weights_only),
-                           ("elastic", elastic), ("async_save", async_save)):
+                           ("elastic", elastic)):
             check_bool(value, arg)
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
@@ -242,7 +242,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"sharded must be None, True or False, got {sharded!r}")
         self.sharded = sharded
-        self._writer = checkpoint.BackgroundWriter() if async_save else None  # rank 0's (every rank's if sharded)
+        self._writer = checkpoint.make_writer(async_save)  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
                                             periodic=not save_best_only, best=save_best or save_best_only)
@@ -372,7 +372,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             self._epochs, self._batches = self.current_epoch, self.current_batch
             self._estimator = None
             if self._writer is not None:
-                self._writer.join()  # the lock is held until the last file is durable
+                self._writer.close()  # the lock is held until the last file is durable
             self._release_lock()
 
     def _finish_writes(self, estimator: EstimatorView) -> None:
@@ -485,9 +485,18 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             distributed.run_on_main(lambda: self._write(estimator, state, names, best, step),
                                     "CheckpointHandler writing a checkpoint")
         else:  # the previous background write's failure too
-            distributed.run_on_main(lambda: writer.submit(state, lambda staged: self._write(estimator, staged,
-                                                                                            names, best, step)),
+            distributed.run_on_main(lambda: self._submit(writer, estimator, state, names, best, step),
                                     "CheckpointHandler writing a checkpoint")
+
+    def _submit(self, writer: Any, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float],
+                step: int) -> None:
+        """Hand a save to the background writer: the files to its process (then the pointer and
+        retention on its thread), or everything to its thread (``async_save="thread"``)."""
+        if isinstance(writer, checkpoint.ProcessWriter):
+            writer.submit_files(state, [os.path.join(self.model_dir, name) for name in names],
+                                lambda: self._write(estimator, None, names, best, step, written=True))
+        else:
+            writer.submit(state, lambda staged: self._write(estimator, staged, names, best, step))
 
     def _save_sharded(self, estimator: EstimatorView, names: list[str], step: int, background: bool) -> None:
         """A sharded net's checkpoint directory, written by every rank (a collective; with
