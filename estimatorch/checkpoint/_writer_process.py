@@ -84,7 +84,7 @@ class _Area:
         self._finalizers = [weakref.finalize(self, os.close, self.fd)]
         if pinned:  # page-locked for asynchronous copies from the GPU
             cudart, ptr = torch.cuda.cudart(), self.bytes.data_ptr()
-            check = int(cudart.cudaHostRegister(ptr, self.size, 0))
+            check = int(cudart.cudaHostRegister(ptr, self.size, 1))  # cudaHostRegisterPortable
             if check != 0:
                 raise RuntimeError(f"cudaHostRegister of {self.size} bytes of staging memory failed (error {check})")
             self._finalizers.append(weakref.finalize(self, cudart.cudaHostUnregister, ptr))
@@ -194,11 +194,12 @@ class ProcessWriter(BackgroundWriter):
         self._proc: Optional[subprocess.Popen] = None
         self._conn: Optional[Connection] = None
         self._sent: tuple[set[int], Any] = (set(), None)  # the areas and the table the writer process has
+        self._at_exit = False
 
     def __getstate__(self) -> dict[str, Any]:
         state = super().__getstate__()
         return {**state, "staging": SharedStaging(), "_plain": Staging(), "_proc": None, "_conn": None,
-                "_sent": (set(), None)}
+                "_sent": (set(), None), "_at_exit": False}
 
     @property
     def pid(self) -> Optional[int]:
@@ -241,7 +242,9 @@ class ProcessWriter(BackgroundWriter):
         if proc is None:
             self._proc, self._conn = _launch()
             self._sent = (set(), None)
-            atexit.register(_stop_at_exit, weakref.ref(self))
+            if not self._at_exit:  # once per writer: the interpreter waits for the write in flight
+                self._at_exit = True
+                atexit.register(_stop_at_exit, weakref.ref(self))
 
     def _write(self, staged: Any, paths: list[str]) -> None:
         """On the writer thread: hand the staged payload to the process, wait for its answer."""

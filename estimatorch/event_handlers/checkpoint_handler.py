@@ -53,9 +53,11 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
     file and the reason and leaves the earlier files and the pointer as they were.
 
     **Writing in the background** (``async_save=True``). A save copies the state's tensors into
-    CPU buffers and returns; a thread writes the file the same way, then moves the pointer and
-    prunes, so the step waits only for the copy (from CUDA: pinned buffers, copied on a side
-    stream the next kernels wait for, so the host does not wait at all). The file holds the state
+    shared memory and returns; a writer process (started at the first save of a fit, stopped at
+    its end) pickles and writes the file the same way, off the training process's GIL, then a
+    thread moves the pointer and prunes, so the step waits only for the copy (from CUDA: pinned
+    buffers, copied on a side stream the next kernels wait for, so the host does not wait at
+    all). A writer process that dies is an error naming its pid and how it ended. The file holds the state
     at the boundary, whatever the steps during the write change. Staging memory: one copy of the
     state (model, optimizer and the rest, about the checkpoint's size), reused from save to save.
     One write runs at a time: a save that finds the previous one running waits for it (logged
@@ -170,8 +172,11 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             resume on another world size with the same ``batch_size`` and ``world_size x
             accumulation_steps`` (see :mod:`estimatorch.estimator._elastic`); set it from the
             run's first fit on, and on every resume. Defaults to False.
-        async_save: write checkpoints on a background thread; the step waits only for a copy of
-            the state into reused CPU buffers (see above). Defaults to False.
+        async_save: write checkpoints in the background; the step waits only for a copy of the
+            state into reused buffers (see above): True (or ``"process"``) by a writer process
+            (where none can run, not on Linux, True falls back to a thread, logged),
+            ``"thread"`` by a writer thread (which holds the GIL while it writes; a sharded
+            net's directories are always written by threads). Defaults to False.
         sharded: write checkpoints as directories every rank writes its part of (see above):
             None for a net sharded across ranks only, True also for a plain net (its checkpoints
             then load on any number of ranks, into a sharded net or a plain one), False never

@@ -1,8 +1,9 @@
 """Preemption as a cluster does it, in subprocesses: SIGTERM (to the whole process group, so the
 DataLoader workers get it too) or Ctrl-C during a step; the job checkpoints that step, exits with
 the conventional status, and the rerun resumes from the exact step, ending bit-identical to an
-uninterrupted run. With ``async_save=True`` the signal comes while the previous checkpoint is
-being written in the background: both files are durable before the process exits. (Two ranks:
+uninterrupted run. With ``async_save=True`` (the writer process) and ``"thread"`` the signal comes
+while the previous checkpoint is being written in the background: both files are durable before
+the process exits. (Two ranks:
 tests/estimator/test_stop_agreement.py.)"""
 
 from __future__ import annotations
