@@ -133,7 +133,7 @@ def test_incomplete_uploads_of_a_killed_writer_are_aborted_at_the_next_start(s3_
 
 
 # -- a failed upload ----------------------------------------------------------------------------
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_save", [False, "thread"], ids=["sync", "thread"])  # (the patch is this process's)
 def test_a_failed_upload_keeps_the_previous_checkpoint_and_pointer_and_names_the_url(s3_dir, monkeypatch,
                                                                                    async_save):
     real = _store.write_bytes
