@@ -57,8 +57,8 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
     its end) pickles and writes the file the same way, off the training process's GIL, then a
     thread moves the pointer and prunes, so the step waits only for the copy (from CUDA: pinned
     buffers, copied on a side stream the next kernels wait for, so the host does not wait at
-    all). A writer process that dies is an error naming its pid and how it ended. The file holds the state
-    at the boundary, whatever the steps during the write change. Staging memory: one copy of the
+    all). A writer process that dies is an error naming its pid and how it ended. The file
+    holds the state at the boundary, whatever the steps during the write change. Staging memory: one copy of the
     state (model, optimizer and the rest, about the checkpoint's size), reused from save to save.
     One write runs at a time: a save that finds the previous one running waits for it (logged
     once per fit). A write that failed is raised (naming the file and the errno) at the next save
@@ -519,9 +519,9 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
 
     def _write(self, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float], step_now: int,
                written: bool = False) -> None:
-        """On rank 0: the files of one save (at step ``step_now``; already ``written`` for a
-        sharded checkpoint), the periodic one first, then the best one; then the pointer,
-        retention and orphaned temporaries."""
+        """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
+        writer process, or for a sharded checkpoint), the periodic one first, then the best one;
+        then the pointer, retention and orphaned temporaries."""
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths if not written else ():
             checkpoint.atomic_save(state, path)
