@@ -349,7 +349,7 @@ def _stop_at_exit(ref: Callable[[], Optional[ProcessWriter]]) -> None:
 # -- in the writer process ---------------------------------------------------------------------
 def _die_with_parent(parent: int) -> None:
     """Be killed with the training process (Linux ``PR_SET_PDEATHSIG``)."""
-    import ctypes
+    import ctypes  # only in the writer process: the training process never needs it
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
