@@ -30,6 +30,7 @@ Linux only (``os.memfd_create``); :func:`process_writer_supported` says whether 
 from __future__ import annotations
 
 import atexit
+import ctypes
 import io
 import json
 import logging
@@ -349,7 +350,6 @@ def _stop_at_exit(ref: Callable[[], Optional[ProcessWriter]]) -> None:
 # -- in the writer process ---------------------------------------------------------------------
 def _die_with_parent(parent: int) -> None:
     """Be killed with the training process (Linux ``PR_SET_PDEATHSIG``)."""
-    import ctypes  # only in the writer process: the training process never needs it
 
     try:
         libc = ctypes.CDLL(None, use_errno=True)
