@@ -350,7 +350,6 @@ def _stop_at_exit(ref: Callable[[], Optional[ProcessWriter]]) -> None:
 # -- in the writer process ---------------------------------------------------------------------
 def _die_with_parent(parent: int) -> None:
     """Be killed with the training process (Linux ``PR_SET_PDEATHSIG``)."""
-
     try:
         libc = ctypes.CDLL(None, use_errno=True)
         libc.prctl(1, signal.SIGKILL, 0, 0, 0)  # PR_SET_PDEATHSIG
