@@ -19,7 +19,10 @@ divides by the raw ``torch.save`` median (for saves and ``build_payload``) or th
 ``torch.load`` median (for loads).
 
 With ``--stall`` it measures instead, in one run, what a checkpoint costs the training loop with
-``CheckpointHandler(async_save=False)`` and ``async_save=True``, for the 50.4M-parameter model
+``CheckpointHandler(async_save=False)`` (``sync``), ``async_save="thread"`` (the writer thread,
+which pickles and writes holding the GIL the steps need) and ``async_save=True`` (``process``:
+the writer process, the training process only copies into shared memory; ``--modes`` picks
+some), for the 50.4M-parameter model
 of 12 ``Linear(2048, 2048)`` with Adam (576 MiB of state; ``--small``: 2 ``Linear(256, 256)``, for
 the tests): each mode is a ``fit`` of ``--steps`` steps (batches of 8) in a fresh process,
 checkpointing every ``--batch-period`` batches, and reports
@@ -53,6 +56,7 @@ Usage::
     python benchmarks/checkpoint_cost.py --dir s3://bucket/bench --storage-options '{"key": ..., ...}'
     python benchmarks/checkpoint_cost.py --repeats 9 --json
     python benchmarks/checkpoint_cost.py --stall [--small] [--steps 24 --batch-period 6] [--json]
+    python benchmarks/checkpoint_cost.py --stall --modes thread,process   # the two writers only
     python benchmarks/checkpoint_cost.py --stall --device cuda     # the model and Adam on the GPU
 """
 
@@ -224,6 +228,8 @@ def print_object_store(res: dict[str, Any], url: str) -> None:
 
 
 # -- --stall: the step stall of a save, synchronous and async_save=True -------------------------
+#: --stall's modes: CheckpointHandler's async_save for each.
+ASYNC_SAVE: dict[str, Any] = {"sync": False, "thread": "thread", "process": True}
 STALL_MODELS = {"50.4M params (12 x Linear(2048, 2048))": (12, 2048), "small (2 x Linear(256, 256))": (2, 256)}
 
 
@@ -252,7 +258,8 @@ def memcpy_floor(net: nn.Module, optimizer: torch.optim.Optimizer, repeats: int 
 
 def stall_child(mode: str, layers: int, width: int, steps: int, period: int, directory: str,
                 device: str = "cpu") -> dict[str, Any]:
-    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode``; its figures.
+    """One fit with checkpoints every ``period`` batches, ``async_save`` by ``mode`` (``sync``,
+    ``thread`` or ``process``); its figures.
     On CUDA the batches are on the device already and each step's clock waits for the device
     (``torch.cuda.synchronize`` at ``batch_begin``), so that a step's time is the device's."""
     torch.manual_seed(common.SEED)
@@ -262,7 +269,7 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
     data = [(torch.randn(8, width).to(est.device), torch.randn(8, width).to(est.device)) for _ in range(steps)]
     sync = torch.cuda.synchronize if est.device.type == "cuda" else (lambda: None)
     handler = CheckpointHandler(directory, batch_period=period, epoch_period=None, max_checkpoints=2,
-                                async_save=mode == "async")
+                                async_save=ASYNC_SAVE[mode])
     begins: list[float] = []
     saves: list[list[float]] = []  # [start, returned]
     durable: list[float] = []
@@ -276,8 +283,8 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
         real_save(estimator, background)
         saves.append([start, time.perf_counter()])
 
-    def timed_write(*args: Any) -> None:
-        real_write(*args)
+    def timed_write(*args: Any, **kwargs: Any) -> None:
+        real_write(*args, **kwargs)
         durable.append(time.perf_counter())
 
     handler._save, handler._write = timed_save, timed_write  # type: ignore[method-assign]
@@ -364,7 +371,7 @@ def measure_stall(args: argparse.Namespace) -> dict[str, Any]:
     name = list(STALL_MODELS)[1 if args.small else 0]
     layers, width = STALL_MODELS[name]
     results = {}
-    for mode in ("sync", "async"):
+    for mode in args.modes:
         directory = tempfile.mkdtemp(prefix="estimatorch-stall-", dir=args.dir)
         try:
             done = subprocess.run([sys.executable, os.path.abspath(__file__), "--stall-child", mode, "--dir", directory,
@@ -386,8 +393,8 @@ def _ms(values: list[float]) -> str:
 
 def print_stall(out: dict[str, Any], args: argparse.Namespace) -> None:
     results = out["results"]
-    floor = statistics.median(results["async"]["memcpy_floor_s"] + results["sync"]["memcpy_floor_s"])
-    first = results["sync"]
+    floor = statistics.median([t for res in results.values() for t in res["memcpy_floor_s"]])
+    first = next(iter(results.values()))
     print(f"\n{out['model']}: {first['parameters'] / 1e6:.1f}M parameters, state (model + Adam) "
           f"{common.human_bytes(first['state_bytes'])}; {args.steps} steps, a checkpoint every {args.batch_period}; "
           f"memcpy floor {floor * 1e3:.1f} ms (median)")
@@ -396,7 +403,7 @@ def print_stall(out: dict[str, Any], args: argparse.Namespace) -> None:
         costs = res["save_costs"]
         cost = {key: [c[key] for c in costs] for key in ("stall_s", "following_steps", "following_s", "total_s")}
         total = f"{statistics.median(cost['total_s']) / floor:.1f}x" if costs else "-"
-        rows.append([f"async_save={mode == 'async'}", _ms(res["save_call_s"]),
+        rows.append([f"{mode} (async_save={ASYNC_SAVE[mode]!r})", _ms(res["save_call_s"]),
                      f"{statistics.median(res['save_call_s']) / floor:.1f}x", _ms(cost["stall_s"]),
                      f"{statistics.median(cost['following_steps']):g}" if costs else "-", _ms(cost["following_s"]),
                      _ms(cost["total_s"]), total, f"{len(costs)}/{res['saves']}", _ms(res["step_clean_s"]),
@@ -429,7 +436,9 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--batch-period", type=int, default=None,
                         help="--stall: a checkpoint every this many steps (default 6, --small 4)")
     parser.add_argument("--device", default="cpu", help="--stall: where the model trains (default cpu; e.g. cuda)")
-    parser.add_argument("--stall-child", choices=["sync", "async"], help=argparse.SUPPRESS)
+    parser.add_argument("--modes", default="sync,thread,process",
+                        help="--stall: the comma-separated modes to run, of sync, thread, process (default all)")
+    parser.add_argument("--stall-child", choices=list(ASYNC_SAVE), help=argparse.SUPPRESS)
     parser.add_argument("--layers", type=int, help=argparse.SUPPRESS)
     parser.add_argument("--width", type=int, help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
@@ -444,6 +453,10 @@ def main(argv: Optional[list[str]] = None) -> int:
         parser.error(f"--device must name a torch device, got {args.device!r}")
     if device.type == "cuda" and not torch.cuda.is_available():
         parser.error(f"--device {args.device!r}: CUDA is not available on this machine")
+    modes = [mode.strip() for mode in args.modes.split(",")]
+    if not modes or any(mode not in ASYNC_SAVE for mode in modes) or len(set(modes)) != len(modes):
+        parser.error(f"--modes must name distinct modes of {', '.join(ASYNC_SAVE)}, got {args.modes!r}")
+    args.modes = modes
     args.steps = args.steps or (12 if args.small else 24)
     args.batch_period = args.batch_period or (4 if args.small else 6)
     if args.stall_child:
@@ -455,7 +468,8 @@ def main(argv: Optional[list[str]] = None) -> int:
         info = common.machine_info(device)
         if args.json:
             print(json.dumps({"machine": info, "settings": {"steps": args.steps, "batch_period": args.batch_period,
-                                                            "threads": args.threads, "device": args.device},
+                                                            "threads": args.threads, "device": args.device,
+                                                            "modes": args.modes},
                               **stall}, indent=2))
         else:
             common.print_machine(info)

@@ -93,11 +93,13 @@ def test_each_micro_batch_of_an_elastic_fit_draws_from_its_place_on_the_gpu(tmp_
         assert torch.equal(got, wanted)
 
 
-def test_async_save_copies_through_pinned_buffers_and_writes_the_boundarys_state(tmp_path):
+@pytest.mark.parametrize("kind", [True, "thread"], ids=["process", "thread"])
+def test_async_save_copies_through_pinned_buffers_and_writes_the_boundarys_state(tmp_path, kind):
     """The copy runs on a side stream the training stream waits for: a change made right after
-    the save returns (queued on the training stream) never reaches the file."""
+    the save returns (queued on the training stream) never reaches the file. (The writer
+    process's staging is shared memory registered with CUDA: pinned as well.)"""
     est = _estimator(deterministic=True)
-    handler = CheckpointHandler(tmp_path, batch_period=7, epoch_period=None, max_checkpoints=None, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=7, epoch_period=None, max_checkpoints=None, async_save=kind)
     at_boundary = {}
 
     class Scribble(BatchBegin, BatchEnd):

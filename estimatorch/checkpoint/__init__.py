@@ -86,6 +86,7 @@ from ._store import check_reachable, is_url
 from ._store import configure as configure_store
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
+from ._writer_process import ProcessWriter, SharedStaging, WriterProcessError, make_writer, process_writer_supported
 
 __all__ = [
     "FORMAT_VERSION",
@@ -97,6 +98,11 @@ __all__ = [
     "check_snapshot_structure",
     "LOCK_NAME",
     "BackgroundWriter",
+    "ProcessWriter",
+    "SharedStaging",
+    "WriterProcessError",
+    "process_writer_supported",
+    "make_writer",
     "CheckpointError",
     "DirectoryLock",
     "DirectoryLockedError",

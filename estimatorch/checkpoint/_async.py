@@ -69,6 +69,23 @@ class Staging:
             events.append(event)
         return copy, events
 
+    @staticmethod
+    def tensors(obj: Any, path: Path = (), memo: Optional[set] = None) -> Any:
+        """``(path, tensor)`` of each tensor of ``obj`` that :meth:`stage` copies into a reused
+        buffer (strided, not quantized), once per tensor, in the order :meth:`stage` copies them."""
+        memo = set() if memo is None else memo
+        if isinstance(obj, torch.Tensor):
+            if id(obj) not in memo:
+                memo.add(id(obj))
+                if obj.layout == torch.strided and not obj.is_quantized:
+                    yield path, obj
+        elif type(obj) in (dict, OrderedDict):
+            for key, value in obj.items():
+                yield from Staging.tensors(value, (*path, key), memo)
+        elif type(obj) in (list, tuple):
+            for i, value in enumerate(obj):
+                yield from Staging.tensors(value, (*path, i), memo)
+
     def _walk(self, obj: Any, path: Path, used: dict, memo: dict, streams: dict) -> Any:
         if isinstance(obj, torch.Tensor):
             staged = memo.get(id(obj))
@@ -173,11 +190,18 @@ class BackgroundWriter:
             self.waited_seconds += time.perf_counter() - start
         self.wait()
 
+    def close(self) -> None:
+        """The fit ends: wait for the write in flight (keeping its error for :meth:`wait`)."""
+        self.join()
+
     def submit(self, payload: Any, write: Callable[[Any], None]) -> None:
         """Copy ``payload``'s tensors into the staging buffers and call ``write(copy)`` on the
         writer thread. Waits first for the previous write (raising its error, if it failed)."""
         self.finish_previous()
-        staged, ready = self.staging.stage(payload)
+        self._start(self.staging, payload, write)
+
+    def _start(self, staging: Staging, payload: Any, write: Callable[[Any], None]) -> None:
+        staged, ready = staging.stage(payload)
         self._thread = threading.Thread(target=self._run, args=(write, staged, ready),
                                         name="estimatorch-checkpoint-writer")
         self._thread.start()

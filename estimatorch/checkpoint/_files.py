@@ -182,6 +182,22 @@ class _Sink:
         self.file.flush()
 
 
+def reserve_temporary(path: PathLike) -> str:
+    """A temporary file name for :func:`atomic_save` of ``path`` by another process (the
+    background writer process), marked in flight in this one until :func:`release_temporary`:
+    this process's cleanup of orphans never takes it for one while it is being written."""
+    path = os.path.abspath(os.fspath(path))
+    tmp = os.path.join(os.path.dirname(path), f".{os.path.basename(path)}.{secrets.token_hex(6)}.tmp")
+    _IN_FLIGHT.add(tmp)
+    return tmp
+
+
+def release_temporary(tmp: str) -> None:
+    """The write of a :func:`reserve_temporary` name ended (renamed, discarded, or orphaned by a
+    writer that died: then the next cleanup removes it)."""
+    _IN_FLIGHT.discard(tmp)
+
+
 def _discard(path: str) -> None:
     try:
         os.unlink(path)
@@ -191,11 +207,14 @@ def _discard(path: str) -> None:
         logger.warning("Could not remove the temporary file %s: %s", path, err)
 
 
-def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] = torch.save) -> None:
+def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] = torch.save,
+                temporary: Optional[str] = None) -> None:
     """Write ``obj`` to ``path`` so that ``path`` is either the old file or the complete new one.
 
-    The bytes go to a temporary file in the same directory, which is flushed and fsynced, then
-    renamed over ``path`` with ``os.replace``; the directory is fsynced last.
+    The bytes go to a temporary file in the same directory (``temporary``, a name from
+    :func:`reserve_temporary`, when another process writes for this one; else a new random
+    name), which is flushed and fsynced, then renamed over ``path`` with ``os.replace``; the
+    directory is fsynced last.
 
     At a URL (an object store), the bytes are made in memory and uploaded as one object, which
     appears whole or not at all (``_store.write_bytes``).
@@ -212,7 +231,11 @@ def atomic_save(obj: Any, path: PathLike, *, writer: Callable[[Any, Any], None] 
         return
     directory = os.path.dirname(os.path.abspath(path))
     try:
-        fd, tmp = _create_temporary(directory, os.path.basename(path))
+        if temporary is None:
+            fd, tmp = _create_temporary(directory, os.path.basename(path))
+        else:
+            tmp, fd = temporary, os.open(temporary, os.O_WRONLY | os.O_CREAT | os.O_EXCL | getattr(os, "O_BINARY", 0),
+                                         0o666)
     except OSError as err:
         raise _write_error(path, err) from err
     try:

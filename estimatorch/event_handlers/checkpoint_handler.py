@@ -53,10 +53,12 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
     file and the reason and leaves the earlier files and the pointer as they were.
 
     **Writing in the background** (``async_save=True``). A save copies the state's tensors into
-    CPU buffers and returns; a thread writes the file the same way, then moves the pointer and
-    prunes, so the step waits only for the copy (from CUDA: pinned buffers, copied on a side
-    stream the next kernels wait for, so the host does not wait at all). The file holds the state
-    at the boundary, whatever the steps during the write change. Staging memory: one copy of the
+    shared memory and returns; a writer process (started at the first save of a fit, stopped at
+    its end) pickles and writes the file the same way, off the training process's GIL, then a
+    thread moves the pointer and prunes, so the step waits only for the copy (from CUDA: pinned
+    buffers, copied on a side stream the next kernels wait for, so the host does not wait at
+    all). A writer process that dies is an error naming its pid and how it ended. The file
+    holds the state at the boundary, whatever the steps during the write change. Staging memory: one copy of the
     state (model, optimizer and the rest, about the checkpoint's size), reused from save to save.
     One write runs at a time: a save that finds the previous one running waits for it (logged
     once per fit). A write that failed is raised (naming the file and the errno) at the next save
@@ -172,8 +174,11 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             resume on another world size with the same ``batch_size`` and ``world_size x
             accumulation_steps`` (see :mod:`estimatorch.estimator._elastic`); set it from the
             run's first fit on, and on every resume. Defaults to False.
-        async_save: write checkpoints on a background thread; the step waits only for a copy of
-            the state into reused CPU buffers (see above). Defaults to False.
+        async_save: write checkpoints in the background; the step waits only for a copy of the
+            state into reused buffers (see above): True (or ``"process"``) by a writer process
+            (where none can run, not on Linux, True falls back to a thread, logged),
+            ``"thread"`` by a writer thread (which holds the GIL while it writes; a sharded
+            net's directories are always written by threads). Defaults to False.
         sharded: write checkpoints as directories every rank writes its part of (see above):
             None for a net sharded across ranks only, True also for a plain net (its checkpoints
             then load on any number of ranks, into a sharded net or a plain one), False never
@@ -199,7 +204,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                  batch_period: Optional[int] = None, max_checkpoints: Optional[int] = 5,
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
-                 elastic: bool = False, async_save: bool = False, sharded: Optional[bool] = None,
+                 elastic: bool = False, async_save: Union[bool, str] = False, sharded: Optional[bool] = None,
                  storage_options: Optional[dict[str, Any]] = None):
         if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
             raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
@@ -209,7 +214,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
         for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
                            ("save_best_only", save_best_only), ("save_weights_only", save_weights_only),
-                           ("elastic", elastic), ("async_save", async_save)):
+                           ("elastic", elastic)):
             check_bool(value, arg)
         if mode not in ("auto", "min", "max"):
             raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
@@ -244,7 +249,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"sharded must be None, True or False, got {sharded!r}")
         self.sharded = sharded
-        self._writer = checkpoint.BackgroundWriter() if async_save else None  # rank 0's (every rank's if sharded)
+        self._writer = checkpoint.make_writer(async_save)  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
                                             periodic=not save_best_only, best=save_best or save_best_only)
@@ -374,7 +379,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             self._epochs, self._batches = self.current_epoch, self.current_batch
             self._estimator = None
             if self._writer is not None:
-                self._writer.join()  # the lock is held until the last file is durable
+                self._writer.close()  # the lock is held until the last file is durable
             self._release_lock()
 
     def _finish_writes(self, estimator: EstimatorView) -> None:
@@ -487,9 +492,18 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             distributed.run_on_main(lambda: self._write(estimator, state, names, best, step),
                                     "CheckpointHandler writing a checkpoint")
         else:  # the previous background write's failure too
-            distributed.run_on_main(lambda: writer.submit(state, lambda staged: self._write(estimator, staged,
-                                                                                            names, best, step)),
+            distributed.run_on_main(lambda: self._submit(writer, estimator, state, names, best, step),
                                     "CheckpointHandler writing a checkpoint")
+
+    def _submit(self, writer: Any, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float],
+                step: int) -> None:
+        """Hand a save to the background writer: the files to its process (then the pointer and
+        retention on its thread), or everything to its thread (``async_save="thread"``)."""
+        if isinstance(writer, checkpoint.ProcessWriter):
+            writer.submit_files(state, [os.path.join(self.model_dir, name) for name in names],
+                                lambda: self._write(estimator, None, names, best, step, written=True))
+        else:
+            writer.submit(state, lambda staged: self._write(estimator, staged, names, best, step))
 
     def _save_sharded(self, estimator: EstimatorView, names: list[str], step: int, background: bool) -> None:
         """A sharded net's checkpoint directory, written by every rank (a collective; with
@@ -507,9 +521,9 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
 
     def _write(self, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float], step_now: int,
                written: bool = False) -> None:
-        """On rank 0: the files of one save (at step ``step_now``; already ``written`` for a
-        sharded checkpoint), the periodic one first, then the best one; then the pointer,
-        retention and orphaned temporaries."""
+        """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
+        writer process, or for a sharded checkpoint), the periodic one first, then the best one;
+        then the pointer, retention and orphaned temporaries."""
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths if not written else ():
             checkpoint.atomic_save(state, path)

@@ -155,12 +155,15 @@ class TakeOver(BatchEnd):
             self.pid = int(other.stdout)
 
 
-def test_a_lease_taken_over_by_another_writer_stops_this_one_at_its_next_save(s3_dir, monkeypatch):
+@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "writer-process"])
+def test_a_lease_taken_over_by_another_writer_stops_this_one_at_its_next_save(s3_dir, monkeypatch, async_save):
     monkeypatch.setattr(_lease, "RENEW_SECONDS", 3600.0)  # this fit never renews: the other takes it over
     estimator, loader = runs.build()
     take_over = TakeOver(s3_dir, at=3)
     with pytest.raises(checkpoint.LeaseLostError) as info:  # the save of step 3 comes after TakeOver's event
-        estimator.fit(loader, epochs=runs.EPOCHS, event_handlers=[handler(s3_dir, max_checkpoints=1), take_over])
+        # (with async_save the lease is held by this process, not the writer process: checked before handing over)
+        estimator.fit(loader, epochs=runs.EPOCHS,
+                      event_handlers=[handler(s3_dir, max_checkpoints=1, async_save=async_save), take_over])
     message = str(info.value)
     assert f"model_dir {s3_dir.url!r}: another writer took over its lease" in message, message
     assert f"pid {take_over.pid}" in message and "left that writer's checkpoints untouched" in message, message
@@ -224,7 +227,7 @@ def test_incomplete_uploads_of_a_killed_writer_are_aborted_at_the_next_start(s3_
 
 
 # -- a failed upload ----------------------------------------------------------------------------
-@pytest.mark.parametrize("async_save", [False, True], ids=["sync", "async"])
+@pytest.mark.parametrize("async_save", [False, "thread"], ids=["sync", "thread"])  # (the patch is this process's)
 def test_a_failed_upload_keeps_the_previous_checkpoint_and_pointer_and_names_the_url(s3_dir, monkeypatch,
                                                                                    async_save):
     real = _store.write_bytes

@@ -1,9 +1,11 @@
-"""CheckpointHandler(async_save=True): the step waits only for a copy of the state, a thread writes
-it. What is written is the state at the boundary; the files, pointer and retention are those of a
+"""CheckpointHandler(async_save=True): the step waits only for a copy of the state, a writer process
+writes it (``async_save="thread"``: a thread; each test runs with both where it can). What is
+written is the state at the boundary; the files, pointer and retention are those of a
 synchronous save; a failed background write is raised at the next save or in train_end, naming
 the file and the errno, with the earlier files kept; Ctrl-C during a write saves both.
 (SIGTERM in a subprocess: tests/integration/test_preemption.py; kills during background writes:
-tests/integration/test_fault_injection.py; two ranks: test_checkpoint_handler_distributed.py.)"""
+tests/integration/test_fault_injection.py; the writer process's own faults:
+tests/checkpoint/test_writer_process.py; two ranks: test_checkpoint_handler_distributed.py.)"""
 
 from __future__ import annotations
 
@@ -16,9 +18,12 @@ import pytest
 import torch
 
 from estimatorch import CheckpointHandler, checkpoint
-from estimatorch.checkpoint import _files
+from estimatorch.checkpoint import ProcessWriter, _files
 from estimatorch.event_handlers import BatchBegin, BatchEnd
 from tests.conftest import assert_tree_equal, ctrl_c_at, losses_recorder, make_batches, make_estimator
+
+#: async_save values: the writer process (the default) and the writer thread.
+KINDS = pytest.mark.parametrize("kind", [True, "thread"], ids=["process", "thread"])
 
 
 def _files_in(directory):
@@ -27,20 +32,29 @@ def _files_in(directory):
 
 class Gate:
     """Hold every background write of a periodic checkpoint until the training thread opens the
-    gate (from the next step's ``batch_begin``), so that the step runs during the write."""
+    gate (from the next step's ``batch_begin``), so that the step runs during the write (for
+    the writer process: before the writer thread hands the staged copy to it)."""
 
     def __init__(self, monkeypatch):
         self.opened, self.held = threading.Event(), []
-        real = checkpoint.atomic_save
+        real, real_handover = checkpoint.atomic_save, ProcessWriter._write
 
-        def held(obj, path, **kwargs):
+        def hold(path):
             if threading.current_thread() is not threading.main_thread() and os.fspath(path).endswith(".pt"):
                 self.held.append(os.path.basename(path))
                 assert self.opened.wait(60), "the training thread never opened the gate"
                 self.opened.clear()
+
+        def held(obj, path, **kwargs):
+            hold(path)
             real(obj, path, **kwargs)
 
+        def held_handover(writer, staged, paths):
+            hold(paths[0])
+            real_handover(writer, staged, paths)
+
         monkeypatch.setattr(checkpoint, "atomic_save", held)
+        monkeypatch.setattr(ProcessWriter, "_write", held_handover)
 
 
 class Snapshot(BatchEnd):
@@ -88,9 +102,10 @@ def _adam_estimator():
     return est
 
 
-def test_parameters_changed_right_after_the_save_returns_never_reach_the_file(tmp_path, monkeypatch):
+@KINDS
+def test_parameters_changed_right_after_the_save_returns_never_reach_the_file(kind, tmp_path, monkeypatch):
     gate = Gate(monkeypatch)
-    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, max_checkpoints=None, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, max_checkpoints=None, async_save=kind)
     est, snapshot, scribble = _adam_estimator(), Snapshot(), Scribble(gate, handler)
     est.fit(make_batches(6), batches=5, event_handlers=[handler, snapshot, scribble])
     assert gate.held == ["model-epoch0batch2.pt", "model-epoch0batch4.pt"]  # each write waited for the scribble
@@ -105,7 +120,7 @@ def test_parameters_changed_right_after_the_save_returns_never_reach_the_file(tm
 @pytest.mark.parametrize("max_checkpoints", [2, None])
 def test_background_writes_leave_the_files_a_synchronous_save_leaves(tmp_path, max_checkpoints):
     results = {}
-    for async_save in (False, True):
+    for async_save in (False, True, "thread"):
         directory = tmp_path / str(async_save)
         est, (losses, recorder) = _adam_estimator(), losses_recorder()
         handler = CheckpointHandler(directory, batch_period=1, max_checkpoints=max_checkpoints, async_save=async_save)
@@ -113,12 +128,13 @@ def test_background_writes_leave_the_files_a_synchronous_save_leaves(tmp_path, m
         files = _files_in(directory)
         payloads = {name: checkpoint.load(directory / name) for name in files if name.endswith(".pt")}
         results[async_save] = (files, losses, payloads, checkpoint.read_latest(directory, "model"), handler)
-    (files, losses, payloads, latest, _), (files_a, losses_a, payloads_a, latest_a, handler) = results.values()
-    assert files_a == files and latest_a == latest and losses_a == losses
-    for name in payloads:
-        for key in ("model", "optimizer"):
-            assert_tree_equal(payloads_a[name][key], payloads[name][key], f"{name} {key}")
-    assert handler._writer.staging.nbytes == _tensor_bytes(payloads_a[latest])  # one copy of the state
+    (files, losses, payloads, latest, _), *background = results.values()
+    for files_a, losses_a, payloads_a, latest_a, handler in background:
+        assert files_a == files and latest_a == latest and losses_a == losses
+        for name in payloads:
+            for key in ("model", "optimizer"):
+                assert_tree_equal(payloads_a[name][key], payloads[name][key], f"{name} {key}")
+        assert handler._writer.staging.nbytes == _tensor_bytes(payloads_a[latest])  # one copy of the state
 
 
 def _tensor_bytes(tree):
@@ -131,9 +147,10 @@ def _tensor_bytes(tree):
     return 0
 
 
-def test_the_staging_buffers_are_reused_from_save_to_save(tmp_path):
+@KINDS
+def test_the_staging_buffers_are_reused_from_save_to_save(kind, tmp_path):
     est = _adam_estimator()
-    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, max_checkpoints=None, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, max_checkpoints=None, async_save=kind)
     seen: list[dict] = []
 
     class Buffers(BatchBegin):  # the buffers of the model's and the optimizer's tensors, after each save
@@ -172,7 +189,7 @@ def test_a_failed_background_write_is_raised_at_the_next_save_and_keeps_the_earl
                                                                                           code):
     _fail_on(monkeypatch, checkpoint.checkpoint_name("model", 0, 4), code)
     est, steps = _adam_estimator(), Steps()
-    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, max_checkpoints=None, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, max_checkpoints=None, async_save="thread")
     with pytest.raises(OSError) as raised:
         est.fit(make_batches(8), batches=8, event_handlers=[handler, steps])
     assert raised.value.errno == code and os.strerror(code) in str(raised.value)
@@ -187,7 +204,7 @@ def test_a_failed_background_write_is_raised_at_the_next_save_and_keeps_the_earl
 def test_a_failed_last_write_is_raised_in_train_end_and_the_previous_checkpoint_is_kept(tmp_path, monkeypatch):
     _fail_on(monkeypatch, checkpoint.checkpoint_name("model", 0, 4))
     est = _adam_estimator()
-    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, max_checkpoints=1, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, max_checkpoints=1, async_save="thread")
     with pytest.raises(OSError, match="model-epoch0batch4.pt") as raised:
         est.fit(make_batches(8), batches=4, event_handlers=[handler])
     assert raised.value.errno == errno.ENOSPC and est.position.step == 4
@@ -196,7 +213,9 @@ def test_a_failed_last_write_is_raised_in_train_end_and_the_previous_checkpoint_
     assert checkpoint.load(tmp_path / "model-epoch0batch2.pt")["ranks"][0]["position"]["step"] == 2
 
 
-def test_ctrl_c_during_a_background_write_saves_both_checkpoints_and_resumes_bit_identically(tmp_path, monkeypatch):
+@KINDS
+def test_ctrl_c_during_a_background_write_saves_both_checkpoints_and_resumes_bit_identically(kind, tmp_path,
+                                                                                             monkeypatch):
     reference_losses, recorder = losses_recorder()
     reference = _adam_estimator()
     reference.fit(make_batches(8), batches=8, event_handlers=[recorder])
@@ -209,7 +228,7 @@ def test_ctrl_c_during_a_background_write_saves_both_checkpoints_and_resumes_bit
                 gate.opened.set()
 
     est = _adam_estimator()
-    handler = CheckpointHandler(tmp_path, batch_period=4, epoch_period=None, max_checkpoints=None, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=4, epoch_period=None, max_checkpoints=None, async_save=kind)
     with pytest.raises(KeyboardInterrupt):
         est.fit(make_batches(8), batches=8, event_handlers=[handler, ctrl_c_at(5), OpenLate()])
     assert gate.held == ["model-epoch0batch4.pt"] and est.interruption == "SIGINT"
@@ -220,7 +239,7 @@ def test_ctrl_c_during_a_background_write_saves_both_checkpoints_and_resumes_bit
     losses, recorder = losses_recorder()
     resumed = _adam_estimator()
     resumed.fit(make_batches(8), batches=8, event_handlers=[
-        CheckpointHandler(tmp_path, batch_period=4, epoch_period=None, max_checkpoints=None, async_save=True,
+        CheckpointHandler(tmp_path, batch_period=4, epoch_period=None, max_checkpoints=None, async_save=kind,
                           resume_from_checkpoint=True), recorder])
     assert losses == reference_losses[5:]
     assert_tree_equal(resumed.net.state_dict(), reference.net.state_dict(), "model")
@@ -238,22 +257,24 @@ def test_a_save_that_finds_the_previous_write_running_waits_and_says_so_once(tmp
 
     monkeypatch.setattr(checkpoint, "atomic_save", slow)
     est = _adam_estimator()
-    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, max_checkpoints=2, async_save=True)
+    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, max_checkpoints=2, async_save="thread")
     est.fit(make_batches(6), batches=6, event_handlers=[handler])
     waits = [r for r in estimatorch_log if "Waiting for the previous checkpoint write" in r.getMessage()]
     assert len(waits) == 1 and handler._writer.waits == 5
     assert _files_in(tmp_path) == ["model-epoch0batch5.pt", "model-epoch0batch6.pt", "model-latest"]
 
 
-def test_async_save_must_be_a_bool(tmp_path):
-    with pytest.raises(TypeError, match="async_save"):
-        CheckpointHandler(tmp_path, async_save="yes")
+@pytest.mark.parametrize("value", ["yes", 1, None])
+def test_async_save_must_be_a_bool_or_a_writer_kind(tmp_path, value):
+    with pytest.raises(ValueError, match=f"async_save must be False, True, 'process' or 'thread', got {value!r}"):
+        CheckpointHandler(tmp_path, async_save=value)
 
 
-def test_a_weights_export_in_the_background_holds_the_boundarys_weights(tmp_path, monkeypatch):
+@KINDS
+def test_a_weights_export_in_the_background_holds_the_boundarys_weights(kind, tmp_path, monkeypatch):
     gate = Gate(monkeypatch)
     handler = CheckpointHandler(tmp_path, batch_period=2, epoch_period=None, save_weights_only=True,
-                                max_checkpoints=None, async_save=True)
+                                max_checkpoints=None, async_save=kind)
     est, snapshot, scribble = _adam_estimator(), Snapshot(), Scribble(gate, handler)
     est.fit(make_batches(6), batches=3, event_handlers=[handler, snapshot, scribble])
     assert gate.held == ["model-epoch0batch2.weights.pt"] and scribble.scribbled == 1
@@ -261,8 +282,9 @@ def test_a_weights_export_in_the_background_holds_the_boundarys_weights(tmp_path
                       snapshot.states[2]["model"], "weights at step 2")
 
 
-def test_a_handler_that_wrote_in_the_background_pickles_without_its_buffers(tmp_path):
-    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, async_save=True)
+@KINDS
+def test_a_handler_that_wrote_in_the_background_pickles_without_its_buffers(kind, tmp_path):
+    handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, async_save=kind)
     _adam_estimator().fit(make_batches(2), batches=2, event_handlers=[handler])
     assert handler._writer.staging.nbytes > 0
     copy = pickle.loads(pickle.dumps(handler))

@@ -1,7 +1,9 @@
 """CheckpointHandler(async_save=True) under torch.distributed (2 gloo processes): rank 0 writes in
 the background what the ranks held at the boundary, whatever the steps during the write change;
 a run killed after a background save resumes bit-identically; a failed background write is an
-error on every rank at the next save (never a hang), the earlier files kept."""
+error on every rank at the next save (never a hang), the earlier files kept. The tests that patch
+the write in this process use the writer thread (``async_save="thread"``); the killed run writes
+with rank 0's writer process."""
 
 from __future__ import annotations
 
@@ -106,7 +108,7 @@ def _name(step):
 
 
 def test_rank_0_writes_the_state_at_the_boundary_whatever_the_steps_during_the_write_change(tmp_path):
-    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), True, False, 0, True, backend="gloo")
+    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), "thread", False, 0, True, backend="gloo")  # (patched here)
     assert r0["error"] is None and r1["error"] is None, (r0, r1)
     steps = EPOCHS * STEPS_PER_EPOCH
     assert r0["scribbled"] == steps // 2 - 1  # every save but the last had a step run during its write
@@ -130,7 +132,7 @@ def test_a_run_killed_after_background_saves_resumes_bit_identically(tmp_path):
 
 def test_a_failed_background_write_on_rank_0_is_an_error_on_every_rank_at_the_next_save(tmp_path):
     failing = _name(4)
-    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), True, False, 0, False, failing, backend="gloo")
+    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), "thread", False, 0, False, failing, backend="gloo")
     for result in (r0, r1):
         assert result["error"] == "OSError" and "No space left on device" in result["message"], result
         assert failing in result["message"] and result["step"] == 6, result  # the next save's boundary
@@ -142,7 +144,7 @@ def test_a_failed_background_write_on_rank_0_is_an_error_on_every_rank_at_the_ne
 
 def test_a_failed_last_background_write_is_an_error_on_every_rank_in_train_end(tmp_path):
     last = EPOCHS * STEPS_PER_EPOCH
-    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), True, False, 0, False, _name(last), backend="gloo")
+    r0, r1 = distributed.spawn(_fit, 2, str(tmp_path), "thread", False, 0, False, _name(last), backend="gloo")
     for result in (r0, r1):
         assert result["error"] == "OSError" and _name(last) in result["message"], result
         assert result["step"] == last, result  # the whole plan ran: raised in train_end

@@ -12,8 +12,9 @@ checkpoint after every batch, ``max_checkpoints=2``.
         "replace-pointer", "remove", "fsync" (before the X-th such call); for an object store
         (a URL DIR, its storage options as JSON in $STORAGE_OPTIONS), "upload", "multipart" or
         "sigterm" (see _arm_object_store). With --async the
-        checkpoints are written in the background (``async_save=True``): the kills inside the
-        write sequence land in the writer thread.
+        checkpoints are written in the background (``async_save=True``, the writer process, whose
+        own writes the kills inside the write sequence patched here do not reach; ``--async
+        thread``: the writer thread, where they land).
     python checkpoint_worker.py race --dir DIR --out OUT     (says "ready", fits at the time read from stdin)
     python checkpoint_worker.py fill --dir DIR --out OUT              (until the disk is full)
     python checkpoint_worker.py readonly --dir DIR --out OUT          (the mount turns read-only)
@@ -194,7 +195,8 @@ def main():
     parser.add_argument("--how")
     parser.add_argument("--at")
     parser.add_argument("--dir")
-    parser.add_argument("--async", dest="async_save", action="store_true")
+    parser.add_argument("--async", dest="async_save", nargs="?", const=True, default=False, choices=[True, "thread"],
+                        type=lambda value: value if value == "thread" else True)
     args = parser.parse_args()
     global ASYNC_SAVE
     ASYNC_SAVE = args.async_save

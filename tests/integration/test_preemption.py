@@ -1,8 +1,9 @@
 """Preemption as a cluster does it, in subprocesses: SIGTERM (to the whole process group, so the
 DataLoader workers get it too) or Ctrl-C during a step; the job checkpoints that step, exits with
 the conventional status, and the rerun resumes from the exact step, ending bit-identical to an
-uninterrupted run. With ``async_save=True`` the signal comes while the previous checkpoint is
-being written in the background: both files are durable before the process exits. (Two ranks:
+uninterrupted run. With ``async_save=True`` (the writer process) and ``"thread"`` the signal comes
+while the previous checkpoint is being written in the background: both files are durable before
+the process exits. (Two ranks:
 tests/estimator/test_stop_agreement.py.)"""
 
 from __future__ import annotations
@@ -30,18 +31,32 @@ from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.event_handlers import BatchEnd
 
 model_dir, step, signame, workers, out = sys.argv[1], int(sys.argv[2]), sys.argv[3], int(sys.argv[4]), sys.argv[5]
-async_save = sys.argv[6] == "async"
+async_save = {"sync": False, "process": True, "thread": "thread"}[sys.argv[6]]
 signalled = threading.Event()
-if async_save and step:  # the background write of the checkpoint before the signal waits for it
+
+
+def hold(path):
+    if path.endswith(f"batch{step - 1}.pt"):
+        assert signalled.wait(60), "no signal"
+        print("the signal came during the write of", os.path.basename(path), flush=True)
+
+
+if async_save == "thread" and step:  # the background write of the checkpoint before the signal waits for it
     real_save = checkpoint.atomic_save
 
     def held(obj, path, **kwargs):
-        if path.endswith(f"batch{step - 1}.pt"):
-            assert signalled.wait(60), "no signal"
-            print("the signal came during the write of", os.path.basename(path), flush=True)
+        hold(path)
         real_save(obj, path, **kwargs)
 
     checkpoint.atomic_save = held
+if async_save is True and step:  # the same, before the writer thread hands it to the writer process
+    real_handover = checkpoint.ProcessWriter._write
+
+    def held_handover(writer, staged, paths):
+        hold(paths[0])
+        real_handover(writer, staged, paths)
+
+    checkpoint.ProcessWriter._write = held_handover
 signal.signal(signal.SIGINT, signal.default_int_handler)  # a background start inherits SIGINT ignored
 torch.set_num_threads(1)
 
@@ -88,7 +103,7 @@ def run_script(tmp_path, model_dir, step=0, signame="SIGTERM", workers=0, tag="r
     out = tmp_path / f"{tag}.pt"
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script), str(model_dir), str(step), signame, str(workers), str(out),
-                           "async" if async_save else "sync"],
+                           {False: "sync", True: "process", "thread": "thread"}[async_save]],
                           capture_output=True, text=True, env=env, timeout=300, start_new_session=True)
     result = torch.load(out, weights_only=True) if out.exists() else None
     return proc, result
@@ -108,6 +123,7 @@ def reference(tmp_path_factory):
     ("SIGINT", 0, -signal.SIGINT, False),  # an unhandled KeyboardInterrupt: python ends itself by SIGINT
     ("SIGTERM", 0, 128 + signal.SIGTERM, True),  # during the background write of step 8's checkpoint
     ("SIGINT", 0, -signal.SIGINT, True),
+    ("SIGTERM", 0, 128 + signal.SIGTERM, "thread"),
 ])
 def test_a_preempted_job_loses_no_step_and_its_rerun_ends_bit_identical(signame, workers, status, async_save,
                                                                         tmp_path, reference):
