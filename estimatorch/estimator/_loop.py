@@ -16,6 +16,7 @@ from .._batches import to_device
 from ._interrupts import stop_exception
 from ._plan import limited
 from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
+from ._step_clock import StepClock
 from ._stop_agreement import rank_identical_stops
 
 __all__ = ["end_run", "run_loop"]
@@ -69,14 +70,19 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None
     pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
     processor, device, axis, multi = estimator.batch_processor, estimator.device, run.batch_axis, agreement.multi
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
+    batches = limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0])
+    move, fit_batch, clock = to_device, processor.fit_batch, None
+    if run.step_times is not None:  # the step-time split: pieces wrapped per epoch, none when off
+        clock = StepClock(run.step_times)
+        batches, move, fit_batch, batch_end = clock.wrap(batches, move, fit_batch, batch_end)
     started = pos.batch
     code = 0
-    for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
+    for batch in batches:
         signals.stoppable = run.at_boundary = False
-        batch = to_device(batch, device)
+        batch = move(batch, device)
         for fn in batch_begin:
             fn(estimator, batch=batch)
-        _, label, pred, loss = processor.fit_batch(estimator, batch, axis)
+        _, label, pred, loss = fit_batch(estimator, batch, axis)
         stop = identical = False
         for fn in batch_end:
             if fn(estimator, batch=batch, pred=pred, label=label, loss=loss):
@@ -101,6 +107,8 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None
             stop_for(run, code)
         if stop:
             break
+    if clock is not None:
+        clock.close()
     signals.stoppable = False
     if started == 0 and pos.batch == 0:
         raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "

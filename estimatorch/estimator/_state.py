@@ -33,6 +33,7 @@ from ..checkpoint import (
 )
 from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..events import Dispatch, state_attributes
+from ..events.timing import StepTimes
 from ..metrics.base import Metric, metric_name
 from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
@@ -89,6 +90,8 @@ class Run:
         self.started = False  # the loop holds this fit's state (a resume applied): worth recording
         self.evaluated = False
         self.stateless_metrics: set[str] = set()
+        #: where the steps' time goes, when a handler declares ``times_steps`` (else None)
+        self.step_times: Optional[StepTimes] = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
