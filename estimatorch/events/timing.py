@@ -44,12 +44,12 @@ class StepSplit:
     ``device_steps`` steps the device had finished.
 
     Example:
-        >>> a = StepSplit(steps=10, data=0.1, move=0.0, step=0.8, handlers=0.1)
-        >>> b = StepSplit(steps=30, data=0.5, move=0.0, step=2.4, handlers=0.3)
+        >>> a = StepSplit(steps=10, data=0.25, move=0.0, step=1.0, handlers=0.25)
+        >>> b = StepSplit(steps=30, data=0.75, move=0.0, step=4.0, handlers=0.5)
         >>> b - a
-        StepSplit(steps=20, data=0.4, move=0.0, step=1.6, handlers=0.2, device=None, device_steps=0)
-        >>> round((b - a).wall, 6), {k: round(v, 6) for k, v in (b - a).per_step().items()}
-        (2.2, {'data': 0.02, 'move': 0.0, 'step': 0.08, 'handlers': 0.01})
+        StepSplit(steps=20, data=0.5, move=0.0, step=3.0, handlers=0.25, device=None, device_steps=0)
+        >>> (b - a).wall, (b - a).per_step()
+        (3.75, {'data': 0.025, 'move': 0.0, 'step': 0.15, 'handlers': 0.0125})
     """
 
     steps: int = 0
