@@ -195,6 +195,7 @@ class SpeedMonitor(Handler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBeg
         self._cuda: Optional[torch.device] = None
         self._recording = False
         self._epoch_start: Optional[StepSplit] = None
+        self._in_fit = False  # evaluate() fires epoch and batch events too: measured only in fit
 
     def listens_to(self, event: str) -> bool:
         """``batch_begin`` and ``batch_end`` only to count the FLOPs of the first batch."""
@@ -204,7 +205,7 @@ class SpeedMonitor(Handler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBeg
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.flops, self.peak = self.flops_per_batch, self.peak_flops
         self.epoch_values, self.epoch_values_of = {}, None
-        self._counting = self.flops_per_batch is None
+        self._counting, self._in_fit = self.flops_per_batch is None, True
         device = estimator.device
         self._cuda = device if device.type == "cuda" else None
         if self.peak is None and self._cuda is not None:
@@ -220,6 +221,8 @@ class SpeedMonitor(Handler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBeg
             self._recording = True
 
     def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        if not self._in_fit:
+            return
         times = estimator.step_times
         self._epoch_start = times.split() if times is not None else None
         if self._cuda is not None:
@@ -245,7 +248,7 @@ class SpeedMonitor(Handler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBeg
 
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         times = estimator.step_times
-        if times is None:  # not in a fit that measures (evaluate's epoch events)
+        if times is None or not self._in_fit:  # evaluate's epoch events: nothing measured
             return
         start = self._epoch_start or StepSplit()
         values = speed_values(estimator, times.split(wait=True) - start)  # one wait per epoch on CUDA
@@ -261,6 +264,7 @@ class SpeedMonitor(Handler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBeg
         self.epoch_values, self.epoch_values_of = values, estimator.position.epoch
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        self._in_fit = self._counting = False
         if self._counter is not None:  # the first batch failed while counting
             self._counter.__exit__(None, None, None)
             self._counter = None

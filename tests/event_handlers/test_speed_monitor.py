@@ -7,12 +7,13 @@ import logging
 import math
 import os
 import pickle
+import time
 
 import pytest
 import torch
 from torch import nn
 
-from estimatorch import Estimator, LoggingHandler, SpeedMonitor, TensorBoardHandler
+from estimatorch import Estimator, LoggingHandler, SpeedMonitor, TensorBoardHandler, distributed
 from estimatorch.event_handlers._peak_flops import PEAK_FLOPS, matmul_precision, peak_flops
 from estimatorch.events import PARTS, EpochEnd, Handler
 from tests.conftest import make_batches, make_estimator
@@ -21,6 +22,7 @@ from tests.event_handlers.test_tensorboard import read_events
 WIDTHS = (16, 32, 24, 3)  # a Linear stack without bias: its FLOPs follow from the shapes
 BATCH, N_BATCHES = 8, 5
 TIMES = [f"time_{part}" for part in PARTS]
+SLEEP = 0.02
 needs_cuda = pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
 
 
@@ -184,6 +186,15 @@ def test_a_tracker_gets_the_epoch_and_interval_values(tmp_path):
         assert [step for step, _ in metrics[f"batch/{key}"]] == [2, 4, 6, 8]
 
 
+def test_in_evaluate_it_measures_nothing():
+    est = make_estimator()
+    monitor = SpeedMonitor()
+    est.fit(make_batches(3), epochs=1, event_handlers=[monitor])
+    values, flops = dict(monitor.epoch_values), monitor.flops
+    est.evaluate(make_batches(2), event_handlers=[monitor])
+    assert monitor.epoch_values == values and monitor.flops == flops
+
+
 def test_an_out_of_memory_error_still_names_its_phase_with_the_monitor(monkeypatch):
     from tests.estimator.test_oom import FAIL_AT, Tripwire
 
@@ -191,6 +202,41 @@ def test_an_out_of_memory_error_still_names_its_phase_with_the_monitor(monkeypat
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     with pytest.raises(torch.cuda.OutOfMemoryError, match=rf"out of memory in step {FAIL_AT} \(forward\)"):
         est.fit(make_batches(4), epochs=1, event_handlers=[SpeedMonitor()])
+
+
+# -- torch.distributed ------------------------------------------------------------------------
+class SlowOnRank1(torch.utils.data.Dataset):
+    def __init__(self, rank):
+        self.rank, self.data = rank, _data(4)
+
+    def __len__(self):
+        return len(self.data) * BATCH
+
+    def __getitem__(self, i):
+        if self.rank == 1:
+            time.sleep(SLEEP / BATCH)  # a batch waits SLEEP on rank 1 only
+        x, y = self.data[i // BATCH]
+        return x[i % BATCH], y[i % BATCH]
+
+
+def _fit_rank():
+    """One rank's fit with a SpeedMonitor: its History and FLOPs of a batch, handed back."""
+    torch.set_num_threads(1)
+    rank = distributed.get_rank()
+    est = _linear_stack()
+    monitor = SpeedMonitor(peak_flops=1e12)
+    loader = torch.utils.data.DataLoader(SlowOnRank1(rank), batch_size=BATCH)
+    history = est.fit(loader, epochs=2, event_handlers=[monitor])
+    return {key: history[key] for key in history.keys()}, monitor.flops
+
+
+@pytest.mark.distributed
+def test_the_epoch_values_are_every_ranks_mean_and_flops_the_sum():
+    (h0, flops0), (h1, flops1) = distributed.spawn(_fit_rank, 2, backend="gloo")
+    assert flops0 == flops1 == _stack_flops()  # each rank's batch: the loader's batch size
+    for key in (*TIMES, "flops_per_sec", "mfu"):
+        assert h0[key] == h1[key], key  # reduced: the same on every rank
+    assert all(v >= SLEEP / 2 for v in h0["time_data"])  # rank 1 waits SLEEP per batch, rank 0 hardly: the mean
 
 
 # -- CUDA -------------------------------------------------------------------------------------
