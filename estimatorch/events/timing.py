@@ -35,6 +35,8 @@ __all__ = ["PARTS", "StepSplit", "StepTimes"]
 PARTS = ("data", "move", "step", "handlers")
 
 _NS = 1e-9
+#: steps between two reads of the finished steps' CUDA events by the loop itself
+DRAIN = 64
 
 
 @dataclasses.dataclass(frozen=True)
@@ -102,8 +104,12 @@ class StepTimes:
         return self._free.pop() if self._free else torch.cuda.Event(enable_timing=True)
 
     def add_device_step(self, start: Any, end: Any) -> None:
-        """A step's events, recorded on the stream (read once the device has passed ``end``)."""
+        """A step's events, recorded on the stream (read once the device has passed ``end``).
+        Every :data:`DRAIN` steps the finished ones are read, so that an epoch without a reader
+        keeps a bounded pool of events (a query per pending event, no synchronisation)."""
         self._pending.append((start, end))
+        if len(self._pending) % DRAIN == 0:
+            self._read_events(wait=False)
 
     def _read_events(self, wait: bool) -> None:
         """Add the device time of every finished step (in order); with ``wait``, wait for the
