@@ -10,6 +10,7 @@ per step in locals: its cost per step is the handlers' and the step's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from .._batches import to_device
@@ -67,17 +68,16 @@ def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> 
 
 def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
-    pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
+    pos, signals, agreement = run.pos, run.signals, run.agreement
     processor, device, axis, multi = estimator.batch_processor, estimator.device, run.batch_axis, agreement.multi
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
-    batches = limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0])
     move, fit_batch, clock = to_device, processor.fit_batch, None
     if run.step_times is not None:  # the step-time split: pieces wrapped per epoch, none when off
         clock = StepClock(run.step_times)
-        batches, move, fit_batch, batch_end = clock.wrap(batches, move, fit_batch, batch_end)
+        move, fit_batch, batch_end = clock.wrap(move, fit_batch, batch_end)
     started = pos.batch
     code = 0
-    for batch in batches:
+    for batch in epoch_batches(run, epoch, clock):  # no name holds the data's iterator past an error
         signals.stoppable = run.at_boundary = False
         batch = move(batch, device)
         for fn in batch_begin:
@@ -113,6 +113,12 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None
     if started == 0 and pos.batch == 0:
         raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
                          "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
+
+
+def epoch_batches(run: Run, epoch: int, clock: Optional[StepClock]) -> Iterator[Any]:
+    """The epoch's batches from the current position (clocked when the split is on)."""
+    batches = limited(run.stream.epoch_iter(epoch, run.pos.batch), run.pos.batch, run.limits[0])
+    return batches if clock is None else clock.batches(batches)
 
 
 def end_epoch(estimator: Any, run: Run, epoch: int) -> bool:

@@ -20,7 +20,7 @@ __all__ = ["StepClock"]
 
 
 class StepClock:
-    """One epoch's clock: :meth:`wrap` the loop's pieces, :meth:`close` after its last batch.
+    """One epoch's clock: :meth:`wrap` the loop's pieces, iterate :meth:`batches`, then :meth:`close`.
 
     The parts follow each other: each reading ends the part before it and starts the next, so
     the parts add up to the steps' wall time by construction; ``mark`` is the last reading.
@@ -35,17 +35,16 @@ class StepClock:
         self.open = False  # a step began and its tail (the hooks after the optimizer) is not counted yet
         self.start: Any = None  # the CUDA event recorded as the current step's forward began
 
-    def wrap(self, batches: Iterable[Any], move: Callable[..., Any], fit_batch: Callable[..., Any],
-             batch_end: tuple[Callable[..., Any], ...]) -> tuple[Iterator[Any], Callable[..., Any],
-                                                                 Callable[..., Any], tuple[Callable[..., Any], ...]]:
-        """The batch iterator, the move to the device, ``fit_batch`` and the ``batch_end`` hooks,
-        clocked: a reading is inserted after the hook that steps the optimizer (the first
-        handler declaring ``accumulation_steps``; at the front when none does)."""
+    def wrap(self, move: Callable[..., Any], fit_batch: Callable[..., Any], batch_end: tuple[Callable[..., Any], ...]
+             ) -> tuple[Callable[..., Any], Callable[..., Any], tuple[Callable[..., Any], ...]]:
+        """The move to the device, ``fit_batch`` and the ``batch_end`` hooks, clocked: a reading
+        is inserted after the hook that steps the optimizer (the first handler declaring
+        ``accumulation_steps``; at the front when none does). The batches: :meth:`batches`."""
         owners = [getattr(fn, "__self__", None) for fn in batch_end]
         at = next((i + 1 for i, h in enumerate(owners) if h is not None
                    and declared(h, "accumulation_steps") is not None), 0)
         hooks = (*batch_end[:at], self._optimizer_done, *batch_end[at:])
-        return self._batches(batches), self._move(move), self._fit_batch(fit_batch), hooks
+        return self._move(move), self._fit_batch(fit_batch), hooks
 
     def close(self) -> None:
         """The epoch's batches are done: count the last step's tail (after a stop, the loop
@@ -55,7 +54,9 @@ class StepClock:
             self.open = False
 
     # -- the wrappers ---------------------------------------------------------------------------
-    def _batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+    def batches(self, batches: Iterable[Any]) -> Iterator[Any]:
+        """``batches``, clocked: the wait for each is ``data``; the time from a step's optimizer
+        reading to the next ask is that step's ``handlers``."""
         clock, ns, times = time.perf_counter_ns, self.ns, self.times
         iterator = iter(batches)
         while True:

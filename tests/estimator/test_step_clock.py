@@ -4,6 +4,7 @@ not clocked at all."""
 
 from __future__ import annotations
 
+import multiprocessing
 import time
 
 import pytest
@@ -156,6 +157,22 @@ def test_validation_at_the_epochs_end_is_not_in_the_split():
     est.fit(make_batches(n_batches=3), val_data=make_batches(n_batches=4), epochs=1,
             event_handlers=[Late()], num_sanity_val_steps=0)
     assert times[0].steps == 3 and times[0].wall < 4 * SLEEP
+
+
+class Boom(Handler, BatchEnd):
+    def batch_end(self, estimator, **kwargs):
+        if estimator.position.step == 2:
+            raise RuntimeError("boom")
+
+
+def test_a_failed_clocked_fit_leaves_no_loader_workers_behind():
+    """The clocked batches are held by no name of the loop: the error unwinds them, and the
+    DataLoader's workers stop before fit's end releases the data (a hang otherwise)."""
+    est = make_estimator()
+    loader = DataLoader(SlowData(8), batch_size=2, num_workers=2)
+    with pytest.raises(RuntimeError, match="boom") as raised:
+        est.fit(loader, epochs=1, event_handlers=[Watch(), Boom()])
+    assert raised.value is not None and multiprocessing.active_children() == []
 
 
 def test_without_a_handler_that_asks_nothing_is_clocked(monkeypatch):
