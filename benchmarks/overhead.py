@@ -26,6 +26,8 @@ Configurations:
 - ``default+50noop``: default + 50 handlers whose ``batch_end`` does nothing.
 - ``default-nobar`` (only with ``--configs``): the default set as ``fit`` adds it without a
   terminal, i.e. no progress bar.
+- ``default+speed`` (only with ``--configs``): default + ``SpeedMonitor()`` (the step-time
+  split, FLOPs counted in the first batch).
 - ``default+mlflow`` and ``default+wandb`` (only with ``--configs``; they need the ``mlflow``
   and ``wandb`` extras): default + ``MLflowHandler`` (a sqlite store in a temporary directory,
   created before the clock starts, as a store is once) or ``WandbHandler`` (offline, silent),
@@ -74,7 +76,7 @@ from estimatorch import Estimator  # noqa: E402  (after _common puts the checkou
 from estimatorch import event_handlers as eh  # noqa: E402
 
 REQUIRED = ["raw", "bare", "default", "default+tb+ckpt", "default+50noop"]
-EXTRA = ["default-nobar", "default+mlflow", "default+wandb"]
+EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed"]
 
 
 class NullStream(io.TextIOBase):
@@ -132,6 +134,8 @@ class Setup:
                                eh.CheckpointHandler(self._tmpdir(), epoch_period=1)]
         if config == "default+50noop":
             return handlers + [NoOpHandler() for _ in range(50)]
+        if config == "default+speed":
+            return handlers + [eh.SpeedMonitor()]
         if config == "default+mlflow":
             uri = f"sqlite:///{os.path.join(self._tmpdir(), 'runs.db')}"
             handler = eh.MLflowHandler(uri, experiment_name="bench", log_interval=50, artifact_location=self._tmpdir())

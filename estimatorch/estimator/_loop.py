@@ -10,12 +10,14 @@ per step in locals: its cost per step is the handlers' and the step's.
 
 from __future__ import annotations
 
+from collections.abc import Iterator
 from typing import Any, Optional
 
 from .._batches import batch_mover
 from ._interrupts import stop_exception
 from ._plan import limited
 from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
+from ._step_clock import StepClock
 from ._stop_agreement import rank_identical_stops
 
 __all__ = ["end_run", "run_loop"]
@@ -66,19 +68,23 @@ def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> 
 
 def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
-    pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
+    pos, signals, agreement = run.pos, run.signals, run.agreement
     processor = run.step or estimator.batch_processor  # run.step: the captured step (cuda_graphs)
     device, axis, multi = estimator.device, run.batch_axis, agreement.multi
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
     move = batch_mover(device)  # on CUDA, the copy of the next batch overlaps this step
+    fit_batch, clock = processor.fit_batch, None
+    if run.step_times is not None:  # the step-time split: pieces wrapped per epoch, none when off
+        clock = StepClock(run.step_times)
+        move, fit_batch, batch_end = clock.wrap(move, fit_batch, batch_end)
     started = pos.batch
     code = 0
-    for batch in limited(stream.epoch_iter(epoch, pos.batch), pos.batch, run.limits[0]):
+    for batch in epoch_batches(run, epoch, clock):  # no name holds the data's iterator past an error
         signals.stoppable = run.at_boundary = False
         batch = move(batch)
         for fn in batch_begin:
             fn(estimator, batch=batch)
-        _, label, pred, loss = processor.fit_batch(estimator, batch, axis)
+        _, label, pred, loss = fit_batch(estimator, batch, axis)
         stop = identical = False
         for fn in batch_end:
             if fn(estimator, batch=batch, pred=pred, label=label, loss=loss):
@@ -103,10 +109,18 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None
             stop_for(run, code)
         if stop:
             break
+    if clock is not None:
+        clock.close()
     signals.stoppable = False
     if started == 0 and pos.batch == 0:
         raise ValueError(f"train_data yielded no batches in epoch {epoch + 1}; "
                          "an iterator can be read only once: pass a re-iterable (list, DataLoader)")
+
+
+def epoch_batches(run: Run, epoch: int, clock: Optional[StepClock]) -> Iterator[Any]:
+    """The epoch's batches from the current position (clocked when the split is on)."""
+    batches = limited(run.stream.epoch_iter(epoch, run.pos.batch), run.pos.batch, run.limits[0])
+    return batches if clock is None else clock.batches(batches)
 
 
 def end_epoch(estimator: Any, run: Run, epoch: int) -> bool:

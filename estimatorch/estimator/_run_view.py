@@ -8,6 +8,7 @@ import dataclasses
 from typing import Any, Callable, Optional
 
 from ..events import Dispatch
+from ..events.timing import StepTimes
 from ._state import Position, Run, resume_plan
 
 __all__ = ["RunView"]
@@ -46,6 +47,12 @@ class RunView:
         for the current event to reach every handler; False outside ``fit``."""
         run = self._active
         return run is not None and bool(run.boundary_actions)
+
+    @property
+    def step_times(self) -> Optional[StepTimes]:
+        """Where the current (or last) fit's steps spent their time, when one of its handlers
+        declares ``times_steps`` (else None): see :mod:`estimatorch.events.timing`."""
+        return self._run.step_times if self._run is not None else None
 
     @property
     def validated(self) -> bool:

@@ -10,6 +10,7 @@ from .. import distributed, rng
 from .._checks import warn_user
 from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
 from ..events.monitor import resolve_monitors
+from ..events.timing import StepTimes
 from ._capture import check_capture
 from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
 from ._elastic import configure_elastic
@@ -55,6 +56,8 @@ def start_run(estimator: Any, train_data: Iterable[Any], val_data: Optional[Iter
     run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
               signal_guard(handlers, estimator.logger), limits)
     run.agreement.period = agreement_period(estimator.agree_every)
+    if any(declared(h, "times_steps") for h in handlers):
+        run.step_times = StepTimes(events=estimator.device.type == "cuda")
     run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])
     schedule_length(estimator, run.counts)  # a callable lr_scheduler can be sized: checked before any work
     if resume and estimator._last is not None:  # checked above: a resume has a fit to continue

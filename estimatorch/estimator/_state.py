@@ -32,7 +32,9 @@ from ..checkpoint import (
     check_snapshot_structure,
 )
 from ..event_handlers.lr_scheduler import epoch_learning_rates
+from ..event_handlers.speed_monitor import epoch_speed_values
 from ..events import Dispatch, state_attributes
+from ..events.timing import StepTimes
 from ..metrics.base import Metric, metric_name
 from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
@@ -91,6 +93,8 @@ class Run:
         self.stateless_metrics: set[str] = set()
         #: the step the loop runs in place of the batch processor (``cuda_graphs=True``), else None
         self.step: Any = None
+        #: where the steps' time goes, when a handler declares ``times_steps`` (else None)
+        self.step_times: Optional[StepTimes] = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
@@ -99,12 +103,13 @@ def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
 
 def record_history(estimator: Any, run: Run, epoch: int) -> None:
     """Record the epoch's values in the run's History: every train metric, the val metrics when
-    the epoch validated, and the learning rates the epoch trained with."""
+    the epoch validated, the learning rates the epoch trained with and a SpeedMonitor's values."""
     values = {metric_name(m): m.compute() for m in estimator.train_metrics}
     if run.evaluated:
         values.update((metric_name(m), m.compute()) for m in estimator.val_metrics)
         run.evaluated = False
     values.update(epoch_learning_rates(estimator))
+    values.update(epoch_speed_values(estimator))
     run.history.record(epoch + 1, values)
 
 

@@ -31,6 +31,7 @@ from .metric import MetricHandler
 from .mlflow_handler import MLflowHandler
 from .profiler import ProfilerHandler
 from .progress_bar import ProgressBarHandler
+from .speed_monitor import SpeedMonitor
 from .stopping import StoppingHandler
 from .tensorboard import TensorBoardHandler
 from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
@@ -60,6 +61,7 @@ __all__ = [
     "NonFiniteError",
     "ProfilerHandler",
     "ProgressBarHandler",
+    "SpeedMonitor",
     "StatefulHandler",
     "StoppingHandler",
     "TrainBegin",

@@ -42,6 +42,7 @@ from ..events import (
 from ..metrics.base import metric_name
 from ._paths import check_run_id
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
+from .speed_monitor import SplitReader, epoch_speed_values
 
 __all__ = ["Outcome", "Row", "TrackingHandler", "check_reachable", "require"]
 
@@ -215,6 +216,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         self._sent = 0.0
         #: the checkpoints the fit's handlers wrote and still hold (``checkpoint_saved``), in order
         self._checkpoints: dict[str, None] = {}
+        self._split = SplitReader()
 
     # -- what subclasses provide -------------------------------------------------------------
     def _check_tracker(self, estimator: EstimatorView) -> None:
@@ -249,6 +251,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         self._params = run_params(estimator) if distributed.is_main_process() else {}
         self.run_id, self.current_epoch, self.total_batches, self.history = None, 0, 0, {}
         self._sent, self._checkpoints = time.perf_counter(), {}
+        self._split.start(estimator)
         estimator.at_boundary(lambda: self._open(estimator))
 
     def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
@@ -260,6 +263,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         values = {f"{BATCH_PREFIX}{metric_name(m)}": m.compute() for m in estimator.train_metrics}  # every rank
         rates = [g["lr"] for g in estimator.optimizer.param_groups]
         values.update((f"{BATCH_PREFIX}{name}", rate) for name, rate in zip(learning_rate_names(len(rates)), rates))
+        values.update((f"{BATCH_PREFIX}{key}", value) for key, value in self._split.read(estimator).items())
         if distributed.is_main_process():
             self._pending.append(Row(self.total_batches, self.total_batches, values))
             if time.perf_counter() - self._sent >= SEND_SECS:
@@ -270,6 +274,7 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         metrics = list(estimator.train_metrics) + (list(estimator.val_metrics) if estimator.validated else [])
         values: dict[str, Any] = {metric_name(m): m.compute() for m in metrics}  # every rank: a collective
         values.update(epoch_learning_rates(estimator))
+        values.update(epoch_speed_values(estimator))
         row = to_host([Row(self.current_epoch, self.total_batches, values)])[0]
         self._record(row.values)
         if distributed.is_main_process():

@@ -18,6 +18,7 @@ from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHand
 from ..metrics.base import as_metric_list, metric_name
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from .lr_scheduler import epoch_learning_rates
+from .speed_monitor import SplitReader, epoch_speed_values, format_speed
 
 __all__ = ["LoggingHandler", "format_metrics", "model_summary"]
 
@@ -137,6 +138,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._in_fit = self._looped = False
         self._train_start = self._epoch_start = self._interval_start = time.perf_counter()
         self._validated = False
+        self._split = SplitReader()
         self._reset_counts()
 
     def listens_to(self, event: str) -> bool:
@@ -232,6 +234,7 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
         self._looped = True
+        self._split.start(estimator)
 
     def batch_end(self, estimator: EstimatorView, *, label: Any, **kwargs: Any) -> None:
         """Subscribed only with an int ``log_interval``."""
@@ -246,9 +249,10 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         now = time.perf_counter()
         values = self._values(self._shown(estimator, with_val=False))
         samples = "" if self.samples_in_epoch is None else f"[Samples {self.samples_in_epoch}]"
-        estimator.logger.info("%s[Batch %d]%s %.3fs/%d batches, %s", self._epoch_label(estimator),
+        speed = format_speed(self._split.read(estimator))
+        estimator.logger.info("%s[Batch %d]%s %.3fs/%d batches, %s%s", self._epoch_label(estimator),
                               self.batch_in_epoch, samples, now - self._interval_start,
-                              self._interval_batches, format_metrics(values))
+                              self._interval_batches, format_metrics(values), f"; {speed}" if speed else "")
         self._interval_start, self._interval_batches = now, 0
 
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
@@ -258,10 +262,12 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         self._validated = self._validated or estimator.validated
         values = format_metrics(self._values(self._shown(estimator, with_val=estimator.validated)))
         rates = _format_rates(epoch_learning_rates(estimator))
+        speed = format_speed(epoch_speed_values(estimator))
         batches = estimator.position.batch
         ran = f" ({batches - self._resume_batch} since resume)" if self._resume_epoch == self.current_epoch else ""
-        estimator.logger.info("%s Finished in %.3fs, %d batches%s: %s", self._epoch_label(estimator),
-                              elapsed, batches, ran, ", ".join(v for v in (values, rates) if v))
+        estimator.logger.info("%s Finished in %.3fs, %d batches%s: %s%s", self._epoch_label(estimator),
+                              elapsed, batches, ran, ", ".join(v for v in (values, rates) if v),
+                              f"; {speed}" if speed else "")
         self.current_epoch += 1
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
@@ -327,6 +333,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             self.samples_in_epoch = None if state["samples_in_epoch"] is None else int(state["samples_in_epoch"])
         self._interval_batches = 0
         self._epoch_start = self._interval_start = time.perf_counter()
+        if self._in_fit:
+            self._split.start(self._estimator)
         validated = state.get("validated")
         self._saved_validated = validated if isinstance(validated, bool) else None
         if self._in_fit:  # a resume: learn at its first boundary where it continued from

@@ -15,6 +15,7 @@ from ..metrics.base import metric_name
 from ._event_files import carry_over_events, event_files
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from .lr_scheduler import epoch_learning_rates, learning_rate_names
+from .speed_monitor import SplitReader, epoch_speed_values
 
 __all__ = ["TensorBoardHandler"]
 
@@ -106,6 +107,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._writer: Any = None
         self._logger: Any = None
         self._resume_at: Optional[tuple[int, int]] = None
+        self._split = SplitReader()
         self._reset_counters()
 
     def listens_to(self, event: str) -> bool:
@@ -177,6 +179,7 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
 
     def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset_counters()
+        self._split.start(estimator)
 
     # -- writes ----------------------------------------------------------------------------
     def _samples_per_sec(self, samples: int, since: float) -> float:
@@ -221,6 +224,8 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._write_lrs(estimator, "batch/", step)
         writer.add_scalar("batch/samples_per_sec",
                           self._samples_per_sec(self._interval_samples, self._interval_start), step)
+        for key, value in self._split.read(estimator).items():
+            writer.add_scalar(f"batch/{key}", value, step)
         self._interval_samples, self._interval_start = 0, time.perf_counter()
 
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
@@ -232,6 +237,8 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._write_lrs(estimator, EPOCH_PREFIX, step)
         writer.add_scalar(f"{EPOCH_PREFIX}samples_per_sec",
                           self._samples_per_sec(self._epoch_samples, self._epoch_start), step)
+        for key, value in epoch_speed_values(estimator).items():
+            writer.add_scalar(f"{EPOCH_PREFIX}{key}", value, step)
         writer.flush()  # the epoch's curves show up now, not at the next timed flush
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:

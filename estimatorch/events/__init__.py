@@ -7,6 +7,8 @@
   :class:`StatefulHandler`, which saves the declared state;
 - :class:`EstimatorView`: what a handler may read and call on the estimator;
 - :class:`Dispatch`: the per-event lists a step walks, decided once per ``fit``;
+- :mod:`.timing`: where the steps' time goes (``estimator.step_times``), for a handler that
+  declares ``times_steps``;
 - :mod:`.monitor`: the rule a handler monitoring a metric follows.
 
 The built-in handlers (:mod:`estimatorch.event_handlers`) use nothing else.
@@ -41,12 +43,14 @@ from .mixins import (
     TrainBegin,
     TrainEnd,
 )
+from .timing import PARTS, StepSplit, StepTimes
 from .view import EstimatorView, PositionView
 
 __all__ = [
     "BATCH_EVENTS",
     "EVENTS",
     "NOTICES",
+    "PARTS",
     "AfterTrainEnd",
     "BackwardBegin",
     "BackwardEnd",
@@ -62,6 +66,8 @@ __all__ = [
     "Handler",
     "PositionView",
     "StatefulHandler",
+    "StepSplit",
+    "StepTimes",
     "TrainBegin",
     "TrainEnd",
     "accumulation_steps",

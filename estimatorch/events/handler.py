@@ -5,7 +5,7 @@
 :meth:`~Handler.check_fit`, called before any work; which attributes are its state
 (``state_attributes``) and which of those count batches (``elastic_batch_counters``); and its
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
-``accumulation_steps``, :meth:`~Handler.stop_limits`). :class:`StatefulHandler` adds the
+``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`). :class:`StatefulHandler` adds the
 ``state_dict`` / ``load_state_dict`` of the declared state.
 
 A handler that inherits only the mixins works too: every declaration then has its default.
@@ -72,6 +72,9 @@ class Handler:
     elastic_batch_counters: ClassVar[tuple[str, ...]] = ()
     #: batches per optimizer step, for the handler that steps the optimizer; None for the others.
     accumulation_steps: Optional[int] = None
+    #: True when this handler reads ``estimator.step_times``: ``fit`` then measures where each
+    #: step's time goes (a few microseconds per step; nothing when no handler asks).
+    times_steps: bool = False
 
     def __init_subclass__(cls, **kwargs: Any) -> None:
         super().__init_subclass__(**kwargs)

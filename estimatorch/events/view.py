@@ -14,6 +14,8 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from .timing import StepTimes
+
 __all__ = ["EstimatorView", "PositionView"]
 
 
@@ -71,6 +73,11 @@ class EstimatorView(Protocol):
     @property
     def batches_per_epoch(self) -> Optional[int]:
         """Batches an epoch of the current (or last) fit trains, when known."""
+
+    @property
+    def step_times(self) -> Optional[StepTimes]:
+        """Where the current (or last) fit's steps spent their time, when a handler declares
+        ``times_steps`` (else None): take ``.split()`` now and then (see :mod:`.timing`)."""
 
     @property
     def validated(self) -> bool:
