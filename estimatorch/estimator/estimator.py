@@ -38,9 +38,7 @@ from ._setup import (
     val_metric_list,
 )
 from ._start import start_run
-from ._state import (
-    Run,
-)
+from ._state import Run, Stage
 from ._strategy import check_strategy, train_wrapper, wraps
 from .batch_processor import BatchProcessor
 from .history import History
@@ -321,7 +319,7 @@ class Estimator(RunView):
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
                     self.net.train()
                     build_scheduler(self, run)
-                    run.at_boundary, run.began = False, True
+                    run.stage = Stage.SETTING_UP
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
                     run_loop(self, run)
@@ -339,7 +337,7 @@ class Estimator(RunView):
                 return run.history
         finally:
             self._dispatch, self._fitting = Dispatch([]), False
-            if not run.started:  # failed before training began: the estimator stays as it was
+            if not run.stage.holds_state:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
