@@ -65,7 +65,7 @@ def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> 
         restore_snapshot(estimator, run, pending)
 
 
-def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
+def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset[Any]) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
     pos, stream, signals, agreement = run.pos, run.stream, run.signals, run.agreement
     processor, device, axis, multi = estimator.batch_processor, estimator.device, run.batch_axis, agreement.multi

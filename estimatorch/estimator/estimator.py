@@ -197,7 +197,7 @@ class Estimator(RunView):
         (unless it is sharded: see ``strategy``)."""
         return self._ddp if self._ddp is not None else self.net
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of ``precision`` (a no-op for ``"32"``)."""
         if self._amp_dtype is None:
             return _NO_AUTOCAST
