@@ -31,10 +31,10 @@ Step = Callable[[Any], "tuple[Any, Any, Any]"]
 #: the "epoch" of an evaluated sample's seed: ``(seed, _INFERENCE_EPOCH, index)``.
 _INFERENCE_EPOCH = -0x5EED
 #: loaders with persistent workers keep their rebuilt copy (and its workers) between evaluations.
-_SEEDED: "weakref.WeakKeyDictionary[DataLoader, tuple[int, DataLoader]]" = weakref.WeakKeyDictionary()
+_SEEDED: "weakref.WeakKeyDictionary[DataLoader[Any], tuple[int, DataLoader[Any]]]" = weakref.WeakKeyDictionary()
 
 
-class _SeededSamples(Dataset):
+class _SeededSamples(Dataset[Any]):
     """A map-style dataset whose every sample's random draws (torch, python ``random``, numpy's
     legacy global generator and :func:`estimatorch.rng.default_numpy_rng`) are seeded from
     ``(seed, index)``, as training samples are from ``(seed, epoch, index)``: evaluating gives
@@ -61,7 +61,7 @@ def _seeded(data: Iterable[Any], seed: int) -> Iterable[Any]:
     if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset) \
             or isinstance(data.dataset, _SeededSamples) or draws_no_randomness(data.dataset):
         return data
-    cached: Optional[tuple[int, DataLoader]] = _SEEDED.get(data)
+    cached: Optional[tuple[int, DataLoader[Any]]] = _SEEDED.get(data)
     if cached is not None and cached[0] == seed:
         return cached[1]
     kwargs = dict(collate_fn=data.collate_fn, generator=data.generator, **loader_kwargs(data))

@@ -75,7 +75,7 @@ class _EpochReplayStream(TrainStream):
     # positioned by a replay that set_epoch makes exact: said at the resume, not as a doubt at fit start
     exact = True
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader], seed: int, buffers: list[int]):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int]):
         super().__init__(seed)
         self.dataset = dataset
         self.data: Any = loader if loader is not None else dataset
@@ -98,7 +98,7 @@ class _EpochReplayStream(TrainStream):
         return itertools.islice(order, start, None)
 
 
-def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader], seed: int) -> TrainStream:
+def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
     if maps_in_threads(dataset):
         warn_user(

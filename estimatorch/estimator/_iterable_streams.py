@@ -40,7 +40,7 @@ __all__ = ["StatefulIterableStream", "check_num_workers"]
 _WORKER_SALT = 0x3E11
 
 
-class _StateCapture(IterableDataset):
+class _StateCapture(IterableDataset[Any]):
     """What the rebuilt loader iterates: the user's dataset batched and collated here, each batch
     as ``(batch, meta)``; ``meta`` says which worker made it, how many it made this epoch, whether
     the dataset ended with it and (in workers) the dataset's state after it. A worker's last item
@@ -144,7 +144,7 @@ class StatefulIterableStream(TrainStream):
     """An ``IterableDataset`` with ``state_dict``/``load_state_dict``, alone or in a DataLoader
     (any ``num_workers``): every resume continues each copy of the dataset from its own state."""
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader], seed: int):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int):
         super().__init__(seed)
         self.dataset = dataset
         self.workers = loader.num_workers if loader is not None else 0
@@ -154,7 +154,7 @@ class StatefulIterableStream(TrainStream):
         drop_last = loader.drop_last if loader is not None else False
         self._capture = _StateCapture(dataset, batch_size, drop_last, collate, seed, capture=self.workers > 0)
         self._generator = torch.Generator()
-        self.loader: Optional[DataLoader] = None
+        self.loader: Optional[DataLoader[Any]] = None
         if loader is not None:
             self.loader = DataLoader(self._capture, batch_size=None, collate_fn=identity,
                                      generator=self._generator, **loader_kwargs(loader))
@@ -232,7 +232,7 @@ class StatefulIterableStream(TrainStream):
         """The batches in round-robin over the workers, from the one after the last trained;
         a worker whose data ended drops out. What each batch says is recorded as it is trained."""
         n = len(self._ended)
-        held: list[deque] = [deque() for _ in range(n)]
+        held: list[deque[Any]] = [deque() for _ in range(n)]
         turn = (self._last + 1) % n
         while not all(self._ended):
             worker = turn

@@ -11,7 +11,7 @@ from .. import distributed
 __all__ = ["MainProcessFilter", "default_logger"]
 
 
-class _StdoutHandler(logging.StreamHandler):
+class _StdoutHandler(logging.StreamHandler):  # type: ignore[type-arg]  # not subscriptable on Python 3.10
     """Writes to whatever ``sys.stdout`` is at the time (a notebook cell, pytest's capture)."""
 
     @property

@@ -16,7 +16,7 @@ from typing import Any, Optional
 from .._batches import batch_mover
 from ._interrupts import stop_exception
 from ._plan import limited
-from ._state import Run, describe_plan, record_history, restore_snapshot, take_snapshot
+from ._state import Run, Stage, describe_plan, record_history, restore_snapshot, take_snapshot
 from ._step_clock import StepClock
 from ._stop_agreement import rank_identical_stops
 
@@ -54,19 +54,20 @@ def begin(estimator: Any, run: Run) -> tuple[bool, Optional[dict[str, Any]]]:
     if pending is not None:  # a mid-epoch resume: that epoch begins again, then state returns
         run.pos.epoch = pending["position"]["epoch"]
     else:
-        run.started = True
+        run.stage = Stage.STEPPING
     return False, pending
 
 
 def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> None:
     """``epoch_begin``, then the state of a mid-epoch resume (after the handlers reset)."""
-    run.at_boundary = False
+    if run.stage is Stage.AT_BOUNDARY:  # (still SETTING_UP before a mid-epoch resume)
+        run.stage = Stage.STEPPING
     run.dispatch.fire("epoch_begin", estimator)
     if pending is not None:
         restore_snapshot(estimator, run, pending)
 
 
-def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None:
+def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset[Any]) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
     pos, signals, agreement = run.pos, run.signals, run.agreement
     processor = run.step or estimator.batch_processor  # run.step: the captured step (cuda_graphs)
@@ -79,8 +80,10 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None
         move, fit_batch, batch_end = clock.wrap(move, fit_batch, batch_end)
     started = pos.batch
     code = 0
+    stepping, boundary = Stage.STEPPING, Stage.AT_BOUNDARY
     for batch in epoch_batches(run, epoch, clock):  # no name holds the data's iterator past an error
-        signals.stoppable = run.at_boundary = False
+        signals.stoppable = False
+        run.stage = stepping
         batch = move(batch)
         for fn in batch_begin:
             fn(estimator, batch=batch)
@@ -99,7 +102,7 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset) -> None
         pos.batch += 1
         pos.step += 1
         pos.phase, pos.stop = "batch_end", stop
-        run.at_boundary = True
+        run.stage = boundary
         if run.boundary_actions:
             run_boundary_actions(run)
         if not multi:  # one process: a signal now stops here, one while waiting for data at once
@@ -126,13 +129,13 @@ def epoch_batches(run: Run, epoch: int, clock: Optional[StepClock]) -> Iterator[
 def end_epoch(estimator: Any, run: Run, epoch: int) -> bool:
     """``epoch_end``, the history, the stop agreement and the boundary; True when the loop ends."""
     pos, signals = run.pos, run.signals
-    run.at_boundary = False
+    run.stage = Stage.STEPPING
     stop = run.dispatch.fire("epoch_end", estimator)
     record_history(estimator, run, epoch)
     stop, code = run.agreement.after_epoch(stop, signals.code)
     pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"
     pos.stop = pos.stop or stop
-    run.at_boundary = True
+    run.stage = Stage.AT_BOUNDARY
     if run.boundary_actions:
         run_boundary_actions(run)
     if code or (not run.agreement.multi and signals.code):
@@ -158,10 +161,12 @@ def end_run(estimator: Any, run: Run, failed: bool) -> None:
     """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
     snapshot_error = _final_snapshot(estimator, run, failed)
     try:
-        if run.began:
+        if run.stage.began:
             run.dispatch.fire_train_end(estimator, failed or snapshot_error is not None)
     finally:
         run.stream.close()
+        if run.stage.holds_state:
+            run.stage = Stage.ENDED
     if snapshot_error is not None and not failed:
         raise snapshot_error
 
@@ -170,10 +175,10 @@ def _final_snapshot(estimator: Any, run: Run, failed: bool) -> Optional[Exceptio
     """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
     held any state of its own); return the error if a handler's ``state_dict`` fails, so
     that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
-    if not run.started:
+    if not run.stage.holds_state:
         return None
     try:
-        estimator._last = take_snapshot(estimator, run, partial=not run.at_boundary)
+        estimator._last = take_snapshot(estimator, run, partial=run.stage is not Stage.AT_BOUNDARY)
         return None
     except Exception as err:  # reported after train_end, or logged if another error is on its way
         estimator._last = None

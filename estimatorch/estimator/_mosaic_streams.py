@@ -42,7 +42,7 @@ def is_streaming_dataset(dataset: Any) -> bool:
                for c in type(dataset).__mro__)
 
 
-class _Batches(IterableDataset):
+class _Batches(IterableDataset[Any]):
     """What the rebuilt loader iterates: the dataset's samples batched (and collated) in the
     worker that reads them, the generators reseeded before each batch (in a worker)."""
 
@@ -70,7 +70,7 @@ class _Batches(IterableDataset):
 class _StreamingStream(TrainStream):
     """A ``StreamingDataset``: every epoch positioned by the dataset's own resume state."""
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader], seed: int):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int):
         super().__init__(seed)
         self.dataset = dataset
         batch_size = loader.batch_size if loader is not None else None
@@ -87,7 +87,7 @@ class _StreamingStream(TrainStream):
         drop_last = loader.drop_last if loader is not None else False
         self._batches = _Batches(dataset, batch_size, drop_last, collate, seed)
         self._generator = torch.Generator()
-        self.loader: Optional[DataLoader] = None
+        self.loader: Optional[DataLoader[Any]] = None
         if loader is not None:
             kwargs = loader_kwargs(loader)
             kwargs["persistent_workers"] = False  # each epoch's workers are given its position
@@ -125,6 +125,6 @@ class _StreamingStream(TrainStream):
         return iter(self.loader)
 
 
-def streaming_stream(dataset: Any, loader: Optional[DataLoader], seed: int) -> TrainStream:
+def streaming_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``StreamingDataset``, alone or in ``loader``."""
     return _StreamingStream(dataset, loader, seed)

@@ -95,15 +95,15 @@ class _RoundRobin:
 
 
 #: rebuilt loaders of sources with persistent workers, so their workers persist across calls.
-_REBUILT: "weakref.WeakKeyDictionary[DataLoader, tuple[tuple[int, int, bool], DataLoader, _RoundRobin]]" = \
+_REBUILT: "weakref.WeakKeyDictionary[DataLoader[Any], tuple[tuple[int, int, bool], DataLoader[Any], _RoundRobin]]" = \
     weakref.WeakKeyDictionary()
 
 
-def _active_sampler(loader: DataLoader) -> Any:
+def _active_sampler(loader: DataLoader[Any]) -> Any:
     return loader.batch_sampler if loader.batch_sampler is not None else loader.sampler
 
 
-def _shards_itself(loader: DataLoader) -> bool:
+def _shards_itself(loader: DataLoader[Any]) -> bool:
     """True when the loader's sampler already gives each rank its own share (used as it is)."""
     for obj in composable.sampler_chain(_active_sampler(loader)):
         if type(obj) in (DistributedSampler, ResumableDistributedSampler):
@@ -139,10 +139,11 @@ def _known_order(sampler: Any) -> Optional[torch.Tensor]:
 def _rank0s(make: Callable[[], list[Any]]) -> list[Any]:
     """``make()`` as rank 0 computed it: every rank runs it (random generators stay in step
     across ranks), rank 0's result is broadcast."""
-    return distributed.broadcast_object(make())
+    made: list[Any] = distributed.broadcast_object(make())
+    return made
 
 
-def _global_units(loader: DataLoader) -> Sequence[Any]:
+def _global_units(loader: DataLoader[Any]) -> Sequence[Any]:
     """What one process would iterate: index batches (or single indices without batching)."""
     batch_sampler = loader.batch_sampler
     if batch_sampler is not None and type(batch_sampler) is not BatchSampler:  # a custom one
@@ -151,7 +152,7 @@ def _global_units(loader: DataLoader) -> Sequence[Any]:
     known = _known_order(sampler)
     order: Any = known if known is not None else _rank0s(lambda: list(sampler))  # a tensor or a list
     if batch_sampler is None:
-        return order
+        return cast(Sequence[Any], order)  # a tensor indexes, slices and counts like one
     size = batch_sampler.batch_size
     units = [order[i:i + size] for i in range(0, len(order), size)]
     if units and batch_sampler.drop_last and len(units[-1]) < size:
@@ -159,7 +160,7 @@ def _global_units(loader: DataLoader) -> Sequence[Any]:
     return units
 
 
-def _rebuilt(loader: DataLoader, units: Sequence[Any], rank: int, world: int, pad: bool) -> DataLoader:
+def _rebuilt(loader: DataLoader[Any], units: Sequence[Any], rank: int, world: int, pad: bool) -> DataLoader[Any]:
     key = (rank, world, pad)
     if loader.persistent_workers:
         cached = _REBUILT.get(loader)

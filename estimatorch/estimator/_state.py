@@ -15,6 +15,7 @@ gives it back with ``checkpoint.rank_snapshot``.
 from __future__ import annotations
 
 import dataclasses
+import enum
 from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
@@ -42,7 +43,7 @@ from ._stop_agreement import StopAgreement
 from ._streams import TrainStream
 from .history import History
 
-__all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "check_snapshot",
+__all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "Stage", "check_snapshot",
            "check_positions", "describe_plan", "record_history", "restore_snapshot", "resume_plan", "take_snapshot"]
 
 
@@ -66,6 +67,35 @@ class Position:
 assert POSITION_KEYS == tuple(field.name for field in dataclasses.fields(Position))
 
 
+class Stage(enum.Enum):
+    """Where one ``fit`` call stands, as the loop and ``fit`` ask it. (Not ``Position.phase``,
+    the kind of the last boundary, which a snapshot saves; a stage is never saved.)
+
+    ``NOT_STARTED`` until ``train_begin`` is fired; ``SETTING_UP`` from then (``train_begin``,
+    the horizons, a mid-epoch resume's ``epoch_begin``) until the loop holds this fit's state
+    (a resume applied, or none asked for); then ``STEPPING`` inside an event or a step and
+    ``AT_BOUNDARY`` between events, in turn; ``ENDED`` once ``train_end`` ran for a run that
+    held its state (a run that fails before is discarded by ``fit`` and keeps its stage).
+    """
+
+    NOT_STARTED = "not started"
+    SETTING_UP = "setting up"
+    STEPPING = "stepping"
+    AT_BOUNDARY = "at a boundary"
+    ENDED = "ended"
+
+    @property
+    def began(self) -> bool:
+        """``train_begin`` was fired: ``train_end`` will be."""
+        return self is not Stage.NOT_STARTED
+
+    @property
+    def holds_state(self) -> bool:
+        """The loop holds this fit's own state (a resume applied): worth recording, and worth
+        keeping as the estimator's last run."""
+        return self in (Stage.STEPPING, Stage.AT_BOUNDARY, Stage.ENDED)
+
+
 class Run:
     """The state of one ``fit`` call that is not a handler's: the loop's own bookkeeping."""
 
@@ -86,9 +116,7 @@ class Run:
         self.history = History()
         self.pending: Optional[dict[str, Any]] = None
         self.boundary_actions: list[Callable[[], None]] = []
-        self.at_boundary = True
-        self.began = False  # train_begin was fired: train_end will be
-        self.started = False  # the loop holds this fit's state (a resume applied): worth recording
+        self.stage = Stage.NOT_STARTED
         self.evaluated = False
         self.stateless_metrics: set[str] = set()
         #: the step the loop runs in place of the batch processor (``cuda_graphs=True``), else None
@@ -259,5 +287,5 @@ def restore_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None
     if snapshot["partial"] and estimator.optimizer is not None:
         estimator.optimizer.zero_grad(set_to_none=True)
     run.agreement.restore(snapshot.get("pending_stop", False), pos["step"], pos["phase"] == "batch_end")
-    run.started = True
+    run.stage = Stage.STEPPING
     rng.set_state(snapshot["rng"])  # last: nothing may draw between here and the next step

@@ -33,7 +33,8 @@ are not carried over: a rerun must not stop again because the previous process w
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from collections.abc import Hashable, Iterable
+from typing import Optional, TypeVar
 
 import torch.distributed as dist
 
@@ -58,7 +59,10 @@ def agreement_period(every: Optional[int]) -> int:
     return 1
 
 
-def rank_identical_stops(batch_end: Any) -> frozenset:
+_Hook = TypeVar("_Hook", bound=Hashable)
+
+
+def rank_identical_stops(batch_end: Iterable[_Hook]) -> frozenset[_Hook]:
     """The ``batch_end`` methods among ``batch_end`` whose ``True`` every rank returns alike."""
     return frozenset(fn for fn in batch_end if getattr(fn, "rank_identical_stop", False))
 

@@ -41,7 +41,7 @@ def check_strategy(strategy: Any, net: nn.Module, optimizer: Optional[torch.opti
         raise ValueError("strategy='fsdp' shards the net when fit starts and points the optimizer at the sharded "
                          "parameters, but this optimizer has already stepped (it holds state of the plain ones): "
                          "build the optimizer afresh, or shard the net yourself with fully_shard first")
-    return strategy
+    return str(strategy)  # one of STRATEGIES
 
 
 def wraps(est: Any) -> bool:

@@ -62,7 +62,7 @@ def length_of(data: Any) -> Optional[int]:
         return None
 
 
-def _quiet_workers(loader: DataLoader) -> Optional[Callable[[int], Any]]:
+def _quiet_workers(loader: DataLoader[Any]) -> Optional[Callable[[int], Any]]:
     """``loader``'s ``worker_init_fn``, wrapped so that its workers ignore Ctrl-C and SIGTERM."""
     fn = loader.worker_init_fn
     if loader.num_workers == 0 or isinstance(fn, IgnoreStopSignals):
@@ -70,7 +70,7 @@ def _quiet_workers(loader: DataLoader) -> Optional[Callable[[int], Any]]:
     return IgnoreStopSignals(fn)
 
 
-def loader_kwargs(loader: DataLoader) -> dict[str, Any]:
+def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
     """The settings of ``loader`` that a rebuilt loader keeps."""
     kwargs: dict[str, Any] = dict(
         num_workers=loader.num_workers,

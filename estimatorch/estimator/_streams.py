@@ -20,7 +20,7 @@ from __future__ import annotations
 import itertools
 import operator
 from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
-from typing import Any, Callable, Optional, cast
+from typing import TYPE_CHECKING, Any, Callable, Optional, cast
 
 import torch
 from torch.utils.data import (
@@ -52,6 +52,9 @@ from ._mosaic_streams import is_streaming_dataset, streaming_stream
 from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
 from ._torchdata import check_stateful_loader, torch_sampler
 
+if TYPE_CHECKING:  # _elastic builds on this module; typing only
+    from ._elastic import ElasticLayout
+
 __all__ = ["TrainStream", "draws_no_randomness", "make_train_stream"]
 
 _SAMPLER_SALT = 0x5A3D
@@ -81,7 +84,7 @@ def _as_index(key: Any) -> Optional[int]:
         return None
 
 
-class _SeededFetch(torch.utils.data.Dataset):
+class _SeededFetch(torch.utils.data.Dataset[Any]):
     """Fetch and collate one batch of ``(epoch, indices)``; every sample's random draws (torch,
     python ``random``, :func:`estimatorch.rng.default_numpy_rng`) are seeded from
     ``(seed, epoch, index)`` so they do not depend on the worker or on the resume point."""
@@ -97,7 +100,7 @@ class _SeededFetch(torch.utils.data.Dataset):
     def __len__(self) -> int:
         return len(self.dataset)
 
-    def _collate(self, samples: list) -> Any:
+    def _collate(self, samples: list[Any]) -> Any:
         return self.collate_fn(samples) if self.auto_collate else self.collate_fn(samples[0])
 
     def __getitem__(self, key: tuple[int, int, list[Any]]) -> Any:
@@ -151,9 +154,9 @@ class _LoaderStream(TrainStream):
     """A map-style DataLoader rebuilt so that any (epoch, batch) is reachable in O(1)."""
 
     #: the elastic layout of the batches (see ``_elastic``), else None: the sampler's shards.
-    layout: Any = None
+    layout: Optional[ElasticLayout] = None
 
-    def __init__(self, loader: DataLoader, seed: int):
+    def __init__(self, loader: DataLoader[Any], seed: int):
         super().__init__(seed)
         dataset = loader.dataset
         self.dataset_len = len(cast(Sized, dataset))  # map-style: make_train_stream checked
@@ -194,7 +197,7 @@ class _LoaderStream(TrainStream):
         seeding = not (draws_no_randomness(dataset) and collate in (default_collate, default_convert))
         self._keys = _KeyBatches(index_batches, length)
         self._generator = torch.Generator()
-        self.loader: Optional[DataLoader] = DataLoader(
+        self.loader: Optional[DataLoader[Any]] = DataLoader(
             _SeededFetch(dataset, collate, seed, seeding, auto_collate),
             batch_size=None,
             sampler=self._keys,
@@ -247,7 +250,7 @@ class _LoaderStream(TrainStream):
         for batch in itertools.islice(order, start, None):
             yield list(batch) if auto_collate else [batch]  # without a batch sampler: one key
 
-    def use_layout(self, layout: Any) -> None:
+    def use_layout(self, layout: ElasticLayout) -> None:
         """Take this rank's batches from an ``_elastic.ElasticLayout`` instead of the sampler's shard."""
         self.layout = layout
         self.batches_per_epoch = self._keys._length = layout.batches_per_epoch
@@ -320,7 +323,7 @@ class _ReplayStream(TrainStream):
         return itertools.islice(order, start, None)
 
 
-def _library_stream(dataset: Any, loader: Optional[DataLoader], seed: int) -> Optional[TrainStream]:
+def _library_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> Optional[TrainStream]:
     """The stream of a data library's iterable dataset (``datasets``, ``streaming``), else None."""
     if is_hf_iterable(dataset):
         return hf_iterable_stream(dataset, loader, seed)

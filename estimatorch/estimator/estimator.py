@@ -40,9 +40,7 @@ from ._setup import (
     val_metric_list,
 )
 from ._start import start_run
-from ._state import (
-    Run,
-)
+from ._state import Run, Stage
 from ._strategy import check_strategy, train_wrapper, wraps
 from ._watch import publish_failure, watching
 from .batch_processor import BatchProcessor
@@ -221,7 +219,7 @@ class Estimator(RunView):
         (unless it is sharded: see ``strategy``)."""
         return self._ddp if self._ddp is not None else self.net
 
-    def autocast(self) -> contextlib.AbstractContextManager:
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of ``precision`` (a no-op for ``"32"``)."""
         if self._amp_dtype is None:
             return _NO_AUTOCAST
@@ -345,7 +343,7 @@ class Estimator(RunView):
                                         else rng.derive_seed(self.seed, distributed.get_rank()))
                     self.net.train()
                     build_scheduler(self, run)
-                    run.at_boundary, run.began = False, True
+                    run.stage = Stage.SETTING_UP
                     run.dispatch.fire("train_begin", self)
                     check_horizons(self, run)
                     run.step = graphed_step(self, run)  # cuda_graphs=True: the captured step
@@ -366,7 +364,7 @@ class Estimator(RunView):
                 return run.history
         finally:
             self._dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
-            if not run.started:  # failed before training began: the estimator stays as it was
+            if not run.stage.holds_state:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
 
     # -- the seam a checkpoint store calls ---------------------------------------------------

@@ -5,24 +5,25 @@ from __future__ import annotations
 import logging
 import math
 import os
-import sys
 import weakref
 from typing import Any, Optional, Union
 
 from .. import checkpoint, distributed
-from .._checks import check_bool, check_file_prefix, check_positive_int, check_state_keys, is_real, warn_user
+from .._checks import check_positive_int, check_state_keys, is_real, warn_user
 from .._schedule import EventFilter
 from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
-from ..events.monitor import check_monitor, check_threshold, improved, resolve_mode
+from ..events.monitor import improved, resolve_mode
 from ..metrics.base import metric_name
-from ._checkpoint_directory import DirectoryChecks
+from ._checkpoint_arguments import check_arguments
+from ._checkpoint_directory import CheckpointDirectory, absolute
+from ._checkpoint_writes import finish_background_write
 
 __all__ = ["CheckpointHandler"]
 
 logger = logging.getLogger("estimatorch")
 
 
-class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEnd):
+class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEnd):
     """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
@@ -206,32 +207,10 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
                  elastic: bool = False, async_save: Union[bool, str] = False, sharded: Optional[bool] = None,
                  storage_options: Optional[dict[str, Any]] = None):
-        if not isinstance(model_dir, (str, os.PathLike)) or not os.fspath(model_dir):
-            raise TypeError(f"model_dir must be a directory path, got {model_dir!r}")
-        check_file_prefix(model_prefix, "model_prefix")
-        self.monitor_name = check_monitor(monitor, "CheckpointHandler")
-        if verbose not in (0, 1):
-            raise ValueError(f"verbose must be 0 or 1, got {verbose!r}")
-        for arg, value in (("save_best", save_best), ("resume_from_checkpoint", resume_from_checkpoint),
-                           ("save_best_only", save_best_only), ("save_weights_only", save_weights_only),
-                           ("elastic", elastic)):
-            check_bool(value, arg)
-        if mode not in ("auto", "min", "max"):
-            raise ValueError(f"mode must be 'auto', 'min' or 'max', got {mode!r}")
-        for arg, value in (("save_best", save_best), ("save_best_only", save_best_only)):
-            if value and monitor is None:
-                raise ValueError(f"{arg}=True needs monitor= (a metric, e.g. est.val_metrics[0])")
-        for arg, value in (("save_best_only", save_best_only), ("save_weights_only", save_weights_only)):
-            if value and resume_from_checkpoint:
-                raise ValueError(f"resume_from_checkpoint=True cannot go with {arg}=True, which writes no checkpoint "
-                                 "to resume from: give the fit a second CheckpointHandler(model_dir, "
-                                 "resume_from_checkpoint=True) for the resumable checkpoints")
-        check_threshold(initial_value_threshold, save_best or save_best_only)
-        self.epoch_period = check_positive_int(epoch_period, "epoch_period", allow_none=True)
-        self.batch_period = check_positive_int(batch_period, "batch_period", allow_none=True)
-        if epoch_period is None and batch_period is None:
-            raise ValueError("epoch_period and batch_period are both None: nothing would be saved")
-        self.max_checkpoints = check_positive_int(max_checkpoints, "max_checkpoints", allow_none=True)
+        self.monitor_name = check_arguments(  # each error names the argument and its value
+            model_dir, model_prefix, monitor, verbose, save_best, mode, epoch_period, batch_period, max_checkpoints,
+            resume_from_checkpoint, save_best_only, save_weights_only, initial_value_threshold, elastic)
+        self.epoch_period, self.batch_period, self.max_checkpoints = epoch_period, batch_period, max_checkpoints
         self.storage_options = storage_options
         self.model_dir = checkpoint.configure_store(os.fspath(model_dir), storage_options)  # a URL, or a path
         self.model_prefix = model_prefix
@@ -251,11 +230,14 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         self.sharded = sharded
         self._writer = checkpoint.make_writer(async_save)  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
-        self._layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
-                                            periodic=not save_best_only, best=save_best or save_best_only)
+        layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
+                                   periodic=not save_best_only, best=save_best or save_best_only)
+        self._directory = CheckpointDirectory(  # its checks at fit start, lock, pointer and retention
+            layout, sharded=sharded, storage_options=storage_options, resume_from_checkpoint=resume_from_checkpoint,
+            max_checkpoints=self.max_checkpoints, best_option="save_best" if save_best else
+            "save_best_only" if save_best_only else None)
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
-        self._lock: Any = None  # the model_dir lock, held on rank 0 during fit
         self._estimator: Optional[weakref.ref] = None  # the estimator of the fit in progress
         self._reset()
 
@@ -269,16 +251,29 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             self.best = self.initial_value_threshold
         else:
             self.best = math.inf if self.mode == "min" else -math.inf
-        self.saved: list[str] = []
+        self._directory.reset()
         self._saved_step = -1  # the step of this run's last periodic checkpoint
-        self._step_file: tuple[Optional[int], str] = (-1, "")  # rank 0: that step and its file
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
-        self._foreign: frozenset[str] = frozenset()  # export files of another run, until this state is resumed
 
     def listens_to(self, event: str) -> bool:
         """Only the events of the periods set: no call per batch without a ``batch_period``."""
         return {"batch_end": self.batch_period, "epoch_end": self.epoch_period}.get(event, True) is not None
+
+    def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
+        """Before any work: ``model_dir`` is usable, no other fit writes there, nothing saved would
+        be overwritten or is of a newer format (see :class:`CheckpointDirectory`)."""
+        self._directory.check_fit(estimator, resume)
+
+    @property
+    def _layout(self) -> checkpoint.Layout:
+        """The files this handler writes (whether checkpoints are directories: from ``fit`` start)."""
+        return self._directory.layout
+
+    @property
+    def saved(self) -> list[str]:
+        """On rank 0, the periodic files retention owns, oldest first."""
+        return self._directory.saved
 
     @property
     def checkpoint_location(self) -> Optional[str]:
@@ -345,7 +340,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             raise TypeError(f"state of {self.name}: best must be a number, got {best!r}")
         self._epochs, self._batches, self.best = epochs, batches, float(best)
         if self._fitting() is not None:
-            self._foreign = frozenset()  # this run's exports: the resumed state knows their best
+            self._directory.foreign = frozenset()  # this run's exports: the resumed state knows their best
 
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
@@ -353,10 +348,12 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
             self._writer.reset()  # (waits for a write a second Ctrl-C left running)
         self._reset()
         self._estimator = weakref.ref(estimator)
-        self._check_siblings(estimator)
-        found = distributed.run_on_main(lambda: self._open_directory(estimator), "CheckpointHandler opening model_dir")
+        directory = self._directory
+        directory.check_siblings(other._directory for other in estimator.handlers
+                                 if other is not self and isinstance(other, CheckpointHandler))
+        found = distributed.run_on_main(lambda: directory.open(estimator), "CheckpointHandler opening model_dir")
         if not self._layout.resumable:
-            self._foreign = frozenset(distributed.broadcast_object(sorted(self._foreign)))
+            directory.foreign = frozenset(distributed.broadcast_object(sorted(directory.foreign)))
             return
         if not self.resume_from_checkpoint or estimator.resume_pending:  # pending: fit(..., resume=True)
             return
@@ -367,44 +364,20 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
                                   self.model_dir)
             return
         checkpoint.restore_training_state(estimator, found[1])
-        self._step_file = (estimator.resume_step, found[0])
+        directory.step_file = (estimator.resume_step, found[0])
         # that boundary is saved already: a signal before the first step saves nothing again
         self._resumed_step = -1 if estimator.resume_step is None else estimator.resume_step
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
-            self._finish_writes(estimator)
+            finish_background_write(self._writer, self._layout.sharded, estimator)
             self._save_interrupted(estimator)
         finally:
             self._epochs, self._batches = self.current_epoch, self.current_batch
             self._estimator = None
             if self._writer is not None:
                 self._writer.close()  # the lock is held until the last file is durable
-            self._release_lock()
-
-    def _finish_writes(self, estimator: EstimatorView) -> None:
-        """Wait for the background write in flight and raise its failure: on every rank where
-        every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
-        no error on its way), else (an error, maybe on this rank only: no collective) where it
-        was met. (For a sharded net every rank has a writer of its own part.)"""
-        if self._writer is None:
-            return
-        together = estimator.interruption is not None or (estimator.position.stop and sys.exc_info()[1] is None)
-        what = "CheckpointHandler writing a checkpoint in the background"
-        if self._layout.sharded:
-            error: Optional[BaseException] = None
-            try:
-                self._writer.wait()
-            except Exception as err:  # noqa: BLE001 - every rank raises it, or this one where ranks part
-                error = err
-            if together:
-                distributed.raise_on_every_rank(error, what)
-            elif error is not None:
-                raise error
-        elif together:
-            distributed.run_on_main(self._writer.wait, what)
-        elif distributed.is_main_process():
-            self._writer.wait()
+            self._directory.release_lock()
 
     def _save_interrupted(self, estimator: EstimatorView) -> None:
         """Preemption loses no step: when ``fit`` ends because of SIGTERM or Ctrl-C at a step
@@ -418,12 +391,6 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         name = self._layout.periodic_name(pos.epoch, pos.step)  # a sharded net's is a directory
         estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
                               os.path.join(self.model_dir, name), reason)
-
-    def _release_lock(self) -> None:
-        """Give ``model_dir`` back to other writers (a no-op where no lock is held)."""
-        lock, self._lock = self._lock, None
-        if lock is not None:
-            lock.release()
 
     def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._batch_filter is not None and self._batch_filter(estimator.position.step + 1):  # with this batch
@@ -467,7 +434,7 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         names = self._layout.due(pos.epoch, pos.step, is_best)
         if not names:
             return
-        clash = [name for name in names if name in self._foreign]
+        clash = [name for name in names if name in self._directory.foreign]
         if clash:  # the same on every rank: nothing is written anywhere
             raise FileExistsError(
                 f"{os.path.join(self.model_dir, clash[0])!r} was there when this fit started and this handler's "
@@ -527,28 +494,10 @@ class CheckpointHandler(DirectoryChecks, StatefulHandler, TrainBegin, TrainEnd, 
         paths = [os.path.join(self.model_dir, name) for name in names]
         for path in paths if not written else ():
             checkpoint.atomic_save(state, path)
-        kept = list(self.saved)
-        if self._layout.resumable:
-            if paths[0] in self.saved:
-                self.saved.remove(paths[0])
-            self.saved.append(paths[0])
-            checkpoint.write_latest(self.model_dir, self.model_prefix, paths[0])
-            step, earlier = self._step_file
-            self._step_file = (step_now, paths[0])
-            if step == step_now and earlier != paths[0]:  # one file per step: an epoch end
-                self.saved = [path for path in self.saved if path != earlier]  # replaces its batch save
-                checkpoint.remove_checkpoint(earlier)
-            checkpoint.prune(self.saved, self.max_checkpoints, keep=paths[0])
-        checkpoint.remove_orphan_temporaries(self.model_dir)
-        removed = [path for path in kept if path not in self.saved and path not in paths]
-        estimator.fire("checkpoint_saved", written=[_absolute(path) for path in paths],
-                       removed=[_absolute(path) for path in removed])
+        removed = self._directory.settle(paths, step_now)
+        estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
+                       removed=[absolute(path) for path in removed])
         if self.verbose:
             note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
             estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",
                                   paths[0], note)
-
-
-def _absolute(path: str) -> str:
-    """A local path made absolute; a URL (``s3://bucket/run/...``) as it is."""
-    return path if checkpoint.is_url(path) else os.path.abspath(path)
