@@ -221,7 +221,8 @@ class GraphedStep:
             index = inputs.get(id(t))
             return tensors[index] if index is not None else t.detach().clone()
 
-        return _rebuild(outputs, swap)
+        data, label, pred, loss = _rebuild(outputs, swap)  # fit_batch's four
+        return data, label, pred, loss
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:
