@@ -20,8 +20,10 @@ from torch.utils.data import DataLoader
 from .. import distributed
 from .._batches import to_device
 from .._checks import check_positive_int
+from ..checkpoint import is_sharded_module
 from ..metrics.base import Metric, split_loss_metrics, update_metrics
 from ._evaluation import _inference_mode, _seeded
+from ._sharding import in_step
 
 __all__ = ["sanity_pass"]
 
@@ -55,13 +57,15 @@ def _check_batches(estimator: Any, val_data: Iterable[Any], steps: int, batch_ax
     where = "its batch 1"
     try:
         with _inference_mode(estimator):  # eval mode, no gradients, every global generator kept
-            batches = iter(itertools.islice(_seeded(val_data, estimator.seed), steps))
-            for index, batch in enumerate(batches, start=1):
-                where = f"its batch {index}"
+            batches = itertools.islice(_seeded(val_data, estimator.seed), steps)
+            index = 1
+            for batch, own in _own_or_padding(estimator, batches):
                 batch = to_device(batch, estimator.device)
                 _, label, pred, loss = estimator.batch_processor.evaluate_batch(estimator, batch, batch_axis)
-                update_metrics(loss_metrics, other_metrics, pred, label, loss)
-                where = f"its batch {index + 1}"
+                if own:  # (a padding forward's result is discarded)
+                    update_metrics(loss_metrics, other_metrics, pred, label, loss)
+                    index += 1
+                    where = f"its batch {index}"
             where = "the val metrics' compute()"
             for metric in loss_metrics + other_metrics:
                 if isinstance(metric, Metric):
@@ -76,6 +80,16 @@ def _check_batches(estimator: Any, val_data: Iterable[Any], steps: int, batch_ax
     finally:
         for generator, state in zip(generators, saved):
             generator.set_state(state)
+
+
+def _own_or_padding(estimator: Any, batches: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
+    """``(batch, own)`` pairs: this rank's batches, and for a sharded ``val_net`` under
+    torch.distributed padding ones until every rank has run out, so that every rank runs as many
+    forwards (each gathers parameters from every rank) when ranks hold different numbers of
+    batches (data each rank holds itself, shorter than ``num_sanity_val_steps``)."""
+    if distributed.is_distributed() and is_sharded_module(estimator.val_net):
+        return in_step(batches)
+    return ((batch, True) for batch in batches)
 
 
 def _loader_generators(data: Any) -> list[torch.Generator]:

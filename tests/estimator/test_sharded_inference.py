@@ -114,14 +114,18 @@ def _predict(est, data):
 def _own_sharded(strategy):
     rank = distributed.get_rank()
     est = _estimator()
-    if strategy == "fsdp":  # sharded when fit starts; its validation runs on own data too
+    if strategy == "fsdp":  # sharded when fit starts
         est.strategy = "fsdp"
-        est.fit(_own_batches((4, 4, 4), rank, 9), val_data=_own_batches(OWN[0][rank], rank, 0), epochs=1)
-    else:
+    else:  # sharded before fit: fit's sanity pass runs on the sharded net
         for child in est.net.children():
             if any(True for _ in child.parameters()):
                 fully_shard(child)
         fully_shard(est.net)
+        est = Estimator(est.net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(est.net.parameters(), lr=0.1),
+                        seed=2, device="cpu")  # an optimizer over the sharded parameters
+    # its validation runs on own data too, and the sanity pass: 2 batches on rank 0, 1 on rank 1 (it pads)
+    est.fit(_own_batches((4, 4, 4), rank, 9), val_data=_own_batches(OWN[0][rank], rank, 0), epochs=1,
+            num_sanity_val_steps=2)
     forwards = [0]
     est.net.register_forward_hook(lambda *a: forwards.__setitem__(0, forwards[0] + 1))
     out = {"sharded": is_sharded_module(est.net),
