@@ -15,7 +15,7 @@ from .._checks import check_bool, check_positive_int, is_int
 from ..events import handler_name
 
 __all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
-           "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]
+           "check_flags", "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]
 
 #: canonical precision name -> autocast dtype (None: no autocast).
 PRECISIONS = {"32": None, "16-mixed": torch.float16, "bf16-mixed": torch.bfloat16}
@@ -119,6 +119,14 @@ def check_estimator_arguments(net: Any, loss: Any, val_net: Any, val_loss: Any, 
     if batch_processor is not None and not all(
             callable(getattr(batch_processor, m, None)) for m in ("fit_batch", "evaluate_batch")):
         raise TypeError(f"batch_processor must have fit_batch and evaluate_batch methods, got {batch_processor!r}")
+
+
+def check_flags(**flags: Any) -> None:
+    """``Estimator``'s boolean switches (by name) are bools, and not contradictory."""
+    for name, value in flags.items():
+        check_bool(value, name)
+    if flags.get("deterministic") and flags.get("cudnn_benchmark"):
+        raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
 
 
 def check_optimizer(optimizer: Optional[torch.optim.Optimizer], net: nn.Module) -> None:

@@ -31,7 +31,7 @@ from ..metrics.base import as_metric_list, metric_name
 from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
 
 __all__ = ["default_handlers", "default_optimizer", "describe_stop", "interactive", "signal_guard", "torch_flags",
-           "train_metric_list", "val_metric_list", "warn_default_optimizer"]
+           "metric_lists", "train_metric_list", "val_metric_list", "warn_default_optimizer"]
 
 #: the optimizer an ``Estimator`` built without one uses, as its warning shows it.
 DEFAULT_OPTIMIZER = "torch.optim.SGD(net.parameters(), lr=0.01)"
@@ -60,6 +60,22 @@ def _rename(metric: Any, prefix: str) -> Any:
         base = name.split("_", 1)[1] if name.startswith(("train_", "val_")) else name
         metric.name = prefix + base
     return metric
+
+
+def metric_lists(train_metrics: Any, val_metrics: Any, loss: Any, device: torch.device
+                 ) -> tuple[list[Any], list[Any]]:
+    """``Estimator``'s train and val metrics (:func:`train_metric_list`,
+    :func:`val_metric_list`), their names unique, moved to ``device`` where they can be."""
+    train = train_metric_list(train_metrics, loss)
+    val = val_metric_list(val_metrics, train)
+    names = [metric_name(m) for m in train + val]
+    duplicated = sorted({n for n in names if names.count(n) > 1})
+    if duplicated:
+        raise ValueError(f"metric names must be unique, got {duplicated[0]!r} more than once")
+    for metric in train + val:
+        if callable(getattr(metric, "to", None)):
+            metric.to(device)
+    return train, val
 
 
 def train_metric_list(train_metrics: Any, loss: Any) -> list[Any]:

@@ -10,13 +10,13 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
-from .._checks import check_bool
 from .._rank_watch import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
 from ._checks import (
     PRECISIONS,
     check_estimator_arguments,
+    check_flags,
     check_lr_scheduler,
     precision_name,
     resolve_device,
@@ -35,9 +35,8 @@ from ._sanity import sanity_pass
 from ._setup import (
     default_optimizer,
     describe_stop,
+    metric_lists,
     torch_flags,
-    train_metric_list,
-    val_metric_list,
 )
 from ._start import start_run
 from ._state import Run, Stage
@@ -141,11 +140,7 @@ class Estimator(RunView):
                  cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None):
         check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = precision_name(precision)
-        check_bool(deterministic, "deterministic")
-        check_bool(cudnn_benchmark, "cudnn_benchmark")
-        check_bool(cuda_graphs, "cuda_graphs")
-        if deterministic and cudnn_benchmark:
-            raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
+        check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs)
 
         seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.watchdog = Watchdog.of(watchdog)
@@ -162,15 +157,7 @@ class Estimator(RunView):
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
         self.logger = _default_logger()
 
-        self.train_metrics = train_metric_list(train_metrics, self.loss)
-        self.val_metrics = val_metric_list(val_metrics, self.train_metrics)
-        names = [metric_name(m) for m in self.train_metrics + self.val_metrics]
-        duplicated = sorted({n for n in names if names.count(n) > 1})
-        if duplicated:
-            raise ValueError(f"metric names must be unique, got {duplicated[0]!r} more than once")
-        for metric in self.train_metrics + self.val_metrics:
-            if callable(getattr(metric, "to", None)):
-                metric.to(self.device)
+        self.train_metrics, self.val_metrics = metric_lists(train_metrics, val_metrics, self.loss, self.device)
 
         if optimizer is None:  # fit warns when it trains with it
             optimizer = self._default_optimizer = default_optimizer(net)

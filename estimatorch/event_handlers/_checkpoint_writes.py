@@ -1,15 +1,27 @@
-"""How a :class:`~estimatorch.CheckpointHandler` ends its background writes at ``train_end``:
-which ranks wait for the write in flight and where its failure is raised."""
+"""How a :class:`~estimatorch.CheckpointHandler` hands a save to its background writer, and
+ends its background writes at ``train_end``: which ranks wait for the write in flight and where
+its failure is raised."""
 
 from __future__ import annotations
 
 import sys
-from typing import Optional
+from typing import Any, Callable, Optional
 
 from .. import checkpoint, distributed
 from ..events import EstimatorView
 
-__all__ = ["finish_background_write"]
+__all__ = ["finish_background_write", "submit_background_write"]
+
+
+def submit_background_write(writer: checkpoint.BackgroundWriter, state: Any, paths: list[str],
+                            write: Callable[[Any, bool], None]) -> None:
+    """Hand a save of ``state`` to ``paths`` to the background writer: the files to its process,
+    then ``write(None, True)`` on its thread (the pointer, retention); or everything to its
+    thread (``async_save="thread"``): ``write(staged, False)``."""
+    if isinstance(writer, checkpoint.ProcessWriter):
+        writer.submit_files(state, paths, lambda: write(None, True))
+    else:
+        writer.submit(state, lambda staged: write(staged, False))
 
 
 def finish_background_write(writer: Optional[checkpoint.BackgroundWriter], sharded: bool,

@@ -16,7 +16,7 @@ from ..events.monitor import improved, resolve_mode
 from ..metrics.base import metric_name
 from ._checkpoint_arguments import check_arguments
 from ._checkpoint_directory import CheckpointDirectory, absolute
-from ._checkpoint_writes import finish_background_write
+from ._checkpoint_writes import finish_background_write, submit_background_write
 
 __all__ = ["CheckpointHandler"]
 
@@ -459,18 +459,11 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             distributed.run_on_main(lambda: self._write(estimator, state, names, best, step),
                                     "CheckpointHandler writing a checkpoint")
         else:  # the previous background write's failure too
-            distributed.run_on_main(lambda: self._submit(writer, estimator, state, names, best, step),
+            paths = [os.path.join(self.model_dir, name) for name in names]
+            distributed.run_on_main(lambda: submit_background_write(
+                writer, state, paths, lambda staged, written: self._write(estimator, staged, names, best, step,
+                                                                          written=written)),
                                     "CheckpointHandler writing a checkpoint")
-
-    def _submit(self, writer: Any, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float],
-                step: int) -> None:
-        """Hand a save to the background writer: the files to its process (then the pointer and
-        retention on its thread), or everything to its thread (``async_save="thread"``)."""
-        if isinstance(writer, checkpoint.ProcessWriter):
-            writer.submit_files(state, [os.path.join(self.model_dir, name) for name in names],
-                                lambda: self._write(estimator, None, names, best, step, written=True))
-        else:
-            writer.submit(state, lambda staged: self._write(estimator, staged, names, best, step))
 
     def _save_sharded(self, estimator: EstimatorView, names: list[str], step: int, background: bool) -> None:
         """A sharded net's checkpoint directory, written by every rank (a collective; with
