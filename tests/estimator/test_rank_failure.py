@@ -77,7 +77,7 @@ class Boom(BatchEnd):
 
 net = Net()
 est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
-                watchdog=Watchdog(3, action="log") if where == "hang" else None)
+                watchdog=Watchdog(3, action="raise" if keep_alive else "log") if where == "hang" else None)
 loader = torch.utils.data.DataLoader(Data(), batch_size=4, num_workers=1 if where == "worker" else 0)
 result = {}
 try:
@@ -191,6 +191,23 @@ def test_the_watchdog_names_the_rank_that_hangs_and_where(tmp_path):
         assert "its training thread's stack" in _output(tmp_path, 1)  # every rank logs its own
         time.sleep(2)
         assert rank0.poll() is None and rank1.poll() is None  # action="log" never ends the run
+    finally:
+        _end(rank0, rank1)
+
+
+def test_the_watchdog_with_action_raise_ends_every_rank_with_its_summary(tmp_path):
+    """action="raise": after the summary, both ranks' processes end (exit status 1), the one frozen
+    in __getitem__ too, each printing the summary; nothing waits for the process-group timeout.
+    (The script's keep_alive flag picks action="raise" here: neither rank gets to its own end.)"""
+    rank0, rank1 = _launch(tmp_path, "hang", keep_alive=True)
+    try:
+        codes = [proc.wait(timeout=240) for proc in (rank0, rank1)]
+        assert codes == [1, 1], (codes, _output(tmp_path, 0)[-3000:], _output(tmp_path, 1)[-3000:])
+        for rank in range(2):
+            text = _output(tmp_path, rank)
+            assert f"watchdog: no step completed for 3 s; behind: rank 1: step {STEP - 1}, " \
+                   "in the dataset's __getitem__" in text, (rank, text[-3000:])
+        assert not (tmp_path / "rank1.json").exists()  # ended while frozen, not by returning from fit
     finally:
         _end(rank0, rank1)
 
