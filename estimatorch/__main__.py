@@ -24,6 +24,7 @@ def _parser() -> argparse.ArgumentParser:
 
 
 def main(argv: Optional[list[str]] = None) -> int:
+    """``python -m estimatorch``: run the command ``argv`` names (``sys.argv`` by default); the exit status."""
     argv = list(sys.argv[1:] if argv is None else argv)
     shadow = shadowing_folder(os.getcwd())
     if shadow is not None:  # where scripts beside it will fail to import the package: say why now
