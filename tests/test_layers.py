@@ -329,3 +329,18 @@ def test_the_private_name_check_reports_each_breach(tmp_path, files, expected):
     assert len(problems) == len(expected), problems
     for problem, words in zip(problems, expected):
         assert words in problem, problem
+
+
+def test_no_handler_types_the_estimator_as_any():
+    """The handlers reach the estimator through the typed contract (``events.EstimatorView``),
+    never ``estimator: Any``, so mypy checks every call across the seam."""
+    found = []
+    for path in sorted([*(PACKAGE / "event_handlers").glob("*.py"), *(PACKAGE / "events").glob("*.py"),
+                        *(PACKAGE / "statistics").glob("*.py")]):
+        for node in ast.walk(ast.parse(path.read_text())):
+            if isinstance(node, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                for arg in node.args.args + node.args.kwonlyargs:
+                    if arg.arg == "estimator" and arg.annotation is not None \
+                            and ast.unparse(arg.annotation) == "Any":
+                        found.append(f"{path.relative_to(PACKAGE.parent)}:{node.lineno} {node.name}")
+    assert not found, f"estimator: Any in {found}"

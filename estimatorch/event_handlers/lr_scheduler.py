@@ -181,7 +181,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         if not self._updaters or any(u.stepped for u in self._updaters):
             self._step_after_batch(estimator)
 
-    def _step_after_batch(self, estimator: Any) -> None:
+    def _step_after_batch(self, estimator: EstimatorView) -> None:
         """Step, keeping the rates the step just trained with (what the epoch line shows)."""
         optimizer = getattr(self._scheduler, "optimizer", None)
         if optimizer is estimator.optimizer:

@@ -6,6 +6,7 @@ from __future__ import annotations
 import math
 from typing import Any, Optional
 
+from ..events import EstimatorView
 from ..events.mixins import EpochEnd
 from ..metrics.base import metric_name
 from ._tracking import require
@@ -40,7 +41,7 @@ class RayTrainReportHandler(EpochEnd):
         self.checkpoint_dir = checkpoint_dir
         self.priority = priority
 
-    def epoch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         train = require("ray.train", "ray", "RayTrainReportHandler")
         metrics: dict[str, float] = {"epoch": float(estimator.position.epoch + 1)}
         for metric in list(estimator.train_metrics) + list(estimator.val_metrics):
