@@ -63,6 +63,18 @@ def mark_agreed(error: BaseException) -> BaseException:
     return error
 
 
+def is_agreed(error: BaseException) -> bool:
+    """Whether ``error`` is an agreed outcome, or was raised from one (``raise ... from agreed``)."""
+    seen: Optional[BaseException] = error
+    for _ in range(16):  # a chain of causes, bounded
+        if seen is None:
+            return False
+        if getattr(seen, _AGREED, False):
+            return True
+        seen = seen.__cause__
+    return False
+
+
 class Watchdog:
     """A hang watchdog for ``Estimator(watchdog=...)``: when no training step completes within
     ``timeout`` seconds (counted from the first completed step), every rank writes its Python
@@ -264,7 +276,7 @@ class RankWatch:
     def failed(self, error: BaseException, step: int) -> None:
         """Publish this rank's failure (unless it is an agreed one, or a peer's came first)."""
         self.ending = True
-        if not self.multi or getattr(error, _AGREED, False) or self.peer_failure() is not None:
+        if not self.multi or is_agreed(error) or self.peer_failure() is not None:
             return
         record = {"rank": self.rank, "step": step, "type": type(error).__name__, "text": _one_line(str(error)),
                   "traceback": "".join(traceback.format_exception(error))[-8000:]}
@@ -279,7 +291,7 @@ class RankWatch:
     def peer_error(self, error: BaseException) -> Optional[RankFailedError]:
         """The error this rank raises instead of ``error`` when another rank failed first: a
         :class:`RankFailedError` naming it (raise it ``from error``); None otherwise."""
-        if getattr(error, _AGREED, False):
+        if is_agreed(error):
             return None
         peer = self.peer_failure()
         if peer is None or (peer.get("type"), peer.get("text")) == (type(error).__name__, _one_line(str(error))):

@@ -364,7 +364,9 @@ def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseExc
     Every rank passes the exception it met (or None). Every rank gets ``(rank, exception)`` of the
     lowest rank that failed (that rank its own exception object, the others a copy, or a
     ``RuntimeError`` with its text when it cannot be pickled), or None when every rank
-    succeeded. One small collective (nothing without a process group).
+    succeeded. One small collective (nothing without a process group). The exception is marked
+    as an agreed outcome, as is any error raised from it: the rank watch does not report it as
+    one rank's failure.
 
     Example:
         >>> share_outcome(None) is None
@@ -380,8 +382,8 @@ def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseExc
         sent = portable_exception(error) or RuntimeError(f"{type(error).__name__}: {error}")
     outcomes = gather_objects(sent)
     for failed, exception in enumerate(outcomes):
-        if exception is not None:
-            return failed, error if failed == rank and error is not None else exception
+        if exception is not None:  # every rank knows of it: none waits for another (estimatorch._rank_watch)
+            return failed, mark_agreed(error if failed == rank and error is not None else exception)
     return None
 
 
@@ -398,8 +400,7 @@ def raise_on_every_rank(error: Optional[BaseException], what: str = "a step ever
     failure = share_outcome(error)
     if failure is None:
         return
-    rank, exception = failure
-    mark_agreed(exception)  # every rank raises it: none waits for another (estimatorch._rank_watch)
+    rank, exception = failure  # (marked as agreed by share_outcome)
     if exception is error:
         raise exception
     if hasattr(exception, "add_note"):
