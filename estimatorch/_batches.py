@@ -14,8 +14,8 @@ from typing import Any, Callable, Optional
 
 import torch
 
-__all__ = ["SideStreamCopy", "batch_mover", "batch_size_of", "call_loss", "call_net", "split_batch", "split_inputs",
-           "tensors_in", "to_device"]
+__all__ = ["SideStreamCopy", "batch_mover", "batch_size_of", "call_loss", "call_net", "map_tensors", "split_batch",
+           "split_inputs", "tensors_in", "to_device"]
 
 
 def to_device(obj: Any, device: torch.device) -> Any:
@@ -83,6 +83,26 @@ class SideStreamCopy:
         for tensor in tensors_in(moved):
             tensor.record_stream(current)
         return moved
+
+
+def map_tensors(obj: Any, fn: Callable[[torch.Tensor], Any]) -> Any:
+    """``obj`` with every tensor replaced by ``fn(tensor)``, through tuples, named tuples, lists
+    and mappings (as :func:`to_device` walks a batch; other objects are kept).
+
+    Example:
+        >>> map_tensors({"x": [torch.ones(1)], "n": 3}, lambda t: t * 2)
+        {'x': [tensor([2.])], 'n': 3}
+    """
+    if isinstance(obj, torch.Tensor):
+        return fn(obj)
+    if isinstance(obj, tuple):
+        moved = [map_tensors(x, fn) for x in obj]
+        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
+    if isinstance(obj, list):
+        return [map_tensors(x, fn) for x in obj]
+    if isinstance(obj, Mapping):
+        return {k: map_tensors(v, fn) for k, v in obj.items()}
+    return obj
 
 
 def tensors_in(obj: Any) -> list[torch.Tensor]:

@@ -27,11 +27,11 @@ from __future__ import annotations
 
 import warnings
 from collections.abc import Mapping
-from typing import Any, Callable, Optional
+from typing import Any, Optional
 
 import torch
 
-from .._batches import tensors_in
+from .._batches import map_tensors, tensors_in
 from .._checks import warn_user
 from ..event_handlers import GradientUpdateHandler
 from ..events import subscribes
@@ -85,20 +85,6 @@ def layout_of(obj: Any, tensors: list[torch.Tensor]) -> Any:
     except TypeError:
         return ("unhashable", id(obj))  # never equal to another batch's: eager
     return ("value", obj)
-
-
-def _rebuild(obj: Any, swap: Callable[[torch.Tensor], torch.Tensor]) -> Any:
-    """``obj`` with every tensor replaced by ``swap(tensor)`` (tuples, named tuples, lists, dicts)."""
-    if isinstance(obj, torch.Tensor):
-        return swap(obj)
-    if isinstance(obj, tuple):
-        moved = [_rebuild(x, swap) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
-    if isinstance(obj, list):
-        return [_rebuild(x, swap) for x in obj]
-    if isinstance(obj, Mapping):
-        return {k: _rebuild(v, swap) for k, v in obj.items()}
-    return obj
 
 
 class GraphedStep:
@@ -175,7 +161,7 @@ class GraphedStep:
     def _capture(self, batch: Any, batch_axis: int, key: Any, tensors: list[torch.Tensor]) -> tuple[Any, Any, Any, Any]:
         static = [t.clone() for t in tensors]
         ids = {id(t): s for t, s in zip(tensors, static)}
-        static_batch = _rebuild(batch, lambda t: ids.get(id(t), t))
+        static_batch = map_tensors(batch, lambda t: ids.get(id(t), t))
         optimizer = self.estimator.optimizer
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients in the graph's pool
         pending = self.stepper.pending
@@ -221,7 +207,7 @@ class GraphedStep:
             index = inputs.get(id(t))
             return tensors[index] if index is not None else t.detach().clone()
 
-        data, label, pred, loss = _rebuild(outputs, swap)  # fit_batch's four
+        data, label, pred, loss = map_tensors(outputs, swap)  # fit_batch's four
         return data, label, pred, loss
 
 

@@ -8,6 +8,7 @@ from typing import Any, Optional
 import torch
 
 from .. import distributed
+from .._batches import map_tensors
 from ..checkpoint import is_sharded_module
 from ._evaluation import check_inference_args, run_batches
 
@@ -22,19 +23,13 @@ def _to_host(obj: Any, non_blocking: bool, amp: Optional[torch.dtype] = None) ->
     """Every tensor of a (nested) output on the CPU; asynchronous from CUDA (the caller
     synchronises once, before the values are read). Tensors of the autocast dtype ``amp``
     (mixed precision's working dtype) come back as float32."""
-    if isinstance(obj, torch.Tensor):
-        obj = obj.detach()
-        if amp is not None and obj.dtype == amp:
-            obj = obj.float()
-        return obj.to("cpu", non_blocking=non_blocking)
-    if isinstance(obj, tuple):
-        moved = [_to_host(x, non_blocking, amp) for x in obj]
-        return type(obj)(*moved) if hasattr(obj, "_fields") else tuple(moved)
-    if isinstance(obj, list):
-        return [_to_host(x, non_blocking, amp) for x in obj]
-    if isinstance(obj, Mapping):
-        return {k: _to_host(v, non_blocking, amp) for k, v in obj.items()}
-    return obj
+    def host(tensor: torch.Tensor) -> torch.Tensor:
+        tensor = tensor.detach()
+        if amp is not None and tensor.dtype == amp:
+            tensor = tensor.float()
+        return tensor.to("cpu", non_blocking=non_blocking)
+
+    return map_tensors(obj, host)
 
 
 def _join(items: Sequence[Any], axis: int) -> Any:
