@@ -46,6 +46,7 @@ class Counts(TrainEnd):
     def train_end(self, est, **kw):
         step = est._run.step
         self.replayed, self.eager = step.replayed, step.eager
+        self.held = [type(h).__name__ for h in step.held]
 
 
 def _close(a, b, rtol=1e-3, atol=1e-4):
@@ -63,6 +64,8 @@ def test_a_captured_fit_trains_as_an_eager_one():
     reference = eager.fit(_loader(), epochs=2)
     assert counts.eager == WARMUP_STEPS + 2  # the warm-up and each epoch's partial batch
     assert counts.replayed == 2 * 21 - counts.eager
+    assert counts.held == ["GradientUpdateHandler", "MetricHandler"]  # the metrics' updates in the graph
+    assert [m.count for m in captured.train_metrics] == [SAMPLES, SAMPLES]
     _close(captured, eager)
     assert history["train_loss"] == pytest.approx(reference["train_loss"], rel=1e-3)
     assert history["train_accuracy"] == pytest.approx(reference["train_accuracy"], abs=5e-3)
@@ -106,7 +109,7 @@ def test_an_interrupted_captured_run_resumes_bitwise(tmp_path):
     warm-up steps are bitwise the uninterrupted run's replays."""
     reference = _estimator(True, deterministic=True)
     full = tmp_path / "full"
-    reference.fit(_loader(), epochs=2, event_handlers=[
+    expected = reference.fit(_loader(), epochs=2, event_handlers=[
         CheckpointHandler(full, batch_period=7, epoch_period=None, max_checkpoints=None)])
     # early in the first epoch (the reference replays there), its last (partial) batch, the second epoch
     for name in ("model-epoch0batch7.pt", "model-epoch0batch21.pt", "model-epoch1batch35.pt"):
@@ -114,8 +117,10 @@ def test_an_interrupted_captured_run_resumes_bitwise(tmp_path):
         start.mkdir()
         shutil.copy(full / name, start)
         resumed = _estimator(True, deterministic=True)
-        resumed.fit(_loader(), epochs=2, event_handlers=[
+        history = resumed.fit(_loader(), epochs=2, event_handlers=[
             CheckpointHandler(start, batch_period=7, epoch_period=None, resume_from_checkpoint=True)])
+        for key in ("train_loss", "train_accuracy"):  # the metrics, updated inside the graph
+            assert history[key][-1] == expected[key][-1], (name, key)
         for key, value in reference.net.state_dict().items():
             assert torch.equal(value, resumed.net.state_dict()[key]), (name, key)
         for a, b in zip(reference.optimizer.state.values(), resumed.optimizer.state.values()):

@@ -16,12 +16,11 @@ from typing import Any, Optional
 
 import torch
 
-from ..event_handlers import GradientUpdateHandler
-from ..events import subscribes
+from ..events import declared, subscribes
 from ..events.dispatch import handler_name
 
 __all__ = ["CaptureConfig", "INSIDE_STEP_EVENTS", "capture_refusal", "check_capture", "config_of",
-           "fallback_message", "refusal_error", "schedule_refusal"]
+           "fallback_message", "in_graph", "refusal_error", "schedule_refusal"]
 
 #: the events fired inside the step (between the batch reaching the device and ``batch_end``):
 #: a captured step runs them once, while the graph is recorded, never again.
@@ -52,9 +51,9 @@ def capture_refusal(config: CaptureConfig) -> Optional[str]:
     """Why a captured step cannot train ``config``, in words (None: it can be captured).
 
     The checks, in order: a CUDA device; one process; no fp16 grad scaler; an optimizer with a
-    capturable mode; ``GradientUpdateHandler`` (exactly) stepping it, one batch per step; no
-    handler listening inside the step or at ``batch_end`` ahead of the optimizer step; no
-    scheduler cycling the momentum (:func:`schedule_refusal`).
+    capturable mode; a handler stepping it at ``batch_end`` (it declares ``accumulation_steps``),
+    one batch per step, whose ``batch_end`` the graph can hold (:func:`in_graph`); no handler
+    listening inside the step; no scheduler cycling the momentum (:func:`schedule_refusal`).
 
     Example:
         >>> net = torch.nn.Linear(2, 2)
@@ -142,35 +141,51 @@ def _optimizer(config: CaptureConfig) -> Optional[str]:
             "capturable=True support, e.g. torch.optim.Adam or AdamW (fit turns capturable on)")
 
 
+def in_graph(handlers: Sequence[Any]) -> list[Any]:
+    """The handlers whose ``batch_end`` the step's graph records, of ``handlers`` in dispatch
+    order: those listening to ``batch_end``, from the first up to the first that does not declare
+    ``capturable_batch_end`` (the others run after each replay, in their order, as always)."""
+    held = []
+    for handler in handlers:
+        if subscribes(handler, "batch_end"):
+            if not declared(handler, "capturable_batch_end"):
+                break
+            held.append(handler)
+    return held
+
+
 def _stepper(config: CaptureConfig) -> Optional[str]:
-    steppers = [h for h in config.handlers if isinstance(h, GradientUpdateHandler) and subscribes(h, "batch_end")]
+    steppers = [h for h in config.handlers
+                if declared(h, "accumulation_steps") is not None and subscribes(h, "batch_end")]
     if not steppers:
-        return ("no GradientUpdateHandler steps the optimizer at batch_end; the captured step holds "
-                "GradientUpdateHandler's optimizer step")
+        return ("no handler steps the optimizer at batch_end (none declares accumulation_steps, as "
+                "GradientUpdateHandler does), and the captured step holds the optimizer's step")
     stepper = steppers[0]
-    if type(stepper) is not GradientUpdateHandler:
+    steps = declared(stepper, "accumulation_steps")
+    if steps > 1:
+        return (f"{handler_name(stepper)}(accumulation_steps={steps}) accumulates batches that do not step "
+                "and one that does: one graph holds one whole step; use a larger batch, or cuda_graphs=False")
+    if any(h is stepper for h in in_graph(config.handlers)):
+        return None
+    if not declared(stepper, "capturable_batch_end"):
         return (f"the optimizer is stepped by {handler_name(stepper)} ({type(stepper).__name__}), whose "
-                "step the graph cannot be sure to hold; use GradientUpdateHandler itself")
-    if stepper.accumulation_steps > 1:
-        return (f"GradientUpdateHandler(accumulation_steps={stepper.accumulation_steps}) accumulates "
-                "batches that do not step and one that does: one graph holds one whole step; use a larger "
-                "batch, or cuda_graphs=False")
-    return None
+                "batch_end does not declare capturable_batch_end, so the graph cannot hold the step (a "
+                "subclass overriding batch_end must declare it again); use GradientUpdateHandler itself")
+    blocker = next(h for h in config.handlers
+                   if subscribes(h, "batch_end") and not declared(h, "capturable_batch_end"))
+    return (f"{handler_name(blocker)} (priority {declared(blocker, 'priority')}) runs at batch_end before "
+            f"{handler_name(stepper)}'s optimizer step, which the graph holds, and cannot be recorded in it "
+            "(it does not declare capturable_batch_end): it would see the parameters after the step; give it "
+            f"a priority above {declared(stepper, 'priority')}")
 
 
 def _handlers(config: CaptureConfig) -> Optional[str]:
-    stepper = next(h for h in config.handlers if isinstance(h, GradientUpdateHandler))  # _stepper found it
     for handler in config.handlers:
         inside = [event for event in INSIDE_STEP_EVENTS if subscribes(handler, event)]
         if inside:
             return (f"{handler_name(handler)} listens to {inside[0]}, which fires inside the step: captured, "
                     "it would run once, when the graph is recorded, and never again; move its work to "
                     "batch_begin or batch_end, or pass cuda_graphs=False")
-        if handler is not stepper and subscribes(handler, "batch_end") and \
-                getattr(handler, "priority", 0) < stepper.priority:
-            return (f"{handler_name(handler)} (priority {handler.priority}) runs at batch_end before "
-                    "GradientUpdateHandler's optimizer step, which the graph holds: it would see the "
-                    "parameters after the step; give it a priority above -2000")
     return None
 
 

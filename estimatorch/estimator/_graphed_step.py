@@ -2,8 +2,9 @@
 capture recipe (``torch.cuda.graph``), run by the loop in place of the batch processor.
 
 For a fit that :mod:`._capture` accepted, :class:`GraphedStep` owns the step: the batch
-processor's forward, loss and backward, and ``GradientUpdateHandler``'s optimizer step (with
-its clipping), taken out of the ``batch_end`` handlers. It runs
+processor's forward, loss and backward, and the ``batch_end`` of the handlers that declare
+``capturable_batch_end`` (:func:`._capture.in_graph`: ``GradientUpdateHandler``'s clipping and
+optimizer step, ``MetricHandler``'s updates), taken out of the ``batch_end`` dispatch. It runs
 
 1. the first :data:`WARMUP_STEPS` batches eagerly on a side stream (lazy state: the optimizer's
    moments, cuBLAS handles, autograd's streams), as the recipe asks;
@@ -18,9 +19,12 @@ The optimizer is switched to ``capturable=True`` with its learning rate in a dev
 first, so that the graph reads the rate a scheduler sets (in place, ``fill_``). Dropout's
 random numbers come from the default CUDA generator, which ``torch.cuda.graph`` registers: a
 replay draws what the eager step would and advances the generator as it would, so the
-generator state a checkpoint saves is exact. ``batch_end`` handlers get copies of the graph's
-``pred`` and ``loss`` (its own are overwritten by the next replay) and the batch's own inputs
-and label. A capture that fails (a host read in the model) leaves the fit eager, with one warning.
+generator state a checkpoint saves is exact. After each replay the host does what each
+recorded handler's ``record_batch_end`` asked (a flag, counts). The other ``batch_end``
+handlers get copies of the graph's ``pred`` and ``loss`` (its own are overwritten by the next
+replay) and the batch's own inputs and label. A capture that fails (a host read in the model)
+leaves the fit eager, with one warning, the recorded handlers' attributes and the train
+metrics' states put back as they were before it.
 """
 
 from __future__ import annotations
@@ -33,9 +37,7 @@ import torch
 
 from .._batches import map_tensors, tensors_in
 from .._checks import warn_user
-from ..event_handlers import GradientUpdateHandler
-from ..events import subscribes
-from ._capture import fallback_message, refusal_error, schedule_refusal
+from ._capture import fallback_message, in_graph, refusal_error, schedule_refusal
 
 __all__ = ["GraphedStep", "WARMUP_STEPS", "graphed_step", "layout_of"]
 
@@ -47,18 +49,18 @@ _UNCAPTURED = r".*capturable=True.*"
 
 
 def graphed_step(estimator: Any, run: Any) -> Optional[GraphedStep]:
-    """The step ``fit`` runs for ``estimator`` (None without ``cuda_graphs``): takes
-    ``GradientUpdateHandler``'s ``batch_end`` out of ``run``'s dispatch, into the step. Called
-    after ``train_begin`` (a resume's scheduler and handler states are in place)."""
+    """The step ``fit`` runs for ``estimator`` (None without ``cuda_graphs``): takes the
+    ``batch_end`` of the handlers the graph records (:func:`._capture.in_graph`, the optimizer's
+    step among them: ``_capture`` checked) out of ``run``'s dispatch, into the step. Called after
+    ``train_begin`` (a resume's scheduler and handler states are in place)."""
     if not estimator.cuda_graphs:
         return None
-    stepper = next(h for h in run.dispatch.handlers
-                   if isinstance(h, GradientUpdateHandler) and subscribes(h, "batch_end"))  # _capture checked
     reason = schedule_refusal(estimator.lr_scheduler)  # one given as a callable is built by now
     if reason is not None:
         raise refusal_error(reason)
-    run.dispatch.batch_end = tuple(fn for fn in run.dispatch.batch_end if getattr(fn, "__self__", None) is not stepper)
-    return GraphedStep(estimator, stepper)
+    held = in_graph(run.dispatch.handlers)
+    run.dispatch.batch_end = run.dispatch.batch_end[len(held):]  # held: the first batch_end listeners
+    return GraphedStep(estimator, held)
 
 
 def layout_of(obj: Any, tensors: list[torch.Tensor]) -> Any:
@@ -91,10 +93,13 @@ class GraphedStep:
     """The loop's step under ``cuda_graphs=True`` (see the module): ``fit_batch`` as a batch
     processor's, plus the optimizer step."""
 
-    def __init__(self, estimator: Any, stepper: GradientUpdateHandler):
+    def __init__(self, estimator: Any, held: list[Any]):
         self.estimator = estimator
         self.processor = estimator.batch_processor
-        self.stepper = stepper
+        #: the handlers whose ``batch_end`` the step runs (and the graph records), in order
+        self.held = held
+        #: what the host does after each replay, one per held handler (``record_batch_end``)
+        self.after_replay: list[Any] = []
         self.device = estimator.device
         self.warm = 0
         self.failed = False
@@ -124,7 +129,8 @@ class GraphedStep:
                     static.copy_(tensor, non_blocking=True)
                 self.graph.replay()
                 self.replayed += 1
-                self.stepper.stepped = True  # the replay stepped the optimizer; no Python of it ran
+                for after in self.after_replay:  # the held handlers' Python, which no replay runs
+                    after()
                 return self._outputs(tensors)
             return self._eager(batch, batch_axis, side=False)
         if not self.prepared:
@@ -154,7 +160,8 @@ class GraphedStep:
 
     def _step(self, batch: Any, batch_axis: int) -> tuple[Any, Any, Any, Any]:
         data, label, pred, loss = self.processor.fit_batch(self.estimator, batch, batch_axis)
-        self.stepper.batch_end(self.estimator, batch=batch, pred=pred, label=label, loss=loss)
+        for handler in self.held:
+            handler.batch_end(self.estimator, batch=batch, pred=pred, label=label, loss=loss)
         return data, label, pred, loss
 
     # -- captured ------------------------------------------------------------------------------
@@ -164,7 +171,7 @@ class GraphedStep:
         static_batch = map_tensors(batch, lambda t: ids.get(id(t), t))
         optimizer = self.estimator.optimizer
         optimizer.zero_grad(set_to_none=True)  # backward allocates the gradients in the graph's pool
-        pending = self.stepper.pending
+        before = _python_state(self.held, self.estimator.train_metrics)
         graph = torch.cuda.CUDAGraph()
         try:
             # thread_local: the DataLoader's pin-memory thread may allocate pinned memory meanwhile
@@ -173,12 +180,13 @@ class GraphedStep:
                 outputs = self._step(static_batch, batch_axis)
         except RuntimeError as err:  # a host read, a CPU tensor: CUDA refused the capture
             self.failed = True
-            self.stepper.pending = pending
+            _restore(before)  # the held handlers' Python ran for a step no kernel of which did
             optimizer.zero_grad(set_to_none=True)  # the capture's gradients were never computed
             torch.cuda.synchronize(self.device)
             warn_user(fallback_message(err))
             return self._eager(batch, batch_axis, side=False)
         self.graph, self.key, self.static, self.static_batch = graph, key, static, static_batch
+        self.after_replay = [handler.record_batch_end(self.estimator) for handler in self.held]
         self.rates = [group["lr"] for group in optimizer.param_groups]  # the tensors the graph reads
         inputs = {id(s): i for i, s in enumerate(static)}
         self.outputs = (outputs, inputs)
@@ -209,6 +217,23 @@ class GraphedStep:
 
         data, label, pred, loss = map_tensors(outputs, swap)  # fit_batch's four
         return data, label, pred, loss
+
+
+def _python_state(held: list[Any], metrics: list[Any]) -> tuple[list[Any], list[Any]]:
+    """What a failed capture must put back: the held handlers' attributes (a shallow copy) and
+    the capturable metrics' states (a capture queues no kernel: only the Python side moved)."""
+    handlers = [(handler, dict(getattr(handler, "__dict__", {}))) for handler in held]
+    return handlers, [(metric, metric.state_dict()) for metric in metrics if getattr(metric, "capturable", False)]
+
+
+def _restore(state: tuple[list[Any], list[Any]]) -> None:
+    handlers, metrics = state
+    for handler, attributes in handlers:
+        if hasattr(handler, "__dict__"):
+            vars(handler).clear()
+            vars(handler).update(attributes)
+    for metric, saved in metrics:
+        metric.load_state_dict(saved)
 
 
 def _make_capturable(optimizer: torch.optim.Optimizer, device: torch.device) -> None:

@@ -89,11 +89,13 @@ class Estimator(RunView):
             top-level child with parameters and on the root when fit starts, the optimizer
             pointed at the sharded parameters). Defaults to None: a net already sharded with
             ``fully_shard`` trains as it is, any other under DDP. No effect in one process.
-        cuda_graphs: capture the train step (forward, loss, backward, gradient clipping and the
-            optimizer step) in one CUDA graph after a few eager warm-up steps, and replay it for
-            every batch of the captured shapes: the host no longer launches each kernel, which is
-            what limits a step of little GPU work. A batch of other shapes (a partial last batch)
-            runs eagerly; handlers run outside the graph, ``batch_end`` seeing the step's outputs.
+        cuda_graphs: capture the train step (forward, loss, backward, gradient clipping, the
+            optimizer step and the train metrics' updates) in one CUDA graph after a few eager
+            warm-up steps, and replay it for every batch of the captured shapes: the host no
+            longer launches each kernel, which is what limits a step of little GPU work. A batch
+            of other shapes (a partial last batch) runs eagerly; the other handlers run outside
+            the graph, ``batch_end`` seeing the step's outputs (a handler declaring
+            ``capturable_batch_end`` is recorded in it).
             The optimizer is switched to ``capturable=True`` with its learning rate in a device
             tensor (LR schedules keep working). A configuration it cannot capture (not CUDA,
             several processes, ``"16-mixed"``, an optimizer without a capturable mode, gradient

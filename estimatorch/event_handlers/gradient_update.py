@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Callable, Optional
 
 import torch
 from torch.nn.parallel import DistributedDataParallel
@@ -80,6 +80,20 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True  # DDP's default, for whatever runs next
             self._ddp = None
+
+    @property
+    def capturable_batch_end(self) -> bool:
+        """A step of every batch (no accumulation) can be recorded in the step's CUDA graph: the
+        clipping and the optimizer's step are device work (its capturable mode, which
+        ``cuda_graphs=True`` turns on). A subclass overriding ``batch_end`` must say so itself."""
+        return self.accumulation_steps == 1 and type(self).batch_end is GradientUpdateHandler.batch_end
+
+    def record_batch_end(self, estimator: EstimatorView) -> Callable[[], None]:
+        """After each replay the optimizer has stepped (``stepped``, read by per-batch schedules)."""
+        return self._replayed
+
+    def _replayed(self) -> None:
+        self.stepped = True
 
     def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         optimizer = self._plain_optimizer

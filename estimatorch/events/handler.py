@@ -5,7 +5,8 @@
 :meth:`~Handler.check_fit`, called before any work; which attributes are its state
 (``state_attributes``) and which of those count batches (``elastic_batch_counters``); and its
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
-``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`). :class:`StatefulHandler` adds the
+``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`, ``capturable_batch_end``
+with :meth:`~Handler.record_batch_end`). :class:`StatefulHandler` adds the
 ``state_dict`` / ``load_state_dict`` of the declared state.
 
 A handler that inherits only the mixins works too: every declaration then has its default.
@@ -143,6 +144,25 @@ class Handler:
         each where it does not): ``fit`` counts its plan with them."""
         return None, None
 
+    @property
+    def capturable_batch_end(self) -> bool:
+        """True when ``batch_end`` may be recorded in the train step's CUDA graph
+        (``Estimator(cuda_graphs=True)``): it only queues device work on the step's tensors, the
+        same for every batch of one shape (no value read on the host, no Python branch on one),
+        and the tensors it keeps it updates in place. A replay repeats that device work, not the
+        Python around it: :meth:`record_batch_end` says what the host does after each replay.
+        The graph holds the ``batch_end`` of the handlers that say so, from the first in dispatch
+        order up to the first that does not; it must hold the optimizer's step. Defaults to False:
+        ``batch_end`` runs after each replay, outside the graph, as without one."""
+        return False
+
+    def record_batch_end(self, estimator: EstimatorView) -> Callable[[], None]:
+        """Called once, right after ``fit`` recorded this handler's ``batch_end`` in the step's
+        graph (:attr:`capturable_batch_end`): return what the host must do after each replay in
+        place of the Python that ``batch_end`` ran (a flag it sets, a counter it advances by what
+        the recorded batch added). Defaults to a function that does nothing."""
+        return _nothing
+
 
 class StatefulHandler(Handler):
     """A :class:`Handler` whose ``state_attributes`` are its state: :meth:`state_dict` copies
@@ -187,6 +207,10 @@ def declared(handler: Any, attribute: str) -> Any:
     if isinstance(default, property):
         return getattr(handler, attribute) if hasattr(handler, attribute) else default.fget(handler)  # type: ignore[misc]
     return getattr(handler, attribute, default)
+
+
+def _nothing() -> None:
+    """What a replay asks of a handler that keeps no Python state in ``batch_end``."""
 
 
 def _copy(value: Any) -> Any:

@@ -57,6 +57,8 @@ class EstimatorView(Protocol):
     max_batch: Optional[int]
     #: the axis of a batch's tensors that counts samples
     batch_axis: int
+    #: True when ``fit`` records the train step in a CUDA graph (``Estimator(cuda_graphs=True)``)
+    cuda_graphs: bool
 
     @property
     def train_net(self) -> nn.Module:

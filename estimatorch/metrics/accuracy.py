@@ -70,6 +70,7 @@ class Accuracy(Metric):
     higher_is_better = True
     max_pending = 32
     _fold_order_free = True
+    capturable = True
 
     def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, multilabel: bool = False,
                  device: Any = None):
@@ -176,6 +177,7 @@ class TopKAccuracy(Metric):
     higher_is_better = True
     max_pending = 32
     _fold_order_free = True
+    capturable = True
 
     def __init__(self, top_k: int = 5, name: Optional[str] = None, *, device: Any = None):
         if not is_int(top_k) or top_k < 1:

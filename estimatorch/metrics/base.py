@@ -4,7 +4,7 @@ from __future__ import annotations
 
 import copy
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional, Union
 
 import torch
@@ -86,6 +86,11 @@ class Metric:
     max_pending_bytes = 8 << 20
     #: True when folding order cannot change the result (integer sums): state_dict folds first.
     _fold_order_free = False
+    #: True when :meth:`update` can be recorded in a CUDA graph (``Estimator(cuda_graphs=True)``):
+    #: it reads no value on the host (its checks read shapes and dtypes only), every accumulator
+    #: is a ``"sum"``, its tensors are updated in place, and its numbers grow by the same amount
+    #: for every batch of one shape. See :meth:`update_now`.
+    capturable = False
 
     def __init__(self, name: Optional[str] = None, *, device: Union[str, torch.device, None] = None):
         if name is not None and (not isinstance(name, str) or not name):
@@ -176,10 +181,46 @@ class Metric:
                 states[attr] = _combine(self._reductions[attr], states[attr], increment)
         return states
 
+    def update_now(self, preds: Any, target: Any) -> dict[str, Union[int, float]]:
+        """:meth:`update`, folded into the accumulators at once (tensors added to in place, no
+        update left pending): the update a captured train step records in its CUDA graph.
+        Returns how much each number accumulator grew, which a replay of the graph does not
+        repeat: :meth:`add_counts` adds it after each replay.
+
+        Example:
+            >>> from estimatorch.metrics import Loss
+            >>> m = Loss()
+            >>> total = m.total
+            >>> m.update_now(torch.tensor(2.0), torch.zeros(4))
+            {'count': 4}
+            >>> m.total is total, float(m.total)
+            (True, 8.0)
+        """
+        numbers = {attr: getattr(self, attr) for attr, default in self._defaults.items()
+                   if not isinstance(default, (torch.Tensor, list))}
+        self.update(preds, target)
+        self._commit_pending()
+        return {attr: getattr(self, attr) - before for attr, before in numbers.items()}
+
+    def add_counts(self, grown: Mapping[str, Union[int, float]]) -> None:
+        """Add ``grown`` (what :meth:`update_now` returned) to the number accumulators: the host
+        side of a replayed update."""
+        for attr, amount in grown.items():
+            setattr(self, attr, getattr(self, attr) + amount)
+
     def reset(self) -> None:
-        """Clear the accumulators."""
+        """Clear the accumulators. A tensor is cleared in place (a CUDA graph that adds to it
+        keeps adding to the same memory); one of another shape, dtype or device is replaced."""
         for attr, default in self._defaults.items():
-            setattr(self, attr, self._fresh(default))
+            current = getattr(self, attr)
+            if isinstance(default, torch.Tensor) and isinstance(current, torch.Tensor) and \
+                    current.shape == default.shape and current.dtype == default.dtype and current.device == self.device:
+                if default.numel() == 1 and default.device.type == "cpu":
+                    current.fill_(default.item())  # a number from the host: no copy to wait for
+                else:
+                    current.copy_(default)
+            else:
+                setattr(self, attr, self._fresh(default))
         self._pending, self._pending_bytes = [], 0
 
     def compute(self, *, sync: bool = True) -> float:

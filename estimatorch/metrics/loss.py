@@ -43,6 +43,7 @@ class Loss(Metric):
     #: updated with the loss the step computed, not the predictions (see ``split_loss_metrics``).
     is_loss_metric = True
     max_pending = 32
+    capturable = True
 
     def __init__(self, name: Optional[str] = None, *, device: Any = None):
         super().__init__(name, device=device)

@@ -26,6 +26,7 @@ def _aligned(name: str, preds: torch.Tensor, target: torch.Tensor) -> torch.Tens
 
 class _ElementwiseError(Metric):
     higher_is_better = False
+    capturable = True
     # accumulators (declared with add_state)
     total: torch.Tensor
     count: int

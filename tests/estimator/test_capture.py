@@ -10,11 +10,13 @@ import torch
 from torch import nn
 
 from estimatorch import Estimator
+from estimatorch.metrics import Loss
 from estimatorch.estimator._capture import (
     CaptureConfig,
     capture_refusal,
     check_capture,
     fallback_message,
+    in_graph,
 )
 from estimatorch.event_handlers import (
     BackwardEnd,
@@ -26,7 +28,23 @@ from estimatorch.event_handlers import (
     StoppingHandler,
 )
 
-CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
+CUDA = torch.device("cuda")
+
+
+class OpaqueMetric:
+    """A metric-like object (update/compute/reset) that does not say its update is capturable."""
+
+    name = "opaque"
+
+    def update(self, preds, target):
+        pass
+
+    def compute(self):
+        return 0.0
+
+    def reset(self):
+        pass
+  # a device object only: nothing here touches a GPU
 
 
 def _adam():
@@ -67,7 +85,36 @@ class LateBatchEnd(BatchEnd):
 
 
 class OwnUpdate(GradientUpdateHandler):
-    pass
+    def batch_end(self, estimator, **kwargs):  # its own step: the graph cannot know it holds
+        super().batch_end(estimator, **kwargs)
+
+
+class Subclassed(GradientUpdateHandler):
+    """A subclass that keeps GradientUpdateHandler's batch_end: still capturable."""
+
+
+class CapturableEarly(BatchEnd):
+    """A third-party handler ranked before the optimizer step that declares its batch_end
+    capturable (device work only): recorded in the graph with it."""
+
+    priority = -3000
+    capturable_batch_end = True
+
+    def batch_end(self, estimator, **kwargs):
+        pass
+
+
+class OwnStepper(BatchEnd):
+    """A third-party optimizer stepper, through the contract's declarations only."""
+
+    priority = -2000
+    accumulation_steps = 1
+
+    def __init__(self, capturable):
+        self.capturable_batch_end = capturable
+
+    def batch_end(self, estimator, **kwargs):
+        estimator.optimizer.step()
 
 
 def test_a_plain_configuration_is_captured():
@@ -87,16 +134,32 @@ def test_a_plain_configuration_is_captured():
     (dict(world_size=4, strategy="fsdp"), "FSDP (strategy='fsdp', 4 processes)"),
     (dict(precision="16-mixed"), "GradScaler"),
     (dict(optimizer=torch.optim.SGD(nn.Linear(3, 2).parameters(), lr=0.1)), "SGD has no capturable mode"),
-    (dict(handlers=[StoppingHandler(), LoggingHandler()]), "no GradientUpdateHandler steps the optimizer"),
-    (dict(handlers=[OwnUpdate()]), "stepped by OwnUpdate"),
+    (dict(handlers=[StoppingHandler(), LoggingHandler()]), "no handler steps the optimizer at batch_end"),
+    (dict(handlers=[OwnUpdate()]), "stepped by OwnUpdate (OwnUpdate), whose batch_end does not declare"),
+    (dict(handlers=[OwnStepper(capturable=False)]), "stepped by OwnStepper"),
     (dict(handlers=[GradientUpdateHandler(accumulation_steps=4)]), "accumulation_steps=4"),
     (dict(handlers=_handlers(InsideStep())), "InsideStep listens to forward_begin"),
     (dict(handlers=_handlers(AfterBackward())), "AfterBackward listens to backward_end"),
-    (dict(handlers=[EarlyBatchEnd(), *_handlers()]), "EarlyBatchEnd (priority -3000) runs at batch_end before"),
+    (dict(handlers=[EarlyBatchEnd(), *_handlers()]), "EarlyBatchEnd (priority -3000) runs at batch_end before "
+                                                      "GradientUpdateHandler's optimizer step"),
 ])
 def test_each_configuration_a_graph_cannot_hold_is_refused_with_its_reason(changes, words):
     reason = capture_refusal(_config(**changes))
     assert reason is not None and words in reason
+
+
+def test_the_graph_holds_the_capturable_batch_end_listeners_up_to_the_first_that_is_not():
+    early, update, metrics, late = CapturableEarly(), GradientUpdateHandler(), MetricHandler([Loss()]), LateBatchEnd()
+    handlers = [early, update, metrics, StoppingHandler(), late, LoggingHandler()]
+    assert capture_refusal(_config(handlers=handlers)) is None
+    held = in_graph(handlers)
+    assert held[:3] == [early, update, metrics] and late not in held
+    # a metric that is not capturable keeps MetricHandler (and all after it) out of the graph
+    assert in_graph([update, MetricHandler([Loss(), OpaqueMetric()]), late]) == [update]
+    # a subclass keeping GradientUpdateHandler's batch_end, and a third-party stepper declaring it
+    assert capture_refusal(_config(handlers=[Subclassed(), StoppingHandler()])) is None
+    assert capture_refusal(_config(handlers=[OwnStepper(capturable=True)])) is None
+    assert in_graph([OwnStepper(capturable=True)])[0].accumulation_steps == 1
 
 
 def test_the_device_is_checked_first():

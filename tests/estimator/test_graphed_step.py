@@ -21,7 +21,7 @@ from torch import nn
 from estimatorch import Estimator
 from estimatorch.estimator import _graphed_step, _start
 from estimatorch.estimator._graphed_step import WARMUP_STEPS, GraphedStep, _make_capturable
-from estimatorch.event_handlers import BatchEnd, GradientUpdateHandler
+from estimatorch.event_handlers import BatchEnd, GradientUpdateHandler, MetricHandler
 
 
 class FakeGraph:
@@ -40,10 +40,17 @@ class FakeGraph:
             return
         step = self.step
         outputs, _ = step.outputs
-        python_state = dict(vars(step.stepper))  # a replay runs kernels, not the handler's Python
+        # a replay runs kernels, not the held handlers' Python nor the metrics' host counts
+        python_state = [(h, dict(vars(h))) for h in step.held]
+        metrics = [m for m in step.estimator.train_metrics if getattr(m, "capturable", False)]
+        counts = [(m, {a: getattr(m, a) for a in m.state_defaults() if not isinstance(getattr(m, a), torch.Tensor)})
+                  for m in metrics]
         fresh = step._step(step.static_batch, 0)
-        vars(step.stepper).clear()
-        vars(step.stepper).update(python_state)
+        for handler, attributes in python_state:
+            vars(handler).clear()
+            vars(handler).update(attributes)
+        for metric, numbers in counts:
+            vars(metric).update(numbers)
         for old, new in zip(outputs[2:], fresh[2:]):  # pred and loss: written in place
             old.detach().copy_(new.detach())
 
@@ -65,6 +72,8 @@ def fake_cuda(monkeypatch):
         if state["fail"] is not None:  # before the body: a stand-in cannot undo the step it ran
             raise state["fail"]
         yield
+        if state.get("fail_after") is not None:  # at the capture's end, as CUDA reports some errors
+            raise state["fail_after"]
 
     def capture_owner(estimator, run):
         step = real_graphed_step(estimator, run)
@@ -151,12 +160,50 @@ def test_batch_end_gets_the_batch_s_own_label_and_copies_of_the_graph_s_outputs(
     assert not torch.equal(preds[WARMUP_STEPS + 1], preds[WARMUP_STEPS + 2])
 
 
-def test_the_optimizer_step_leaves_batch_end_for_the_step(fake_cuda):
+def test_the_optimizer_step_and_the_metric_updates_leave_batch_end_for_the_step(fake_cuda):
     probe = Linking(fake_cuda)
     est, _ = _fit(True, [probe], epochs=1)
-    updater = next(h for h in est._run.dispatch.handlers if isinstance(h, GradientUpdateHandler))
-    assert all(getattr(fn, "__self__", None) is not updater for fn in est._run.dispatch.batch_end)
+    step = fake_cuda["step"]
+    assert [type(h) for h in step.held] == [GradientUpdateHandler, MetricHandler]
+    assert all(getattr(fn, "__self__", None) not in step.held for fn in est._run.dispatch.batch_end)
     assert est._run.step is None  # released with the fit
+    # the loss and the accuracy counted every sample once: 6 batches of 8 and one of 5
+    assert [m.count for m in est.train_metrics] == [53, 53]
+
+
+def test_a_capture_failing_at_its_end_puts_the_held_handlers_and_the_metrics_back(fake_cuda):
+    """CUDA reports some errors when the capture ends, after the step's Python ran: the counts
+    the metrics advanced for that step (which no kernel computed) are put back before it runs
+    eagerly, so every sample counts once."""
+    fake_cuda["fail_after"] = RuntimeError("operation failed due to a previous error during capture")
+    probe = Linking(fake_cuda)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est, _ = _fit(True, [probe], epochs=1)
+    assert sum("could not be captured" in str(w.message) for w in caught) == 1
+    assert fake_cuda["step"].graph is None
+    assert [m.count for m in est.train_metrics] == [53, 53]
+    updater = fake_cuda["step"].held[0]
+    assert updater.pending == 0
+
+
+def test_the_metrics_of_a_resumed_captured_fit_equal_the_uninterrupted_one_s_bitwise(fake_cuda, tmp_path):
+    """Every update of a captured fit is folded at once (warm-up and eager batches too): the
+    resumed fit's sums grow in the uninterrupted one's order."""
+    import shutil
+
+    from estimatorch import CheckpointHandler, checkpoint
+
+    full = tmp_path / "full"
+    _, reference = _fit(True, [Linking(fake_cuda), CheckpointHandler(full, batch_period=5, epoch_period=None,
+                                                                     max_checkpoints=None)], epochs=3)
+    start = tmp_path / "start"
+    start.mkdir()
+    shutil.copy(full / checkpoint.checkpoint_name("model", 1, 10), start)
+    _, resumed = _fit(True, [Linking(fake_cuda), CheckpointHandler(start, batch_period=5, epoch_period=None,
+                                                                   resume_from_checkpoint=True)], epochs=3)
+    for key in ("train_loss", "train_accuracy"):
+        assert resumed[key][-2:] == reference[key][-2:]  # epoch 2 (resumed mid-way) and 3
 
 
 def test_a_failed_capture_warns_once_and_the_fit_trains_eagerly(fake_cuda):
@@ -243,3 +290,23 @@ def test_a_resumed_fit_warms_up_and_captures_again_from_its_checkpoint(fake_cuda
     assert step.eager == WARMUP_STEPS + 3 and step.replayed == 5
     for a, b in zip(reference.net.parameters(), resumed.net.parameters()):
         assert torch.equal(a, b)
+
+
+def test_the_guide_s_capturable_handler_is_recorded_with_the_step_and_counts_every_replay(fake_cuda):
+    """docs/writing-handlers.md's SquaredGradNorm, run from the page's own code: ranked before
+    the optimizer step and capturable, it is held in the graph; its sum (device work, replayed)
+    and its count (Python, told by record_batch_end) equal an eager fit's."""
+    import re
+
+    from tests.test_docs import DOCS, read, section
+
+    code = re.search(r"```python\n(.*?)```", section(read(DOCS / "writing-handlers.md"),
+                                                     "A `batch_end` inside a captured step"), re.DOTALL)
+    namespace: dict = {"__name__": "writing_handlers_capturable"}
+    exec(compile(code.group(1), "docs/writing-handlers.md", "exec"), namespace)  # noqa: S102 - our own page
+    captured, eager = namespace["SquaredGradNorm"](), namespace["SquaredGradNorm"]()
+    _fit(True, [Linking(fake_cuda), captured])
+    assert fake_cuda["step"].held[0] is captured and fake_cuda["step"].replayed > 0
+    _fit(False, [eager])
+    assert captured.steps == eager.steps == 14
+    assert torch.equal(captured.total, eager.total)

@@ -341,3 +341,22 @@ def test_ddp_resume_mid_window_is_bit_identical(step, pending, tmp_path):
         assert got["optimizer"]["state"].keys() == want["optimizer"]["state"].keys()
         for key, state in want["optimizer"]["state"].items():
             assert all(torch.equal(state[s], got["optimizer"]["state"][key][s]) for s in state)
+
+
+def test_a_step_of_every_batch_is_capturable_and_a_replay_counts_as_a_step():
+    plain, clipped = GradientUpdateHandler(), GradientUpdateHandler(clip_grad_norm=1.0)
+    assert plain.capturable_batch_end and clipped.capturable_batch_end
+    assert not GradientUpdateHandler(accumulation_steps=2).capturable_batch_end  # two kinds of batch
+
+    class OwnStep(GradientUpdateHandler):
+        def batch_end(self, estimator, **kwargs):
+            super().batch_end(estimator, **kwargs)
+
+    class SameStep(GradientUpdateHandler):
+        pass
+
+    assert not OwnStep().capturable_batch_end and SameStep().capturable_batch_end
+    replayed = plain.record_batch_end(None)
+    plain.stepped = False
+    replayed()
+    assert plain.stepped is True

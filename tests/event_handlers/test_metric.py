@@ -158,3 +158,58 @@ def test_no_metrics_means_no_call_per_step():
 
     assert not subscribes(MetricHandler([]), "batch_end")
     assert isinstance(MetricHandler([]), EpochBegin)
+
+
+def test_under_cuda_graphs_updates_fold_at_every_batch_and_a_replay_adds_the_recorded_counts():
+    class View:
+        cuda_graphs = True
+
+    loss, acc = Loss(), Accuracy()
+    h = MetricHandler([loss, acc])
+    assert h.capturable_batch_end
+    h.train_begin(View())
+    h.epoch_begin(View())
+    pred, label = torch.tensor([[0.1, 0.9], [0.8, 0.2], [0.3, 0.7]]), torch.tensor([1, 1, 1])
+    h.batch_end(View(), batch=None, pred=pred, label=label, loss=torch.tensor(0.5))
+    assert loss._pending == [] and acc._pending == []  # folded at once: the graph holds the fold
+    replayed = h.record_batch_end(View())
+    loss.total.add_(1.5)  # what a replay of the graph adds on the device
+    acc.correct.add_(2), acc.label_correct.add_(2)
+    replayed()
+    assert (loss.count, acc.count) == (6, 6)
+    assert loss.compute() == 0.5 and acc.compute() == pytest.approx(4 / 6)
+    h.epoch_begin(View())  # reset in place: the recorded tensors stay the metrics' own
+    replayed()
+    loss.total = loss.total.clone()  # replaced, not updated in place: the graph would miss it
+    with pytest.raises(RuntimeError, match="metric 'loss': its accumulator 'total' was replaced"):
+        replayed()
+
+
+def test_a_metric_that_is_not_capturable_keeps_the_handler_out_of_the_graph():
+    class Opaque:
+        name = "opaque"
+
+        def update(self, preds, target):
+            pass
+
+        def compute(self):
+            return 0.0
+
+        def reset(self):
+            pass
+
+    class View:
+        cuda_graphs = True
+
+    h = MetricHandler([Loss(), Opaque()])
+    assert not h.capturable_batch_end
+    h.train_begin(View())
+    loss = h.metrics[0]
+    h.batch_end(View(), batch=None, pred=None, label=torch.zeros(2), loss=torch.tensor(1.0))
+    assert len(loss._pending) == 1  # deferred as without a graph
+
+    class Overrides(MetricHandler):
+        def batch_end(self, estimator, **kwargs):
+            super().batch_end(estimator, **kwargs)
+
+    assert not Overrides([Loss()]).capturable_batch_end

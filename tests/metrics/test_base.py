@@ -96,12 +96,13 @@ def test_compute_returns_a_python_float(cls):
     assert type(m.compute()) is float
 
 
-def test_reset_gives_fresh_tensors():
+def test_reset_clears_the_accumulators_in_place():
+    """In place: a captured train step (cuda_graphs=True) keeps adding to the same memory."""
     m = Sum()
     before = m.total
     m.update(torch.ones(2), None)
     m.reset()
-    assert m.total is not before and float(m.total) == 0.0 and m.count == 0
+    assert m.total is before and float(m.total) == 0.0 and m.count == 0
 
 
 # -- state --------------------------------------------------------------------------------------
@@ -609,3 +610,40 @@ def test_compute_does_not_reduce_under_torchrun_variables_before_the_process_gro
     m = Loss()
     m.update(torch.tensor(1.0), torch.zeros(2))
     assert m.compute() == 1.0
+
+
+def test_update_now_folds_in_place_and_returns_the_counts_a_replay_adds():
+    """What a captured step records: the tensors added to in place (the graph keeps their
+    memory), nothing left pending, and the number accumulators' growth handed back."""
+    for metric, preds, target in ((Loss(), torch.tensor(0.5), torch.zeros(4, dtype=torch.long)),
+                                  (Accuracy(), torch.tensor([[0.1, 0.9], [0.8, 0.2]]), torch.tensor([1, 1]))):
+        tensors = {attr: getattr(metric, attr) for attr in metric.state_defaults()
+                   if isinstance(getattr(metric, attr), torch.Tensor)}
+        deferred = type(metric)()
+        deferred.update(preds, target)
+        grown = metric.update_now(preds, target)
+        assert metric._pending == []
+        assert all(getattr(metric, attr) is tensor for attr, tensor in tensors.items())
+        assert grown == {attr: getattr(deferred, attr) for attr in grown} and grown  # e.g. {"count": 4}
+        assert metric.compute() == deferred.compute()
+        metric.add_counts(grown)  # a replay: the graph adds the totals, the host the counts
+        for attr in tensors:
+            getattr(metric, attr).mul_(2)
+        deferred.update(preds, target)
+        assert metric.compute() == deferred.compute()
+
+
+def test_reset_clears_tensors_in_place_and_replaces_one_of_another_shape():
+    m = Loss()
+    total = m.total
+    m.update_now(torch.tensor(3.0), torch.zeros(2))
+    m.reset()
+    assert m.total is total and float(total) == 0.0 and m.count == 0
+    m.total = torch.zeros(3, dtype=torch.float64)  # not the declared shape: a fresh default
+    m.reset()
+    assert m.total.shape == () and m.total is not total
+
+
+def test_the_built_in_metrics_say_their_update_is_capturable_and_the_base_does_not():
+    assert all(cls.capturable for cls in (Loss, Accuracy, TopKAccuracy, MeanSquaredError, MeanAbsoluteError))
+    assert Metric.capturable is False
