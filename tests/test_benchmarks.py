@@ -176,3 +176,39 @@ def test_data_positioning_times_every_library_at_both_positions():
     assert list(rows) == ["torchdata map (fit)", "torchdata map (its own load_state_dict)", "hf map",
                           "hf iterable (its state)", "hf iterable + buffer (replay)", "streaming"]
     assert all(len(v) == 3 and all(_positive(float(x)) for x in v) for v in rows.values())
+
+
+def test_the_gpu_check_script_runs_benchmarks_and_tests_with_options_they_accept(monkeypatch):
+    """benchmarks/gpu_check.sh (the one prepared run for a lent GPU): every part it would run is
+    a command whose arguments its script's own parser accepts (parsed here, nothing run)."""
+    import argparse
+    import shlex
+    import subprocess
+
+    script = os.path.join(BENCHMARKS, "gpu_check.sh")
+    listed = subprocess.run(["bash", script, "--dry-run"], capture_output=True, text=True, check=True).stdout
+    parts = [line.split("|", 2) for line in listed.splitlines()]
+    assert [name for name, _, _ in parts] == ["tests", "mlp", "resnet", "loader", "save"]
+    assert sum(int(limit) for _, limit, _ in parts) <= 2 * 600  # two calls of a lent machine's limit
+    bad = subprocess.run(["bash", script, "--dry-run", "nope"], capture_output=True, text=True)
+    assert bad.returncode == 2 and "unknown part 'nope'" in bad.stderr
+
+    class Parsed(Exception):
+        pass
+
+    real = argparse.ArgumentParser.parse_args
+
+    def parse_only(self, args=None, namespace=None):
+        real(self, args, namespace)  # an option it does not know exits with status 2 here
+        raise Parsed
+
+    monkeypatch.setattr(argparse.ArgumentParser, "parse_args", parse_only)
+    monkeypatch.syspath_prepend(BENCHMARKS)  # the scripts import their _common helper from there
+    for name, _, command in parts:
+        words = shlex.split(command)
+        if name == "tests":
+            assert words[1:4] == ["-m", "pytest", "-m"] and words[4] == "cuda" and words[-1] == "tests"
+            continue
+        module = runpy.run_path(os.path.join(BENCHMARKS, os.path.basename(words[1])), run_name="gpu_check")
+        with pytest.raises(Parsed):
+            module["main"](words[2:])
