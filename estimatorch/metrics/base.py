@@ -214,7 +214,7 @@ class Metric:
         for attr, default in self._defaults.items():
             current = getattr(self, attr)
             if isinstance(default, torch.Tensor) and isinstance(current, torch.Tensor) and \
-                    current.shape == default.shape and current.dtype == default.dtype and current.device == self.device:
+                    current.shape == default.shape and current.dtype == default.dtype and _on(current, self.device):
                 if default.numel() == 1 and default.device.type == "cpu":
                     current.fill_(default.item())  # a number from the host: no copy to wait for
                 else:
@@ -342,6 +342,11 @@ def _device(device: Any) -> torch.device:
         return torch.device(device)
     except (RuntimeError, TypeError, ValueError) as err:
         raise ValueError(f"device must be a torch device such as 'cpu' or 'cuda:0', got {device!r} ({err})") from None
+
+
+def _on(tensor: torch.Tensor, device: torch.device) -> bool:
+    """Whether ``tensor`` is on ``device`` (``cuda`` without an index: any CUDA device)."""
+    return tensor.device.type == device.type and device.index in (None, tensor.device.index)
 
 
 def _combine(reduce: str, state: Any, increment: Any) -> Any:

@@ -232,6 +232,14 @@ def test_cuda_accumulators_and_no_host_reads(cls, monkeypatch):
     cpu = make(cls)
     cpu.update(*inputs(cls))
     assert m.compute() == pytest.approx(cpu.compute(), rel=1e-6)
+    # update_now (a captured step's) reads nothing on the host either, and reset keeps the
+    # tensors a graph adds to, also for a metric made on "cuda" without an index
+    before = {a: v for a, v in vars(m).items() if a in m.state_defaults() and isinstance(v, torch.Tensor)}
+    with count_host_reads(monkeypatch) as calls:
+        m.update_now(preds, target)
+    assert calls == []
+    m.reset()  # reads its CPU defaults, never the device
+    assert all(getattr(m, a) is v for a, v in before.items())
 
 
 # -- compute(sync) ------------------------------------------------------------------------------
