@@ -122,6 +122,9 @@ def test_async_save_copies_through_pinned_buffers_and_writes_the_boundarys_state
     buffers = handler._writer.staging._buffers
     model_buffers = [buf for path, buf in buffers.items() if path[0] == "model"]
     assert model_buffers and all(buf.is_pinned() for buf in model_buffers)  # copied from the GPU
+    if kind is True:  # the writer process: every staged tensor, of the GPU or the CPU, is sent as a place in the shared area
+        staging = handler._writer.staging
+        assert all(id(buf) in staging.slots for buf in buffers.values())
     for step, state in at_boundary.items():
         saved = checkpoint.load(tmp_path / checkpoint.checkpoint_name("model", 0, step))["model"]
         for key, value in state.items():

@@ -178,7 +178,7 @@ class Branchy(nn.Module):
         return self.a(x) if x.sum() > 0 else self.b(x)
 
 
-def test_a_model_the_capture_fails_on_trains_eagerly_with_one_warning():
+def test_a_model_that_synchronises_trains_eagerly_with_one_warning_and_no_failed_capture():
     torch.manual_seed(0)
     net = Branchy()
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.Adam(net.parameters()), device="cuda",
@@ -187,9 +187,60 @@ def test_a_model_the_capture_fails_on_trains_eagerly_with_one_warning():
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         est.fit(_loader(), epochs=1, event_handlers=[counts])
-    assert len([w for w in caught if "could not be captured" in str(w.message)]) == 1
+    messages = [str(w.message) for w in caught if "cuda_graphs=True" in str(w.message)]
+    assert len(messages) == 1 and "makes a synchronising CUDA call (at " in messages[0], messages
+    assert "test_cuda_graphs.py:" in messages[0]  # Branchy's forward, where it reads x.sum()
     assert counts.replayed == 0 and counts.eager == 21
     assert all(torch.isfinite(p).all() for p in net.parameters())
+    # no capture was tried, so none failed: the process goes on (dropout draws, memory returned)
+    torch.nn.functional.dropout(torch.ones(8, device="cuda"), 0.5)
+
+
+_REFUSED = """
+import torch
+from torch import nn
+from estimatorch import Estimator
+
+
+class LateRead(nn.Module):
+    # reads a value on the host from its fourth call on (the capture): the watched warm-up steps see none
+
+    def __init__(self):
+        super().__init__()
+        self.fc, self.calls = nn.Linear(32, 10), 0
+
+    def forward(self, x):
+        self.calls += 1
+        if self.calls >= 4 and x.sum() > 1e9:
+            return self.fc(x) * 2
+        return self.fc(x)
+
+
+torch.manual_seed(0)
+net = LateRead()
+est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.Adam(net.parameters()), device="cuda",
+                cuda_graphs=True)
+data = [(torch.randn(32, 32), torch.randint(0, 10, (32,))) for _ in range(8)]
+try:
+    est.fit(data, epochs=1)
+except RuntimeError as err:
+    print("REFUSED", est.position.step, err, flush=True)
+"""
+
+
+def test_a_capture_cuda_refuses_ends_the_fit_naming_the_cause(tmp_path):
+    """A host read the warm-up did not see fails the capture itself: the fit ends with the cause
+    (in a process of its own: PyTorch does not undo a failed capture)."""
+    import subprocess
+    import sys
+
+    script = tmp_path / "refused.py"
+    script.write_text(_REFUSED)
+    done = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, timeout=300)
+    line = next((line for line in done.stdout.splitlines() if line.startswith("REFUSED")), None)
+    assert line is not None, done.stdout + done.stderr
+    assert line.startswith(f"REFUSED {WARMUP_STEPS} ")  # the state of before the captured step
+    assert "CUDA refused to record the train step" in line and "cuda_graphs=False" in line
 
 
 def test_the_side_stream_copy_trains_as_the_plain_copy(monkeypatch):

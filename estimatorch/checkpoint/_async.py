@@ -106,7 +106,9 @@ class Staging:
             return staged
         cuda = tensor.device.type == "cuda"
         buf = self._buffers.get(path)
-        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype or buf.is_pinned() != cuda:
+        # a CPU tensor may use a pinned buffer (one in a shared area registered for a CUDA tensor
+        # beside it): only a copy from the GPU needs one
+        if buf is None or buf.shape != tensor.shape or buf.dtype != tensor.dtype or (cuda and not buf.is_pinned()):
             buf = torch.empty(tensor.shape, dtype=tensor.dtype, device="cpu", pin_memory=cuda)
         used[path] = buf
         if not cuda:

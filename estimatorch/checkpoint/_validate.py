@@ -191,6 +191,27 @@ def check_against_fit(estimator: Any, payload: dict[str, Any], rank: int, source
     return payload
 
 
+def _in_this_mode(saved: dict[str, Any], optimizer: Any) -> dict[str, Any]:
+    """``saved`` (an optimizer's ``state_dict``) with each group's ``capturable`` flag and the
+    kind of its learning rate (a float or a tensor) taken from ``optimizer``'s: a state saved
+    by a captured step (``cuda_graphs=True``: capturable, the rate a device tensor) resumes an
+    eager fit, on a GPU or on the CPU, where a capturable optimizer cannot step; the values are
+    the saved ones. A captured fit makes the optimizer capturable again before its first step."""
+    groups = saved.get("param_groups")
+    mine = getattr(optimizer, "param_groups", None)
+    if not isinstance(groups, list) or not isinstance(mine, list) or len(groups) != len(mine):
+        return saved  # check_training_state compared them already; a foreign layout loads as it is
+    fitted = []
+    for group, current in zip(groups, mine):
+        group = dict(group)
+        if "capturable" in group and "capturable" in current:
+            group["capturable"] = current["capturable"]
+        if isinstance(group.get("lr"), torch.Tensor) and not isinstance(current.get("lr"), torch.Tensor):
+            group["lr"] = float(group["lr"])  # on the CPU: read once, at the resume
+        fitted.append(group)
+    return {**saved, "param_groups": fitted}
+
+
 def restore_training_state(estimator: Any, payload: dict[str, Any]) -> None:
     """Load model, optimizer, LR scheduler and grad scaler states into ``estimator``, after
     checking all four (nothing is loaded when one does not fit).
@@ -206,7 +227,7 @@ def restore_training_state(estimator: Any, payload: dict[str, Any]) -> None:
                        optim_state_dict=state["optimizer"])
     else:
         load_model_state(estimator.net, payload["model"])
-        estimator.optimizer.load_state_dict(payload["optimizer"])
+        estimator.optimizer.load_state_dict(_in_this_mode(payload["optimizer"], estimator.optimizer))
     for attr in ("lr_scheduler", "grad_scaler"):
         target = getattr(estimator, attr)
         if target is not None:

@@ -3,9 +3,11 @@
 One pure decision, taken at ``fit`` start from the estimator's configuration and the fit's
 handlers, before any work: :func:`capture_refusal` returns the reason a captured step cannot
 train this configuration (``fit`` raises it as a ``ValueError`` naming ``cuda_graphs``), or None.
-What only the capture itself can find out (a ``.item()`` or a branch on a tensor's value in the
-model, a tensor on the CPU) is found when the step is recorded, after warm-up: that fit then
-trains eagerly with one warning (:func:`fallback_message`). docs/cuda-graphs.md has the table.
+What only running the step can find out (a ``.item()`` or a branch on a tensor's value in the
+model, a tensor on the CPU) is found in the eager step before the capture, watched for
+synchronising calls: that fit then trains eagerly with one warning (:func:`fallback_message`).
+A capture CUDA refuses all the same ends the fit (:func:`capture_error`).
+docs/cuda-graphs.md has the table.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import torch
 from ..events import declared, subscribes
 from ..events.dispatch import handler_name
 
-__all__ = ["CaptureConfig", "INSIDE_STEP_EVENTS", "capture_refusal", "check_capture", "config_of",
+__all__ = ["CaptureConfig", "INSIDE_STEP_EVENTS", "capture_error", "capture_refusal", "check_capture", "config_of",
            "fallback_message", "in_graph", "refusal_error", "schedule_refusal"]
 
 #: the events fired inside the step (between the batch reaching the device and ``batch_end``):
@@ -97,12 +99,28 @@ def schedule_refusal(scheduler: Any) -> Optional[str]:
             "recorded; pass cycle_momentum=False")
 
 
-def fallback_message(error: BaseException) -> str:
-    """The one warning of a fit whose step could not be recorded (it then trains eagerly)."""
-    return (f"cuda_graphs=True: the train step could not be captured in a CUDA graph ({type(error).__name__}: "
-            f"{error}); this fit trains eagerly, as with cuda_graphs=False. Usual causes: the model reads a "
-            "tensor's value on the host (.item(), bool(t), a Python branch on a tensor), holds a CPU tensor "
-            "it copies to the GPU in forward, or a custom BatchProcessor synchronises.")
+def fallback_message(where: str) -> str:
+    """The one warning of a fit whose step synchronises with the host (seen at ``where`` in its
+    last eager step before the capture): it then trains eagerly."""
+    return (f"cuda_graphs=True: the train step makes a synchronising CUDA call ({where}), which a CUDA graph "
+            "cannot record; this fit trains eagerly, as with cuda_graphs=False. Usual causes: the model reads "
+            "a tensor's value on the host (.item(), bool(t), a Python branch on a tensor), copies a CPU tensor "
+            "to the GPU in forward, or a custom BatchProcessor or capturable batch_end synchronises.")
+
+
+def capture_error(error: BaseException) -> RuntimeError:
+    """The error of a capture CUDA refused although the eager step before it made no
+    synchronising call. PyTorch does not undo a failed capture (the memory pool it was filling,
+    on 2.11 the random generators): the fit ends with this error, its state that of before the
+    step, rather than go on in a process that would leak memory or fail at its next draw."""
+    cause = error.__context__ if isinstance(error.__context__, RuntimeError) else error  # capture_end's masks it
+    return RuntimeError(
+        f"cuda_graphs=True: CUDA refused to record the train step ({type(cause).__name__}: {cause}). A failed "
+        "capture leaves this process's CUDA memory pool and random generators in a state PyTorch does not undo, "
+        "so the fit stops here, its state that of before this step: train with cuda_graphs=False (in a new "
+        "process; a checkpoint of this run resumes there). Usual causes: the model reads a tensor's value on "
+        "the host in some batches only, draws from a torch.Generator of its own on torch before 2.13, or "
+        "allocates pinned memory in forward.")
 
 
 def _device(config: CaptureConfig) -> Optional[str]:

@@ -22,13 +22,16 @@ replay draws what the eager step would and advances the generator as it would, s
 generator state a checkpoint saves is exact. After each replay the host does what each
 recorded handler's ``record_batch_end`` asked (a flag, counts). The other ``batch_end``
 handlers get copies of the graph's ``pred`` and ``loss`` (its own are overwritten by the next
-replay) and the batch's own inputs and label. A capture that fails (a host read in the model)
-leaves the fit eager, with one warning, the recorded handlers' attributes and the train
-metrics' states put back as they were before it.
+replay) and the batch's own inputs and label. The warm-up steps are watched for synchronising
+calls (a host read in the model): one seen in the step before the capture leaves the fit eager,
+with one warning. A capture CUDA refuses all the same cannot be undone in the process: the held
+handlers' attributes and the train metrics' states are put back as they were before it, and the
+fit ends with the error.
 """
 
 from __future__ import annotations
 
+import threading
 import warnings
 from collections.abc import Mapping
 from typing import Any, Optional
@@ -37,7 +40,7 @@ import torch
 
 from .._batches import map_tensors, tensors_in
 from .._checks import warn_user
-from ._capture import fallback_message, in_graph, refusal_error, schedule_refusal
+from ._capture import capture_error, fallback_message, in_graph, refusal_error, schedule_refusal
 
 __all__ = ["GraphedStep", "WARMUP_STEPS", "graphed_step", "layout_of"]
 
@@ -46,6 +49,8 @@ WARMUP_STEPS = 3
 
 # torch warns once per optimizer that a capturable one steps uncaptured: the warm-up steps do
 _UNCAPTURED = r".*capturable=True.*"
+#: torch's warning for a synchronising call under ``torch.cuda.set_sync_debug_mode("warn")``
+SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
 def graphed_step(estimator: Any, run: Any) -> Optional[GraphedStep]:
@@ -102,7 +107,8 @@ class GraphedStep:
         self.after_replay: list[Any] = []
         self.device = estimator.device
         self.warm = 0
-        self.failed = False
+        self.failed = False  # the step synchronises: eager for the rest of the fit
+        self.synced: Optional[str] = None  # where the last watched eager step synchronised
         self.prepared = False
         self.graph: Optional[torch.cuda.CUDAGraph] = None
         self.key: Any = None
@@ -136,10 +142,16 @@ class GraphedStep:
         if not self.prepared:
             _make_capturable(estimator.optimizer, self.device)
             self.prepared = True
-        if self.failed or self.warm < WARMUP_STEPS or key != self.last_key:  # never a one-off layout
+        if self.failed:
+            return self._eager(batch, batch_axis, side=False)
+        if self.warm < WARMUP_STEPS or key != self.last_key:  # never a one-off layout
             self.warm += 1
             self.last_key = key
-            return self._eager(batch, batch_axis, side=not self.failed)
+            return self._watched(batch, batch_axis)
+        if self.synced is not None:  # the step before, of this layout, synchronised: so would this one
+            self.failed = True
+            warn_user(fallback_message(self.synced))
+            return self._eager(batch, batch_axis, side=False)
         return self._capture(batch, batch_axis, key, tensors)
 
     # -- eager ---------------------------------------------------------------------------------
@@ -158,6 +170,33 @@ class GraphedStep:
             t.record_stream(current)
         return out
 
+    def _watched(self, batch: Any, batch_axis: int) -> tuple[Any, Any, Any, Any]:
+        """An eager warm-up step watched for synchronising calls (torch's sync debug mode, set to
+        warn): a step that synchronises cannot be captured, and a capture CUDA refuses cannot be
+        undone, so the capture waits for a step of its layout that made none. Only this thread's
+        warnings count (the mode is the process's: a pin-memory or writer thread's are dropped)."""
+        seen: list[str] = []
+        me = threading.get_ident()
+        previous = torch.cuda.get_sync_debug_mode()
+        with warnings.catch_warnings():
+            warnings.filterwarnings("always", message=SYNC_WARNING)
+            shown = warnings.showwarning
+
+            def show(message: Any, category: Any, filename: str, lineno: int, *args: Any, **kwargs: Any) -> None:
+                if SYNC_WARNING not in str(message):
+                    shown(message, category, filename, lineno, *args, **kwargs)
+                elif threading.get_ident() == me:
+                    seen.append(f"{filename}:{lineno}")
+
+            warnings.showwarning = show
+            torch.cuda.set_sync_debug_mode("warn")
+            try:
+                out = self._eager(batch, batch_axis, side=True)
+            finally:
+                torch.cuda.set_sync_debug_mode(previous)
+        self.synced = f"at {seen[0]}" + (f" and {len(seen) - 1} more" if len(seen) > 1 else "") if seen else None
+        return out
+
     def _step(self, batch: Any, batch_axis: int) -> tuple[Any, Any, Any, Any]:
         data, label, pred, loss = self.processor.fit_batch(self.estimator, batch, batch_axis)
         for handler in self.held:
@@ -174,17 +213,17 @@ class GraphedStep:
         before = _python_state(self.held, self.estimator.train_metrics)
         graph = torch.cuda.CUDAGraph()
         try:
-            # thread_local: the DataLoader's pin-memory thread may allocate pinned memory meanwhile
-            # (an error for the capture in "global" mode); this thread's host reads still fail it
-            with torch.cuda.graph(graph, pool=self.pool, capture_error_mode="thread_local"):
+            # on the step's device and side stream (torch's default capture stream is the current
+            # device's: a model on another GPU would not be recorded); thread_local: the
+            # DataLoader's pin-memory thread may allocate pinned memory meanwhile (an error for
+            # the capture in "global" mode), this thread's host reads still fail it
+            with torch.cuda.device(self.device), \
+                    torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
                 outputs = self._step(static_batch, batch_axis)
-        except RuntimeError as err:  # a host read, a CPU tensor: CUDA refused the capture
-            self.failed = True
+        except RuntimeError as err:  # CUDA refused the capture: PyTorch cannot undo it, the fit ends
             _restore(before)  # the held handlers' Python ran for a step no kernel of which did
             optimizer.zero_grad(set_to_none=True)  # the capture's gradients were never computed
-            torch.cuda.synchronize(self.device)
-            warn_user(fallback_message(err))
-            return self._eager(batch, batch_axis, side=False)
+            raise capture_error(err) from err
         self.graph, self.key, self.static, self.static_batch = graph, key, static, static_batch
         self.after_replay = [handler.record_batch_end(self.estimator) for handler in self.held]
         self.rates = [group["lr"] for group in optimizer.param_groups]  # the tensors the graph reads

@@ -100,8 +100,9 @@ class Estimator(RunView):
             tensor (LR schedules keep working). A configuration it cannot capture (not CUDA,
             several processes, ``"16-mixed"``, an optimizer without a capturable mode, gradient
             accumulation, a handler listening inside the step) is a ``ValueError`` at ``fit``
-            start; a model the capture fails on trains eagerly with one warning. See
-            docs/cuda-graphs.md. Defaults to False.
+            start; a step that synchronises with the host (seen in the warm-up) trains
+            eagerly with one warning, and a capture CUDA refuses all the same ends the fit with
+            its cause. See docs/cuda-graphs.md. Defaults to False.
         watchdog: report a hang: seconds without a completed step (counted from the first), or
             a :class:`~estimatorch.Watchdog` (``action="raise"`` ends the run). Every rank's
             stacks go to the run's directory and the log, with a one-line summary of where each

@@ -148,3 +148,39 @@ def test_when_no_file_fits_the_fit_stops_at_start_and_changes_nothing(reference,
     assert_tree_equal(estimator.net.state_dict(), params, "model")  # validation restored nothing
     assert estimator.optimizer.state_dict()["state"] == {}
     assert dir_state(tmp_path) == before
+
+
+def test_an_optimizer_state_saved_by_a_captured_step_resumes_an_eager_fit_on_the_cpu():
+    """cuda_graphs=True saves the optimizer capturable, its rate a tensor: loaded as it is, an
+    optimizer on the CPU refuses to step; restored in this optimizer's mode, it steps as the
+    eager optimizer would have (the values are the saved ones)."""
+    import copy
+
+
+    from estimatorch.checkpoint._validate import _in_this_mode
+
+    def adam_after_one_step():
+        torch.manual_seed(0)
+        net = nn.Linear(3, 2)
+        optimizer = torch.optim.Adam(net.parameters(), lr=0.125)  # exact in float32
+        net(torch.randn(4, 3)).sum().backward()
+        optimizer.step()
+        return net, optimizer
+
+    _, saver = adam_after_one_step()
+    saved = copy.deepcopy(saver.state_dict())
+    saved["param_groups"][0].update(capturable=True, lr=torch.tensor(0.125))  # as a captured step keeps them
+    as_is_net, as_is = adam_after_one_step()
+    as_is.load_state_dict(copy.deepcopy(saved))
+    with pytest.raises((AssertionError, RuntimeError), match="capturable"):
+        as_is.step()
+    net, resumed = adam_after_one_step()
+    resumed.load_state_dict(_in_this_mode(saved, resumed))
+    group = resumed.param_groups[0]
+    assert group["capturable"] is False and group["lr"] == 0.125 and type(group["lr"]) is float
+    reference_net, reference = adam_after_one_step()
+    for optimizer in (resumed, reference):
+        optimizer.step()
+    assert all(torch.equal(a, b) for a, b in zip(net.parameters(), reference_net.parameters()))
+    assert _in_this_mode(saved, resumed)["param_groups"][0]["lr"] == 0.125
+    assert saved["param_groups"][0]["capturable"] is True  # the saved state is not changed

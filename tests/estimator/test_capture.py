@@ -13,6 +13,7 @@ from estimatorch import Estimator
 from estimatorch.metrics import Loss
 from estimatorch.estimator._capture import (
     CaptureConfig,
+    capture_error,
     capture_refusal,
     check_capture,
     fallback_message,
@@ -212,11 +213,25 @@ def test_cuda_graphs_off_changes_nothing():
     est.fit([(torch.randn(8, 4), torch.randint(0, 2, (8,)))], epochs=1, event_handlers=[InsideStep()])
 
 
-def test_the_fallback_warning_names_the_error_and_the_usual_causes():
-    message = fallback_message(RuntimeError("operation not permitted when stream is capturing"))
-    assert message.startswith("cuda_graphs=True: the train step could not be captured")
-    assert "RuntimeError: operation not permitted when stream is capturing" in message
+def test_the_fallback_warning_names_where_the_step_synchronised_and_the_usual_causes():
+    message = fallback_message("at model.py:12")
+    assert message.startswith("cuda_graphs=True: the train step makes a synchronising CUDA call (at model.py:12)")
     assert ".item()" in message and "trains eagerly" in message
+
+
+def test_a_refused_capture_s_error_names_the_cause_capture_end_masks():
+    try:
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError:
+            raise RuntimeError("operation failed due to a previous error during capture")  # noqa: B904 - as torch does
+    except RuntimeError as err:
+        masking = err
+    error = capture_error(masking)
+    assert isinstance(error, RuntimeError)
+    assert "(RuntimeError: operation not permitted when stream is capturing)" in str(error)
+    assert "train with cuda_graphs=False" in str(error)
+    assert "(RuntimeError: boom)" in str(capture_error(RuntimeError("boom")))  # nothing masked
 
 
 def test_a_schedule_cycling_the_momentum_is_refused_and_one_of_the_rate_alone_accepted():

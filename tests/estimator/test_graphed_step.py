@@ -67,8 +67,10 @@ def fake_cuda(monkeypatch):
     FakeGraph.made = []
 
     @contextlib.contextmanager
-    def graph(g, pool=None, capture_error_mode="global"):
+    def graph(g, pool=None, stream=None, capture_error_mode="global"):
         assert pool == "pool" and capture_error_mode == "thread_local"
+        assert stream is state["step"].side  # recorded on the step's own stream and device
+        assert state["device"] == state["step"].device
         if state["fail"] is not None:  # before the body: a stand-in cannot undo the step it ran
             raise state["fail"]
         yield
@@ -88,6 +90,17 @@ def fake_cuda(monkeypatch):
     monkeypatch.setattr(cuda, "CUDAGraph", FakeGraph)
     monkeypatch.setattr(cuda, "graph", graph)
     monkeypatch.setattr(cuda, "synchronize", lambda device=None: None)
+    state["mode"], state["device"] = "default", None
+
+    @contextlib.contextmanager
+    def on_device(device):
+        state["device"] = device
+        yield
+        state["device"] = None
+
+    monkeypatch.setattr(cuda, "device", on_device)
+    monkeypatch.setattr(cuda, "get_sync_debug_mode", lambda: {"default": 0, "warn": 1}[state["mode"]])
+    monkeypatch.setattr(cuda, "set_sync_debug_mode", lambda mode: state.update(mode={0: "default", 1: "warn"}.get(mode, mode)))
     monkeypatch.setattr(torch.Tensor, "record_stream", lambda self, stream: None)
     # the rate stays a float here (a CPU SGD with a tensor rate would change the bits): tested apart
     monkeypatch.setattr(_graphed_step, "_make_capturable", lambda optimizer, device: None)
@@ -171,20 +184,92 @@ def test_the_optimizer_step_and_the_metric_updates_leave_batch_end_for_the_step(
     assert [m.count for m in est.train_metrics] == [53, 53]
 
 
-def test_a_capture_failing_at_its_end_puts_the_held_handlers_and_the_metrics_back(fake_cuda):
-    """CUDA reports some errors when the capture ends, after the step's Python ran: the counts
-    the metrics advanced for that step (which no kernel computed) are put back before it runs
-    eagerly, so every sample counts once."""
-    fake_cuda["fail_after"] = RuntimeError("operation failed due to a previous error during capture")
+def test_a_capture_cuda_refuses_ends_the_fit_with_its_cause_and_the_state_of_before_the_step(fake_cuda):
+    """A capture CUDA refuses cannot be undone in the process (its memory pool, the generators):
+    the fit ends, naming the cause (the error capture_end's masks), with the held handlers' and
+    the metrics' Python put back, so the run's state is that of before the step. CUDA reports
+    some errors only when the capture ends, after the step's Python ran."""
+    for when in ("fail", "fail_after"):
+        FakeGraph.made = []
+        fake_cuda["fail"] = fake_cuda["fail_after"] = None
+        try:
+            raise RuntimeError("operation not permitted when stream is capturing")
+        except RuntimeError as err:
+            cause = err
+            try:
+                raise RuntimeError("operation failed due to a previous error during capture")
+            except RuntimeError as masking:
+                fake_cuda[when] = masking
+        probe = Linking(fake_cuda)
+        torch.manual_seed(0)
+        net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+        est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                        cuda_graphs=True)
+        with pytest.raises(RuntimeError, match=r"CUDA refused to record the train step \(RuntimeError: operation "
+                                               r"not permitted when stream is capturing\)") as raised:
+            est.fit(_data(), epochs=1, event_handlers=[probe])
+        assert raised.value.__cause__ is fake_cuda[when] and cause is fake_cuda[when].__context__
+        assert "cuda_graphs=False" in str(raised.value)
+        assert est.position.step == WARMUP_STEPS  # the fourth step, the capture's, never happened
+        assert [m.count for m in est.train_metrics] == [8 * WARMUP_STEPS] * 2, when  # put back
+        assert fake_cuda["step"].held[0].pending == 0
+
+
+def test_a_step_that_synchronises_trains_eagerly_with_one_warning_naming_where(fake_cuda):
+    """The warm-up steps run under torch's sync debug mode (warn): a synchronising call seen in
+    the step before the capture means no capture (one CUDA refuses could not be undone)."""
+    class Reads(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+        def forward(self, x):
+            if fake_cuda["mode"] == "warn":  # what torch does for .item() under the sync debug mode
+                warnings.warn("called a synchronizing CUDA operation")
+            return self.net(x)
+
     probe = Linking(fake_cuda)
+    torch.manual_seed(0)
+    net = Reads()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), cuda_graphs=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est, _ = _fit(True, [probe], epochs=1)
-    assert sum("could not be captured" in str(w.message) for w in caught) == 1
-    assert fake_cuda["step"].graph is None
-    assert [m.count for m in est.train_metrics] == [53, 53]
-    updater = fake_cuda["step"].held[0]
-    assert updater.pending == 0
+        est.fit(_data(), epochs=2, event_handlers=[probe])
+    messages = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
+    assert len(messages) == 1 and "makes a synchronising CUDA call (at " in messages[0]
+    assert "test_graphed_step.py:" in messages[0] and "trains eagerly" in messages[0]
+    assert not any("called a synchronizing" in str(w.message) for w in caught)  # the probe's own, kept
+    step = fake_cuda["step"]
+    assert step.replayed == 0 and step.eager == 14 and FakeGraph.made == []
+    assert fake_cuda["mode"] == "default"  # the debug mode is put back
+
+
+def test_a_synchronising_call_of_another_thread_does_not_stop_the_capture(fake_cuda):
+    """The debug mode is the process's: a pin-memory or checkpoint-writer thread synchronising
+    during a watched step is not the step's, and its warning is dropped."""
+    import threading
+
+    class Neighbour(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+
+        def forward(self, x):
+            if fake_cuda["mode"] == "warn":
+                other = threading.Thread(target=warnings.warn, args=("called a synchronizing CUDA operation",))
+                other.start()
+                other.join()
+            return self.net(x)
+
+    probe = Linking(fake_cuda)
+    torch.manual_seed(0)
+    net = Neighbour()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), cuda_graphs=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        est.fit(_data(), epochs=1, event_handlers=[probe])
+    assert not any("synchroniz" in str(w.message) or "cuda_graphs" in str(w.message) for w in caught)
+    assert len(FakeGraph.made) == 1 and fake_cuda["step"].replayed > 0
 
 
 def test_the_metrics_of_a_resumed_captured_fit_equal_the_uninterrupted_one_s_bitwise(fake_cuda, tmp_path):
@@ -204,22 +289,6 @@ def test_the_metrics_of_a_resumed_captured_fit_equal_the_uninterrupted_one_s_bit
                                                                    resume_from_checkpoint=True)], epochs=3)
     for key in ("train_loss", "train_accuracy"):
         assert resumed[key][-2:] == reference[key][-2:]  # epoch 2 (resumed mid-way) and 3
-
-
-def test_a_failed_capture_warns_once_and_the_fit_trains_eagerly(fake_cuda):
-    fake_cuda["fail"] = RuntimeError("operation not permitted when stream is capturing")
-    probe = Linking(fake_cuda)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        est, history = _fit(True, [probe])
-    messages = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
-    assert len(messages) == 1 and "could not be captured" in messages[0]
-    step = fake_cuda["step"]
-    assert step.replayed == 0 and step.eager == 14 and step.graph is None
-    reference, ref_history = _fit(False)
-    for a, b in zip(est.net.parameters(), reference.net.parameters()):
-        assert torch.equal(a, b)
-    assert history["train_loss"] == ref_history["train_loss"]
 
 
 def test_make_capturable_puts_the_rate_and_the_step_counts_on_the_device():
