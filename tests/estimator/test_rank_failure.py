@@ -22,6 +22,7 @@ from torch import nn
 
 from estimatorch import Estimator, checkpoint, distributed
 from estimatorch.event_handlers import BatchEnd
+from tests.conftest import free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 
@@ -100,7 +101,7 @@ def _launch(tmp_path, where, keep_alive):
     """Start the two ranks; returns their processes (stdout and stderr in files)."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
-    port = 20000 + (os.getpid() * 7 + int(time.time() * 1000)) % 20000
+    port = free_port()  # one nothing listens on (a guess could meet a weed server's or another test's)
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
