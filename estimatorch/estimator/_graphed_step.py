@@ -220,12 +220,16 @@ class GraphedStep:
             with torch.cuda.device(self.device), \
                     torch.cuda.graph(graph, pool=self.pool, stream=self.side, capture_error_mode="thread_local"):
                 outputs = self._step(static_batch, batch_axis)
+        except torch.cuda.OutOfMemoryError:  # fit describes it (where the memory went)
+            _restore(before)
+            optimizer.zero_grad(set_to_none=True)
+            raise
         except RuntimeError as err:  # CUDA refused the capture: PyTorch cannot undo it, the fit ends
             _restore(before)  # the held handlers' Python ran for a step no kernel of which did
             optimizer.zero_grad(set_to_none=True)  # the capture's gradients were never computed
             raise capture_error(err) from err
         self.graph, self.key, self.static, self.static_batch = graph, key, static, static_batch
-        self.after_replay = [handler.record_batch_end(self.estimator) for handler in self.held]
+        self.after_replay = [_after_replay(handler, self.estimator) for handler in self.held]
         self.rates = [group["lr"] for group in optimizer.param_groups]  # the tensors the graph reads
         inputs = {id(s): i for i, s in enumerate(static)}
         self.outputs = (outputs, inputs)
@@ -256,6 +260,17 @@ class GraphedStep:
 
         data, label, pred, loss = map_tensors(outputs, swap)  # fit_batch's four
         return data, label, pred, loss
+
+
+def _after_replay(handler: Any, estimator: Any) -> Any:
+    """What ``handler`` asks the host to do after each replay (``record_batch_end``); nothing
+    for a handler of the mixins alone, which has no such hook."""
+    record = getattr(handler, "record_batch_end", None)
+    return record(estimator) if record is not None else _nothing
+
+
+def _nothing() -> None:
+    """The replay's host side for a handler keeping no Python state in ``batch_end``."""
 
 
 def _python_state(held: list[Any], metrics: list[Any]) -> tuple[list[Any], list[Any]]:

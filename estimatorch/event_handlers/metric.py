@@ -56,9 +56,10 @@ class MetricHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd):
     @property
     def capturable_batch_end(self) -> bool:
         """Every metric's update can be recorded in a CUDA graph (``Metric.capturable``). A
-        subclass overriding ``batch_end`` must say so itself."""
-        return type(self).batch_end is MetricHandler.batch_end and \
-            all(getattr(metric, "capturable", False) for metric in self.metrics)
+        subclass overriding ``batch_end`` or ``train_begin`` (which chooses to fold each update at
+        once) must say so itself."""
+        own = type(self).batch_end is MetricHandler.batch_end and type(self).train_begin is MetricHandler.train_begin
+        return own and all(getattr(metric, "capturable", False) for metric in self.metrics)
 
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Under ``cuda_graphs=True``, fold every update at once, at every batch, warm-up and
@@ -79,6 +80,9 @@ class MetricHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd):
     def record_batch_end(self, estimator: EstimatorView) -> Callable[[], None]:
         """After each replay, add the recorded batch's counts (the graph added its totals); an
         accumulator replaced since (not updated in place) is an error naming the metric."""
+        if not self._now:  # train_begin did not run: the updates were deferred, out of the graph's reach
+            raise RuntimeError(f"{self.name}: recorded in a CUDA graph without folding its updates at once; "
+                               "its train_begin must run (call super().train_begin in an override)")
         metrics = [*self._loss_metrics, *self._other_metrics]
         grown = list(zip(metrics, self._grown))
         held = [(m, attr, getattr(m, attr)) for m in metrics for attr in m.state_defaults()

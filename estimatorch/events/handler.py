@@ -152,7 +152,8 @@ class Handler:
         and the tensors it keeps it updates in place. A replay repeats that device work, not the
         Python around it: :meth:`record_batch_end` says what the host does after each replay.
         The graph holds the ``batch_end`` of the handlers that say so, from the first in dispatch
-        order up to the first that does not; it must hold the optimizer's step. Defaults to False:
+        order up to the first that does not; it must hold the optimizer's step. Its return value
+        is not read (a replay returns nothing): a held handler cannot stop the fit. Defaults to False:
         ``batch_end`` runs after each replay, outside the graph, as without one."""
         return False
 

@@ -88,8 +88,9 @@ class Metric:
     _fold_order_free = False
     #: True when :meth:`update` can be recorded in a CUDA graph (``Estimator(cuda_graphs=True)``):
     #: it reads no value on the host (its checks read shapes and dtypes only), every accumulator
-    #: is a ``"sum"``, its tensors are updated in place, and its numbers grow by the same amount
-    #: for every batch of one shape. See :meth:`update_now`.
+    #: is a ``"sum"``, its tensors are updated in place, and its number accumulators are ints
+    #: that grow by the same amount for every batch of one shape (a float's growth, read as a
+    #: difference, is not exact). See :meth:`update_now`.
     capturable = False
 
     def __init__(self, name: Optional[str] = None, *, device: Union[str, torch.device, None] = None):
@@ -214,7 +215,8 @@ class Metric:
         for attr, default in self._defaults.items():
             current = getattr(self, attr)
             if isinstance(default, torch.Tensor) and isinstance(current, torch.Tensor) and \
-                    current.shape == default.shape and current.dtype == default.dtype and _on(current, self.device):
+                    current.shape == default.shape and current.dtype == default.dtype and _on(current, self.device) \
+                    and (torch.is_inference_mode_enabled() or not current.is_inference()):
                 if default.numel() == 1 and default.device.type == "cpu":
                     current.fill_(default.item())  # a number from the host: no copy to wait for
                 else:

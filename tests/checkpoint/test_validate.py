@@ -156,7 +156,6 @@ def test_an_optimizer_state_saved_by_a_captured_step_resumes_an_eager_fit_on_the
     eager optimizer would have (the values are the saved ones)."""
     import copy
 
-
     from estimatorch.checkpoint._validate import _in_this_mode
 
     def adam_after_one_step():

@@ -29,7 +29,7 @@ from estimatorch.event_handlers import (
     StoppingHandler,
 )
 
-CUDA = torch.device("cuda")
+CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
 
 
 class OpaqueMetric:
@@ -45,7 +45,6 @@ class OpaqueMetric:
 
     def reset(self):
         pass
-  # a device object only: nothing here touches a GPU
 
 
 def _adam():

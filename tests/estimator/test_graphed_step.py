@@ -379,3 +379,33 @@ def test_the_guide_s_capturable_handler_is_recorded_with_the_step_and_counts_eve
     _fit(False, [eager])
     assert captured.steps == eager.steps == 14
     assert torch.equal(captured.total, eager.total)
+
+
+def test_running_out_of_memory_while_recording_stays_an_out_of_memory_error(fake_cuda):
+    """The capture allocates the graph's pool: CUDA's OutOfMemoryError goes to fit's own
+    description of it (where, the snapshot), not into a refused capture's wording."""
+    fake_cuda["fail_after"] = torch.cuda.OutOfMemoryError("CUDA out of memory. Tried to allocate 2.00 GiB")
+    probe = Linking(fake_cuda)
+    with pytest.raises(torch.cuda.OutOfMemoryError, match=r"out of memory in step 4 .*Tried to allocate") as raised:
+        _fit(True, [probe], epochs=1)
+    assert "CUDA refused to record" not in str(raised.value)
+
+
+def test_a_handler_of_the_mixins_alone_declaring_the_capability_is_recorded(fake_cuda):
+    """Every declaration has its default for a handler that inherits only the mixins: one that
+    says capturable_batch_end without a record_batch_end asks nothing after a replay."""
+    class Plain(BatchEnd):
+        priority = -2500
+        capturable_batch_end = True
+
+        def __init__(self):
+            self.calls = 0
+
+        def batch_end(self, estimator, **kwargs):
+            self.calls += 1
+
+    plain = Plain()
+    _fit(True, [Linking(fake_cuda), plain], epochs=1)
+    step = fake_cuda["step"]
+    assert step.held[0] is plain and step.replayed > 0
+    assert plain.calls == step.eager + 1  # its Python ran in the eager steps and once, recording

@@ -213,3 +213,19 @@ def test_a_metric_that_is_not_capturable_keeps_the_handler_out_of_the_graph():
             super().batch_end(estimator, **kwargs)
 
     assert not Overrides([Loss()]).capturable_batch_end
+
+
+def test_a_subclass_overriding_train_begin_stays_out_of_the_graph():
+    """train_begin chooses to fold each update at once: a subclass replacing it (without super)
+    would be held with deferred updates a graph cannot replay, so it must declare itself."""
+    class View:
+        cuda_graphs = True
+
+    class NoSuper(MetricHandler):
+        def train_begin(self, estimator, **kwargs):
+            pass
+
+    assert not NoSuper([Loss()]).capturable_batch_end
+    h = MetricHandler([Loss()])  # held, but its train_begin never ran: an error, not wrong metrics
+    with pytest.raises(RuntimeError, match="without folding its updates at once"):
+        h.record_batch_end(View())

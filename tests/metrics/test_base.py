@@ -655,3 +655,11 @@ def test_reset_clears_tensors_in_place_and_replaces_one_of_another_shape():
 def test_the_built_in_metrics_say_their_update_is_capturable_and_the_base_does_not():
     assert all(cls.capturable for cls in (Loss, Accuracy, TopKAccuracy, MeanSquaredError, MeanAbsoluteError))
     assert Metric.capturable is False
+
+
+def test_reset_replaces_an_inference_tensor_it_may_not_change_in_place():
+    m = Loss()
+    with torch.inference_mode():
+        m.total = m.total + 1  # e.g. a state combined in a loop run under inference_mode
+    m.reset()
+    assert float(m.total) == 0.0 and not m.total.is_inference()
