@@ -70,6 +70,7 @@ class SeaweedServer:
                                                 "client_kwargs": {"endpoint_url": self.endpoint}}
         self.process: Optional[subprocess.Popen] = None
         self.log_path = os.path.join(directory, "weed.log")
+        self.marked = False  # the readiness marker is written (at the first start)
 
     def _command(self) -> list[str]:
         config = os.path.join(self.directory, "s3.json")
@@ -92,7 +93,9 @@ class SeaweedServer:
         self._wait_ready()
 
     def _wait_ready(self) -> None:
-        """Until S3 answers and the bucket can be made (the filer behind it is up), within
+        """Until S3 answers, the bucket can be made (the filer behind it is up) and an object
+        written before reads back (after a restart the volumes are known to the master only
+        once the volume server's first heartbeat is in: reads answer 500 until then), within
         :data:`READY_WITHIN` seconds."""
         import s3fs  # optional: the extra the object-storage tests exercise
 
@@ -110,14 +113,27 @@ class SeaweedServer:
                     if not fs.exists(BUCKET):
                         fs.mkdir(BUCKET)
                     fs.ls(BUCKET)
+                    self._check_marker(fs)
                     return
-                except OSError as err:  # the filer is not up yet
+                except OSError as err:  # the filer (or, restarted, the volumes) not up yet
                     last = err
             except OSError as err:  # not listening yet
                 last = err
             time.sleep(0.2)
         self.stop()
         raise RuntimeError(f"weed server not ready within {READY_WITHIN} s ({last}): {self.log_tail()}")
+
+    def _check_marker(self, fs: Any) -> None:
+        """Write a marker object at the first start (in a bucket of its own, out of the tests'
+        listings); at a restart, read the one written before (OSError until it reads back)."""
+        marker = f"{BUCKET}-ready/marker"
+        if not self.marked:
+            if not fs.exists(f"{BUCKET}-ready"):
+                fs.mkdir(f"{BUCKET}-ready")
+            fs.pipe(marker, b"ready")
+            self.marked = True
+        if fs.cat(marker) != b"ready":
+            raise OSError(f"the marker {marker} reads back wrong")
 
     def log_tail(self, lines: int = 20) -> str:
         try:
