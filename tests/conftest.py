@@ -238,3 +238,19 @@ def fill_disk_at(name: str) -> None:
 
 
 from tests.s3server import s3_dir, s3_server  # noqa: E402,F401 - the object-storage tests' S3 server
+
+
+class OpaqueMetric:
+    """A metric-like object (update/compute/reset) that does not say its update is capturable
+    (as a torchmetrics one): it keeps MetricHandler out of a captured step's graph."""
+
+    name = "opaque"
+
+    def update(self, preds, target):
+        pass
+
+    def compute(self):
+        return 0.0
+
+    def reset(self):
+        pass

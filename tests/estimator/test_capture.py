@@ -11,6 +11,7 @@ from torch import nn
 
 from estimatorch import Estimator
 from estimatorch.metrics import Loss
+from tests.conftest import OpaqueMetric
 from estimatorch.estimator._capture import (
     CaptureConfig,
     capture_error,
@@ -30,21 +31,6 @@ from estimatorch.event_handlers import (
 )
 
 CUDA = torch.device("cuda")  # a device object only: nothing here touches a GPU
-
-
-class OpaqueMetric:
-    """A metric-like object (update/compute/reset) that does not say its update is capturable."""
-
-    name = "opaque"
-
-    def update(self, preds, target):
-        pass
-
-    def compute(self):
-        return 0.0
-
-    def reset(self):
-        pass
 
 
 def _adam():

@@ -215,26 +215,39 @@ def test_a_capture_cuda_refuses_ends_the_fit_with_its_cause_and_the_state_of_bef
         assert fake_cuda["step"].held[0].pending == 0
 
 
-def test_a_step_that_synchronises_trains_eagerly_with_one_warning_naming_where(fake_cuda):
-    """The warm-up steps run under torch's sync debug mode (warn): a synchronising call seen in
-    the step before the capture means no capture (one CUDA refuses could not be undone)."""
-    class Reads(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+class WhileWatched(nn.Module):
+    """The test's net, calling ``during`` in each forward run while the step is watched (the
+    stand-in sync debug mode set to warn)."""
 
-        def forward(self, x):
-            if fake_cuda["mode"] == "warn":  # what torch does for .item() under the sync debug mode
-                warnings.warn("called a synchronizing CUDA operation")
-            return self.net(x)
+    def __init__(self, state, during):
+        super().__init__()
+        self.state, self.during = state, during
+        self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
 
-    probe = Linking(fake_cuda)
+    def forward(self, x):
+        if self.state["mode"] == "warn":
+            self.during()
+        return self.net(x)
+
+
+def _fit_watched(fake_cuda, during, epochs):
+    """A captured fit of :class:`WhileWatched`; returns the estimator and every warning shown."""
     torch.manual_seed(0)
-    net = Reads()
+    net = WhileWatched(fake_cuda, during)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), cuda_graphs=True)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
-        est.fit(_data(), epochs=2, event_handlers=[probe])
+        est.fit(_data(), epochs=epochs, event_handlers=[Linking(fake_cuda)])
+    return est, caught
+
+
+def test_a_step_that_synchronises_trains_eagerly_with_one_warning_naming_where(fake_cuda):
+    """The warm-up steps run under torch's sync debug mode (warn): a synchronising call seen in
+    the step before the capture means no capture (one CUDA refuses could not be undone)."""
+    def read_on_the_host():  # what torch does for .item() under the sync debug mode
+        warnings.warn("called a synchronizing CUDA operation")
+
+    _, caught = _fit_watched(fake_cuda, read_on_the_host, epochs=2)
     messages = [str(w.message) for w in caught if "cuda_graphs" in str(w.message)]
     assert len(messages) == 1 and "makes a synchronising CUDA call (at " in messages[0]
     assert "test_graphed_step.py:" in messages[0] and "trains eagerly" in messages[0]
@@ -249,25 +262,12 @@ def test_a_synchronising_call_of_another_thread_does_not_stop_the_capture(fake_c
     during a watched step is not the step's, and its warning is dropped."""
     import threading
 
-    class Neighbour(nn.Module):
-        def __init__(self):
-            super().__init__()
-            self.net = nn.Sequential(nn.Linear(6, 16), nn.ReLU(), nn.Linear(16, 3))
+    def neighbour_reads():
+        other = threading.Thread(target=warnings.warn, args=("called a synchronizing CUDA operation",))
+        other.start()
+        other.join()
 
-        def forward(self, x):
-            if fake_cuda["mode"] == "warn":
-                other = threading.Thread(target=warnings.warn, args=("called a synchronizing CUDA operation",))
-                other.start()
-                other.join()
-            return self.net(x)
-
-    probe = Linking(fake_cuda)
-    torch.manual_seed(0)
-    net = Neighbour()
-    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1), cuda_graphs=True)
-    with warnings.catch_warnings(record=True) as caught:
-        warnings.simplefilter("always")
-        est.fit(_data(), epochs=1, event_handlers=[probe])
+    _, caught = _fit_watched(fake_cuda, neighbour_reads, epochs=1)
     assert not any("synchroniz" in str(w.message) or "cuda_graphs" in str(w.message) for w in caught)
     assert len(FakeGraph.made) == 1 and fake_cuda["step"].replayed > 0
 

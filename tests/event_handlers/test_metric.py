@@ -10,7 +10,7 @@ import torch
 from estimatorch.event_handlers import BatchEnd, EpochBegin, MetricHandler
 from estimatorch.events import subscribes
 from estimatorch.metrics import Accuracy, Loss
-from tests.conftest import make_batches, make_estimator
+from tests.conftest import OpaqueMetric, make_batches, make_estimator
 
 
 class Record(EpochBegin, BatchEnd):
@@ -186,22 +186,10 @@ def test_under_cuda_graphs_updates_fold_at_every_batch_and_a_replay_adds_the_rec
 
 
 def test_a_metric_that_is_not_capturable_keeps_the_handler_out_of_the_graph():
-    class Opaque:
-        name = "opaque"
-
-        def update(self, preds, target):
-            pass
-
-        def compute(self):
-            return 0.0
-
-        def reset(self):
-            pass
-
     class View:
         cuda_graphs = True
 
-    h = MetricHandler([Loss(), Opaque()])
+    h = MetricHandler([Loss(), OpaqueMetric()])
     assert not h.capturable_batch_end
     h.train_begin(View())
     loss = h.metrics[0]
