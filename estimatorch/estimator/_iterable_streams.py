@@ -20,7 +20,9 @@ needs, the protocol of torchdata's ``StatefulDataLoader``:
 - with ``num_workers=0`` the dataset runs in the training process: its state is read when a
   checkpoint is taken, its draws come from your generators (saved and restored with the run),
   and creating the loader's iterator draws nothing from them (the rebuilt loader has a generator
-  of its own).
+  of its own). A signal that lands while a batch is being made (in ``collate_fn``, the dataset,
+  a ``.map()``) lets that batch be made and trained, and stops at the boundary after it: the
+  state read there is a boundary's, never a half-made batch's.
 """
 
 from __future__ import annotations
@@ -148,6 +150,8 @@ class StatefulIterableStream(TrainStream):
         super().__init__(seed)
         self.dataset = dataset
         self.workers = loader.num_workers if loader is not None else 0
+        # in the training process a half-made batch advances the dataset's state and your generators
+        self.stops_while_fetching = self.workers > 0
         self.persistent = loader is not None and loader.persistent_workers
         batch_size = loader.batch_size if loader is not None else None
         collate = loader.collate_fn if loader is not None else identity

@@ -80,6 +80,8 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset[Any]) ->
         move, fit_batch, batch_end = clock.wrap(move, fit_batch, batch_end)
     started = pos.batch
     code = 0
+    # a signal while the next batch is made stops at once only where that cannot advance the saved state
+    fetch_stoppable = run.stream.stops_while_fetching
     stepping, boundary = Stage.STEPPING, Stage.AT_BOUNDARY
     for batch in epoch_batches(run, epoch, clock):  # no name holds the data's iterator past an error
         signals.stoppable = False
@@ -106,7 +108,7 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset[Any]) ->
         if run.boundary_actions:
             run_boundary_actions(run)
         if not multi:  # one process: a signal now stops here, one while waiting for data at once
-            signals.stoppable = True
+            signals.stoppable = fetch_stoppable
             code = signals.code
         if code:
             stop_for(run, code)

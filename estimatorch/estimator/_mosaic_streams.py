@@ -14,7 +14,8 @@ order without reading the data skipped. ``fit`` uses exactly that, from its own 
   the dataset's) and reseeds the workers' generators before each batch from
   ``(seed, epoch, batch index in the epoch)``: a random ``__getitem__`` (augmentation) draws the
   same after a resume, whichever worker makes that batch; with ``num_workers=0`` its draws are
-  your generators', saved and restored with the run;
+  your generators', saved and restored with the run (a signal while this process makes a batch
+  stops at the boundary after it, so that no half-made batch's draws are saved);
 - its workers are not kept between epochs (``persistent_workers`` is dropped): each epoch's
   workers are given that epoch's position.
 """
@@ -77,6 +78,7 @@ class _StreamingStream(TrainStream):
         self.samples_per_batch = batch_size or 1
         own = getattr(dataset, "batch_size", None)
         workers = loader.num_workers if loader is not None else 0
+        self.stops_while_fetching = workers > 0  # in this process a half-made batch draws from your generators
         if workers and own != batch_size:
             raise ValueError(
                 f"train_data's StreamingDataset has batch_size={own} and its DataLoader batch_size="

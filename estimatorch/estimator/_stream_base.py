@@ -25,6 +25,12 @@ class TrainStream:
     batches_per_epoch: Optional[int] = None
     #: True when resuming positions the data without loading skipped batches.
     exact: bool = True
+    #: Whether a signal may stop the fit at once while the next batch is being made (the loop's
+    #: ``signals.stoppable``). False where the training process makes it itself and a half-made
+    #: batch would advance what the checkpoint saves (the dataset's own state, your generators):
+    #: a signal then stops at the boundary after that batch's step, so the state saved is the
+    #: state of that boundary wherever the signal lands.
+    stops_while_fetching: bool = True
 
     def __init__(self, seed: int):
         self.seed = seed
