@@ -14,7 +14,7 @@ import torch
 from estimatorch import CheckpointHandler
 from tests.conftest import assert_tree_equal, losses_recorder
 from tests.estimator.test_interrupts import default_signals  # noqa: F401  (a fixture)
-from tests.estimator.test_iterable_streams import StatefulRange, dropout_estimator
+from tests.data.test_iterable_streams import StatefulRange, dropout_estimator
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
@@ -124,7 +124,7 @@ def test_a_map_style_dataset(tmp_path, default_signals, num_workers):  # noqa: F
 def hf_iterable(tmp_path, hook, shuffle):
     from datasets import load_dataset
 
-    from tests.estimator.test_hf_datasets import augment, write_shards
+    from tests.data.test_hf_datasets import augment, write_shards
 
     def mapped(example):
         if hook is not None:
@@ -156,7 +156,7 @@ def test_a_datasets_iterable_dataset(tmp_path, default_signals, where, shuffle, 
 # -- MosaicML streaming ------------------------------------------------------------------------------
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_streaming_dataset(tmp_path, default_signals, num_workers):  # noqa: F811
-    from tests.estimator.test_mosaic_streaming import Augmented, clean_stale_shared_memory, write_mds
+    from tests.data.test_mosaic_streaming import Augmented, clean_stale_shared_memory, write_mds
 
     clean_stale_shared_memory()
 
