@@ -2,10 +2,12 @@
 
 The generators are python's ``random``, torch's CPU generator, every CUDA device's generator and
 the library's numpy :class:`numpy.random.Generator` (:func:`default_numpy_rng`). numpy's legacy
-global ``np.random.*`` state is yours: seeding and capture leave it alone. The one exception is
-data loading (:func:`sample_seeding`): many augmentation libraries draw from ``np.random``, so
-each sample's fetch reseeds it too from the sample's position, and in the main process puts your
-state back afterwards, so you never see a change.
+global ``np.random.*`` state is yours: seeding and capture leave it alone unless asked
+(``numpy_global=True``, which ``fit`` passes: it seeds that generator too and saves and restores
+it with the run, since a dataset in the training process, ``num_workers=0``, may draw from it).
+Data loading (:func:`sample_seeding`) also reseeds it: many augmentation libraries draw from
+``np.random``, so each sample's fetch reseeds it from the sample's position, and in the main
+process puts your state back afterwards, so you never see a change.
 
 This module is the only place in estimatorch that reads or writes RNG state.
 
@@ -117,11 +119,13 @@ def derive_seed(*parts: int) -> int:
     return h >> 1
 
 
-def seed_everything(seed: Optional[int] = None) -> int:
+def seed_everything(seed: Optional[int] = None, *, numpy_global: bool = False) -> int:
     """Seed python ``random``, torch (CPU and every CUDA device) and :func:`default_numpy_rng`.
 
     Args:
         seed: an int in ``[0, 2**64)``. Defaults to :data:`DEFAULT_SEED` (0).
+        numpy_global: seed numpy's legacy global generator (``np.random.*``) too. Defaults to
+            False (it is yours); ``fit`` passes True.
 
     Returns:
         The seed used.
@@ -130,10 +134,12 @@ def seed_everything(seed: Optional[int] = None) -> int:
     random.seed(seed)
     torch.manual_seed(seed)  # also seeds every CUDA device (lazily where not initialised)
     _NUMPY_RNG.bit_generator.state = np.random.PCG64(seed).state
+    if numpy_global:
+        np.random.seed([seed & 0xFFFFFFFF, seed >> 32])  # the whole 64-bit seed (it takes 32-bit words)
     return seed
 
 
-def get_state(cuda: Optional[bool] = None) -> dict[str, Any]:
+def get_state(cuda: Optional[bool] = None, *, numpy_global: bool = False) -> dict[str, Any]:
     """Capture the state of every generator, as plain tensors and python values.
 
     The result can be saved with ``torch.save`` and loaded with ``torch.load(weights_only=True)``.
@@ -141,6 +147,8 @@ def get_state(cuda: Optional[bool] = None) -> dict[str, Any]:
     Args:
         cuda: include every CUDA device's generator. Defaults to None: when CUDA is available
             (a run on the CPU passes False, so that it resumes on a machine with other GPUs).
+        numpy_global: include numpy's legacy global generator (``np.random.*``), under
+            ``"numpy_global"``. Defaults to False; ``fit`` passes True.
     """
     state: dict[str, Any] = {
         "python": random.getstate(),
@@ -149,7 +157,21 @@ def get_state(cuda: Optional[bool] = None) -> dict[str, Any]:
     }
     if torch.cuda.is_available() and cuda is not False:
         state["cuda"] = torch.cuda.get_rng_state_all()
+    if numpy_global:
+        kind, key, pos, has_gauss, gauss = np.random.get_state(legacy=True)
+        state["numpy_global"] = {"kind": str(kind), "key": torch.from_numpy(np.asarray(key, dtype=np.int64)),
+                                 "pos": int(pos), "has_gauss": int(has_gauss), "cached_gaussian": float(gauss)}
     return state
+
+
+def _numpy_global_state(saved: Any) -> tuple:
+    """numpy's ``np.random.set_state`` tuple of :func:`get_state`'s ``"numpy_global"`` entry."""
+    if not isinstance(saved, dict) or saved.get("kind") != "MT19937" \
+            or not isinstance(saved.get("key"), torch.Tensor) or saved["key"].shape != (624,):
+        raise ValueError(f"RNG state's 'numpy_global' must be numpy's legacy MT19937 state (a dict with "
+                         f"'kind', a 624-word 'key', 'pos', 'has_gauss', 'cached_gaussian'), got {saved!r:.200}")
+    key = saved["key"].numpy().astype(np.uint32)
+    return ("MT19937", key, int(saved["pos"]), int(saved["has_gauss"]), float(saved["cached_gaussian"]))
 
 
 def set_state(state: dict[str, Any]) -> None:
@@ -164,7 +186,7 @@ def set_state(state: dict[str, Any]) -> None:
     missing = [k for k in _REQUIRED_KEYS if k not in state]
     if missing:
         raise ValueError(f"RNG state is missing the key {missing[0]!r} (has {sorted(state)})")
-    unknown = sorted(set(state) - set(_REQUIRED_KEYS) - {"cuda"})
+    unknown = sorted(set(state) - set(_REQUIRED_KEYS) - {"cuda", "numpy_global"})
     if unknown:
         raise ValueError(f"RNG state has unknown key {unknown[0]!r}")
     cuda_states = state.get("cuda")
@@ -181,11 +203,14 @@ def set_state(state: dict[str, Any]) -> None:
             f"RNG state's numpy bit generator is {numpy_state.get('bit_generator')!r}, "
             f"expected {type(_NUMPY_RNG.bit_generator).__name__!r}"
         )
+    legacy = _numpy_global_state(state["numpy_global"]) if "numpy_global" in state else None
     random.setstate(_as_python_state(state["python"]))
     torch.set_rng_state(state["torch"])
     _NUMPY_RNG.bit_generator.state = numpy_state
     if cuda_states is not None:
         torch.cuda.set_rng_state_all(cuda_states)
+    if legacy is not None:
+        np.random.set_state(legacy)
 
 
 def _as_python_state(value: Any) -> tuple:

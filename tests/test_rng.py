@@ -400,3 +400,25 @@ def test_per_sample_seeding_covers_numpys_legacy_global_rng():
 
     assert draw(7, 1) == draw(7, 13)
     assert draw(7, 1) != draw(8, 1)
+
+
+def test_numpy_global_is_captured_and_restored_only_when_asked():
+    rng.seed_everything(3, numpy_global=True)
+    seeded = np.random.get_state()[1].copy()
+    assert "numpy_global" not in rng.get_state()
+    state = rng.get_state(numpy_global=True)
+    expected = np.random.rand(3).tolist()
+    rng.seed_everything(4)  # leaves np.random alone
+    assert np.random.rand(3).tolist() != expected
+    rng.set_state(state)
+    assert np.random.rand(3).tolist() == expected
+    rng.seed_everything(3, numpy_global=True)
+    assert (np.random.get_state()[1] == seeded).all()
+    rng.seed_everything(3 + (1 << 40), numpy_global=True)  # the whole 64-bit seed counts
+    assert not (np.random.get_state()[1] == seeded).all()
+
+
+def test_set_state_refuses_a_numpy_global_that_is_not_mt19937():
+    state = dict(rng.get_state(), numpy_global={"kind": "PCG64"})
+    with pytest.raises(ValueError, match="'numpy_global'"):
+        rng.set_state(state)

@@ -41,7 +41,7 @@ SNAPSHOT = {
     "evaluated": "whether the current epoch already ran validation",
     "data": "the training stream's state_dict()",
     "fingerprint": "what shapes the data stream (dataset length, batch size, drop_last, world size, seed...)",
-    "rng": "rng.get_state(): every generator of this rank",
+    "rng": "rng.get_state(numpy_global=True): every generator of this rank, numpy's legacy global one included",
     "pending_stop": "optional: this rank asked to stop, not agreed yet (waiting for the next exchange or in flight)",
     "shared": "optional: the handlers whose state is the same on every rank (stored once)",
 }
@@ -98,7 +98,9 @@ def _check_history(history: Any) -> None:
 
 def _check_rng(state: Any) -> None:
     state = check_dict(state, "rng")
-    reference = rng.get_state(cuda=False)
+    reference = rng.get_state(cuda=False, numpy_global=True)
+    if "numpy_global" not in state:  # written before fit saved numpy's legacy generator
+        del reference["numpy_global"]
     check_keys({k: v for k, v in state.items() if k != "cuda"}, reference, "rng")
     python, want = state["python"], reference["python"]
     if not (isinstance(python, (list, tuple)) and len(python) == 3 and isinstance(python[0], int)
@@ -120,6 +122,13 @@ def _check_rng(state: Any) -> None:
     for key, value in [*inner.items(), *extra]:
         if not is_int(value):
             raise CheckpointError(f"rng['numpy'] entry {key!r} must be an int, got {show(value)}")
+    legacy = state.get("numpy_global")
+    if legacy is not None:
+        check_keys(check_dict(legacy, "rng['numpy_global']"), reference["numpy_global"], "rng['numpy_global']")
+        key = legacy["key"]
+        if not isinstance(key, torch.Tensor) or key.dtype != torch.int64 or key.shape != (624,) \
+                or legacy["kind"] != "MT19937":
+            raise CheckpointError(f"rng['numpy_global'] is not numpy's legacy MT19937 state: {show(legacy)}")
     cuda = state.get("cuda")
     if cuda is not None and (not isinstance(cuda, (list, tuple)) or not all(
             isinstance(t, torch.Tensor) and t.dtype == torch.uint8 for t in cuda)):

@@ -28,6 +28,7 @@ from .. import rng
 from .._checks import warn_user
 from ._iterable_streams import StatefulIterableStream
 from ._stream_base import TrainStream
+from ._warnings import warn_threaded_maps
 
 __all__ = ["hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
 
@@ -39,18 +40,27 @@ def is_hf_iterable(dataset: Any) -> bool:
     return any(c.__module__.startswith("datasets.") and c.__name__ == "IterableDataset" for c in type(dataset).__mro__)
 
 
-def _pipeline(dataset: Any) -> Iterator[tuple[Any, bool]]:
+#: datasets' example iterables that pull from the ones below them in threads (datasets 5: one
+#: per input shard of a .shuffle(), even a single one; one per source of interleave_datasets()).
+_THREADED = {"InterleavedShardsExamplesIterable": "before its .shuffle()",
+             "CyclingMultiSourcesExamplesIterable": "in a dataset given to interleave_datasets()",
+             "RandomlyCyclingMultiSourcesExamplesIterable": "in a dataset given to interleave_datasets()"}
+
+
+def _pipeline(dataset: Any) -> Iterator[tuple[Any, Optional[str]]]:
     """Each example iterable of ``dataset``'s pipeline (datasets' private chain: a change there
-    shows as a buffer no longer found, which the tests catch), and whether it runs below an
-    interleave of several input shards, which datasets feeds from threads."""
-    todo = [(getattr(dataset, "_ex_iterable", None), False)]
+    shows as a buffer no longer found, which the tests catch), and, when datasets runs it in
+    threads, where (``"before its .shuffle()"``), else None."""
+    todo: list[tuple[Any, Optional[str]]] = [(getattr(dataset, "_ex_iterable", None), None)]
     while todo:
         node, threaded = todo.pop()
         if node is None:
             continue
         yield node, threaded
-        if type(node).__name__ == "InterleavedShardsExamplesIterable":
-            threaded = threaded or min(node.ex_iterable.num_shards, node.max_input_shards) > 1
+        kind = type(node).__name__
+        if kind == "InterleavedShardsExamplesIterable" and min(node.ex_iterable.num_shards, node.max_input_shards) < 1:
+            kind = ""  # no input shard: iterated in place, no thread
+        threaded = threaded or _THREADED.get(kind)
         todo.append((getattr(node, "ex_iterable", None), threaded))
         todo.extend((child, threaded) for child in getattr(node, "ex_iterables", None) or ())
 
@@ -61,11 +71,17 @@ def shuffle_buffers(dataset: Any) -> list[int]:
             if type(node).__name__ == "BufferShuffledExamplesIterable"]
 
 
-def maps_in_threads(dataset: Any) -> bool:
-    """Whether a ``.map()``/``.filter()`` of ``dataset`` runs in datasets' prefetch threads (one
-    per input shard of a ``.shuffle()``, in datasets 5)."""
-    return any(threaded and type(node).__name__ in ("MappedExamplesIterable", "FilteredExamplesIterable")
-               for node, threaded in _pipeline(dataset))
+def maps_in_threads(dataset: Any) -> list[tuple[str, str]]:
+    """Each ``.map()``/``.filter()`` of ``dataset`` that datasets runs in its prefetch threads, as
+    ``(".map(name)", where)``."""
+    found = []
+    for node, threaded in _pipeline(dataset):
+        kind = type(node).__name__
+        if threaded and kind in ("MappedExamplesIterable", "FilteredExamplesIterable"):
+            method = ".filter" if kind == "FilteredExamplesIterable" else ".map"
+            name = getattr(getattr(node, "function", None), "__name__", "a function")
+            found.append((f"{method}({name})", threaded))
+    return found
 
 
 class _EpochReplayStream(TrainStream):
@@ -100,12 +116,7 @@ class _EpochReplayStream(TrainStream):
 
 def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
-    if maps_in_threads(dataset):
-        warn_user(
-            "train_data's datasets.IterableDataset has a .map() (or .filter()) before its .shuffle(), which "
-            "datasets runs in prefetch threads, one per input shard: draws there from the global generators "
-            "(torch.rand, random, np.random) happen in an order no seed fixes, so a random .map() gives other "
-            "values on every run, resumed or not. Put a random .map() after .shuffle().")
+    warn_threaded_maps("train_data's datasets.IterableDataset", maps_in_threads(dataset))
     buffers = shuffle_buffers(dataset)
     if buffers:
         return _EpochReplayStream(dataset, loader, seed, buffers)

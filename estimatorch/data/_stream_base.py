@@ -10,6 +10,7 @@ from typing import Any, Callable, Optional
 from torch.utils.data import DataLoader
 
 from .. import distributed
+from .._checks import warn_user
 from ._workers import IgnoreStopSignals
 
 __all__ = ["TrainStream", "identity", "length_of", "loader_kwargs"]
@@ -88,9 +89,18 @@ def loader_kwargs(loader: DataLoader[Any]) -> dict[str, Any]:
     )
     if loader.num_workers > 0:
         kwargs["prefetch_factor"] = loader.prefetch_factor
+    if loader.num_workers > 0 and getattr(loader, "in_order", True) is False:
+        # in arrival order, the batch at a position depends on the workers' timing: a resume at
+        # batch k would train some samples twice and others never (and no two runs agree)
+        warn_user(
+            f"train_data's {type(loader).__name__} has in_order=False with num_workers={loader.num_workers}: "
+            "its batches would train in the order the workers finish them, which no run repeats and no "
+            "checkpoint can position (a resume would train some samples twice and skip others). fit "
+            "trains them in the sampler's order (in_order=True); the batches are the same, only a slow "
+            "batch is no longer overtaken.")
     params = inspect.signature(DataLoader.__init__).parameters
     if "in_order" in params:
-        kwargs["in_order"] = getattr(loader, "in_order", True)
+        kwargs["in_order"] = True  # see above: the order is the sampler's, for an exact resume
     if getattr(loader, "pin_memory_device", ""):
         kwargs["pin_memory_device"] = loader.pin_memory_device
     return kwargs

@@ -167,7 +167,7 @@ def take_snapshot(estimator: Any, run: Run, partial: bool = False) -> dict[str, 
         "evaluated": run.evaluated,
         "data": run.stream.state_dict(),
         "fingerprint": run.stream.fingerprint(),
-        "rng": rng.get_state(cuda=estimator.device.type == "cuda"),
+        "rng": rng.get_state(cuda=estimator.device.type == "cuda", numpy_global=True),
         "pending_stop": run.agreement.pending_stop,
         "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
     }

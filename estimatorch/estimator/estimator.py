@@ -330,7 +330,7 @@ class Estimator(RunView):
                     if self._ddp is None and wraps(self):
                         self._ddp = train_wrapper(self)  # None for a sharded net
                     rng.seed_everything(self.seed if distributed.get_world_size() == 1
-                                        else rng.derive_seed(self.seed, distributed.get_rank()))
+                                        else rng.derive_seed(self.seed, distributed.get_rank()), numpy_global=True)
                     self.net.train()
                     build_scheduler(self, run)
                     run.stage = Stage.SETTING_UP

@@ -1,0 +1,45 @@
+"""The warning ``fit`` gives at its start for data whose random draws no seed can fix.
+
+:class:`NondeterministicDataWarning` is a ``UserWarning`` of its own, so that a user whose
+functions draw nothing (a tokenizer) can silence it by category::
+
+    warnings.filterwarnings("ignore", category=estimatorch.data.NondeterministicDataWarning)
+
+and :func:`warn_threaded_maps` is the one place that words it, for every library that runs a
+user's functions in threads of its own (a library that knows a function to be deterministic
+leaves it out of what it passes).
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+
+from .._checks import warn_user
+
+__all__ = ["NondeterministicDataWarning", "warn_threaded_maps"]
+
+
+class NondeterministicDataWarning(UserWarning):
+    """``train_data`` runs functions of yours in threads: their draws from the global generators
+    (``torch.rand``, ``random``, ``np.random``) happen in an order no seed fixes, so a random one
+    gives other values on every run, resumed or not."""
+
+
+def warn_threaded_maps(owner: str, maps: Sequence[tuple[str, str]]) -> None:
+    """Warn (once, at fit start) that ``owner``'s ``maps`` run in threads.
+
+    Args:
+        owner: what the user passed, in words (``"train_data's datasets.IterableDataset"``).
+        maps: ``(what, where)`` per function: ``(".map(augment)", "before its .shuffle()")``.
+    """
+    if not maps:
+        return
+    listed = "; ".join(f"{what} {where}" for what, where in maps)
+    warn_user(
+        f"{owner} runs functions of yours in the library's prefetch threads: {listed}. Draws there from the "
+        "global generators (torch.rand, random, np.random) happen in an order no seed fixes, so a random one "
+        "gives other values on every run, resumed or not, and races the model's own draws (dropout). Make "
+        "such a function draw nothing (or from a generator seeded from the example), or apply it after "
+        "the .shuffle() / interleave_datasets(); if none of them draws, silence this with "
+        "warnings.filterwarnings('ignore', category=estimatorch.data.NondeterministicDataWarning).",
+        NondeterministicDataWarning)
