@@ -52,6 +52,10 @@ class _Batches(IterableDataset[Any]):
         self.dataset, self.batch_size, self.drop_last = dataset, batch_size, drop_last
         self.collate_fn, self.seed = collate_fn, seed
         self.epoch = self.start = 0
+        #: in the training process, the batches left in the epoch when the tail is dropped: the
+        #: samples dropped are then never read (their draws would be the run's, and a resume at
+        #: the epoch's last batch, which reads nothing more, would not make them)
+        self.left: Optional[int] = None
 
     def __iter__(self) -> Iterator[Any]:
         info = get_worker_info()
@@ -60,6 +64,8 @@ class _Batches(IterableDataset[Any]):
         it = iter(self.dataset)
         with rng.sample_seeding(self.seed, self.epoch, restore=False) as seed_batch:
             for made in itertools.count():
+                if info is None and self.left is not None and made >= self.left:
+                    return
                 if info is not None:  # the batch's index in the epoch: the same after a resume
                     seed_batch(self.start + worker + made * workers, salt=_BATCH_SALT)
                 samples = list(itertools.islice(it, wanted))
@@ -121,6 +127,8 @@ class _StreamingStream(TrainStream):
             dataset.load_state_dict(state)
         distributed.barrier()
         self._batches.epoch, self._batches.start = epoch, start
+        if self._batches.drop_last and self._batches.batch_size is not None and self.batches_per_epoch is not None:
+            self._batches.left = self.batches_per_epoch - start
         if self.loader is None:
             return iter(self._batches)
         self._generator.manual_seed(rng.derive_seed(self.seed, epoch, LOADER_SALT))
