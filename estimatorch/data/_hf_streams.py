@@ -26,6 +26,7 @@ from torch.utils.data import DataLoader
 
 from .. import rng
 from .._checks import warn_user
+from ._hf_maps import seed_batched_maps
 from ._iterable_streams import StatefulIterableStream
 from ._stream_base import TrainStream
 from ._warnings import warn_threaded_maps
@@ -117,6 +118,7 @@ class _EpochReplayStream(TrainStream):
 def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
     warn_threaded_maps("train_data's datasets.IterableDataset", maps_in_threads(dataset))
+    seed_batched_maps(dataset, seed)  # a resume re-runs the map batch it fell inside: the same draws
     buffers = shuffle_buffers(dataset)
     if buffers:
         return _EpochReplayStream(dataset, loader, seed, buffers)

@@ -146,3 +146,57 @@ def test_maps_of_interleaved_datasets_are_named_at_fit_start(tmp_path, probabili
     assert len(said) == 1 and "augment" in said[0] and "interleave_datasets()" in said[0], said
     plain = interleave_datasets(sources, probabilities, seed=3).map(augment, remove_columns=["i"])
     assert threaded_warnings(plain.with_format("torch")) == []
+
+
+# -- MosaicML streaming with drop_last, resumed at an epoch's last batch ---------------------------------
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_streaming_loader_with_drop_last_resumes_at_an_epochs_last_batch(tmp_path, num_workers):
+    from tests.data.test_mosaic_streaming import (
+        Augmented,
+        StreamingDataLoader,
+        clean_stale_shared_memory,
+        write_mds,
+    )
+
+    clean_stale_shared_memory()
+    remote = write_mds(tmp_path / "remote")  # 30 samples: 7 full batches of 4, 2 dropped
+    count = iter(range(100))
+
+    def data():
+        dataset = Augmented(remote=remote, local=str(tmp_path / f"local{next(count)}"), shuffle=True,
+                            shuffle_seed=7, batch_size=4)
+        return StreamingDataLoader(dataset, batch_size=4, num_workers=num_workers, drop_last=True)
+
+    try:
+        exact(data, stops=[7, 3], allowed=[".*"])  # streaming's own warnings (local caches) aside
+    finally:
+        clean_stale_shared_memory()
+
+
+# -- a random .map(batched=True): the resume re-runs the map batch it fell inside -----------------------
+def augment_batch(batch):
+    i = torch.tensor(batch["i"])
+    return {"input": (i[:, None].float() + torch.rand(len(i), 4)).tolist(), "label": (i % 3).tolist()}
+
+
+@pytest.mark.parametrize("batch_size", [3, 1000])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_random_batched_map_resumes_exactly(tmp_path, batch_size, num_workers):
+    def data():
+        ds = json_stream(tmp_path).map(augment_batch, batched=True, batch_size=batch_size, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4, num_workers=num_workers)
+
+    exact(data, stops=[1, 2, 4, 5])
+
+
+def test_a_batched_map_with_indices_still_gets_them(tmp_path):
+    def augment_indexed(batch, indices):
+        assert list(indices) == list(batch["i"])  # one shard of consecutive rows, in order: index == i
+        return augment_batch(batch)
+
+    def data():
+        ds = load_dataset("json", data_files=write_shards(tmp_path, "json", 1), split="train", streaming=True)
+        ds = ds.map(augment_indexed, batched=True, batch_size=3, with_indices=True, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
+
+    exact(data, stops=[1, 5])

@@ -1,0 +1,82 @@
+"""A ``datasets`` ``.map(batched=True)`` whose draws are a function of its position.
+
+datasets resumes a batched map from the state taken before the map batch the position fell
+inside: it calls the function on that whole batch again and skips the examples already yielded.
+The function's draws from the global generators then come from the generators' state at the
+resume, not from the state they had when it first ran: other values, silently (issue 39).
+
+:func:`seed_batched_maps` makes each call of every batched ``.map()`` function in a pipeline draw
+from generators seeded from ``(seed, epoch, map, rank, worker, index of the batch's first
+example)``, the same in the uninterrupted run and in the call a resume repeats; in the training
+process the caller's generators are put back after the call, so the map's draws never shift the
+model's. The index is the one datasets passes with ``with_indices=True`` (counted in the map's own
+state, so restored with it); the wrapper takes it, and passes it on only if the map asked for it.
+"""
+
+from __future__ import annotations
+
+import inspect
+from collections.abc import Iterator
+from typing import Any
+
+from torch.utils.data import get_worker_info
+
+from .. import distributed, rng
+
+__all__ = ["seed_batched_maps"]
+
+_MAP_SALT = 0x3A9B
+
+
+class _SeededBatchedMap:
+    """A batched ``.map()`` function called with seeded generators (picklable: it goes to the
+    DataLoader workers with the dataset)."""
+
+    def __init__(self, function: Any, with_indices: bool, seed: int, number: int, epoch: Any):
+        self.function, self.with_indices = function, with_indices
+        self.seed, self.number = seed, number
+        self.rank = distributed.get_rank()  # read here: a DataLoader worker may not see the process group
+        self.epoch = epoch  # the dataset's epoch (a tensor datasets shares with persistent workers)
+
+    def __call__(self, *args: Any, **kwargs: Any) -> Any:
+        indices = args[-1]  # datasets passes the batch's example indices last (with_indices=True)
+        if not self.with_indices:
+            args = args[:-1]
+        info = get_worker_info()
+        place = rng.derive_seed(_MAP_SALT, self.number, self.rank, 0 if info is None else info.id + 1)
+        first = indices[0] if len(indices) else -1
+        with rng.sample_seeding(self.seed, int(self.epoch), restore=info is None) as seed_call:
+            seed_call(first, salt=place)
+            return self.function(*args, **kwargs)
+
+
+def _nodes(root: Any) -> Iterator[Any]:
+    todo = [root]
+    while todo:
+        node = todo.pop()
+        if node is None:
+            continue
+        yield node
+        todo.append(getattr(node, "ex_iterable", None))
+        todo.extend(getattr(node, "ex_iterables", None) or ())
+
+
+def seed_batched_maps(dataset: Any, seed: int) -> int:
+    """Wrap every synchronous ``.map(batched=True)`` function of ``dataset`` (a
+    ``datasets.IterableDataset``) in place (again on a later ``fit``: only the seed changes).
+    Returns how many there are."""
+    epoch = getattr(dataset, "_epoch", 0)
+    count = 0
+    for node in _nodes(getattr(dataset, "_ex_iterable", None)):
+        if type(node).__name__ != "MappedExamplesIterable" or not node.batched:
+            continue
+        function = node.function
+        if isinstance(function, _SeededBatchedMap):
+            function.seed, function.epoch, function.rank = seed, epoch, distributed.get_rank()
+        elif not inspect.iscoroutinefunction(function):
+            node.function = _SeededBatchedMap(function, bool(node.with_indices), seed, count, epoch)
+            node.with_indices = True
+        else:
+            continue
+        count += 1
+    return count
