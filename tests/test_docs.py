@@ -105,6 +105,13 @@ def test_the_module_map_names_every_internal_module():
     assert not missing, f"docs/architecture.md's map lacks {missing}"
 
 
+def test_the_data_page_maps_every_module_of_the_data_layer():
+    """docs/data.md's module map of ``estimatorch.data`` names each of its modules."""
+    where = section(read(DOCS / "data.md"), "The data layer (`estimatorch.data`)")
+    missing = [m.name for m in sorted((ROOT / "estimatorch" / "data").glob("*.py")) if f"| `{m.name}` |" not in where]
+    assert not missing, f"docs/data.md's map of estimatorch.data lacks {missing}"
+
+
 def test_the_loop_page_lists_every_event_and_its_mixin():
     loop = read(DOCS / "loop.md")
     for event, mixin in EVENTS.items():

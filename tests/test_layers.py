@@ -6,11 +6,11 @@ The layers, bottom to top (docs/architecture.md draws them):
 
 1. ``distributed``, ``rng``, the shared checks (``_checks``, ``_saved``), the batch conventions
    (``_batches``), the version;
-2. ``metrics``;  3. ``samplers``;  4. ``checkpoint`` (storage only);
+2. ``metrics``;  3. ``samplers``;  4. ``checkpoint`` (storage only), and ``data`` (every kind of
+   resumable training stream, its adapters and their registry: never the estimator, the handlers'
+   contract or the handlers);
 5. the handler contract (``events``: mixins, ``Handler``, the estimator's ``Protocol``, dispatch,
    the monitor rule), and the helpers the handlers share (paths, progress bars, event files);
-   the data layer (``data``: every kind of resumable training stream), below the handlers and the
-   estimator;
 6. ``statistics``;  7. the built-in handlers;  8. ``estimator``;
 9. ``testing``, the demo, the package ``__init__`` and ``__main__``.
 """
@@ -37,8 +37,8 @@ LAYERS: dict[str, int] = {
     "estimatorch.metrics": 2,
     "estimatorch.samplers": 3,
     "estimatorch.checkpoint": 4,
+    "estimatorch.data": 4,
     "estimatorch.events": 5,
-    "estimatorch.data": 5,
     **{f"estimatorch.event_handlers.{name}": 5 for name in _CORE},
     "estimatorch.statistics": 6,
     "estimatorch.event_handlers": 7,
