@@ -26,12 +26,13 @@ from torch.utils.data import DataLoader
 
 from .. import rng
 from .._checks import warn_user
+from ._adapters import DataSource
 from ._hf_maps import seed_batched_maps
 from ._iterable_streams import StatefulIterableStream
 from ._stream_base import TrainStream
 from ._warnings import warn_threaded_maps
 
-__all__ = ["hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
+__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
 
 _REPLAY_SALT = 0x4F1D
 
@@ -91,6 +92,7 @@ class _EpochReplayStream(TrainStream):
 
     # positioned by a replay that set_epoch makes exact: said at the resume, not as a doubt at fit start
     exact = True
+    kind = "a Hugging Face datasets.IterableDataset"
 
     def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int]):
         super().__init__(seed)
@@ -123,3 +125,15 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
     if buffers:
         return _EpochReplayStream(dataset, loader, seed, buffers)
     return StatefulIterableStream(dataset, loader, seed)
+
+
+class HFIterableAdapter:
+    """Opens a ``datasets.IterableDataset``, in a ``DataLoader`` or alone."""
+
+    name = "hf-iterable"
+
+    def recognises(self, source: DataSource) -> bool:
+        return is_hf_iterable(source.dataset)
+
+    def open(self, source: DataSource) -> TrainStream:
+        return hf_iterable_stream(source.dataset, source.loader, source.seed)

@@ -38,7 +38,7 @@ from .. import distributed, rng
 from .._checks import is_int, warn_user
 from .._saved import CheckpointError
 from ..checkpoint import rank_snapshot
-from ..data import check_fingerprint, is_elastic
+from ..data import is_elastic
 from ..events import declared
 from ..metrics.base import Metric, metric_name
 
@@ -63,7 +63,7 @@ def map_payload(estimator: Any, run: Any, payload: dict[str, Any], source: str) 
                               "samples are laid out per process, on its world size): resume it without elastic=True, "
                               f"on the {payload['world_size']} processes that wrote it")
     try:
-        check_fingerprint(saved, layout.fingerprint(), source)
+        run.stream.check_fingerprint(saved, source)
     except ValueError as err:
         raise CheckpointError(str(err)) from None
     if payload["world_size"] == layout.world_size:

@@ -6,18 +6,16 @@ from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from .. import distributed, rng
 from .._batches import to_device
 from .._checks import is_int
 from ..checkpoint import is_sharded_module
-from ..data import InferenceData, draws_no_randomness, for_inference, in_step, loader_kwargs
+from ..data import InferenceData, for_inference, in_step, seeded_for_inference
 from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
 
@@ -25,53 +23,6 @@ __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
 
 #: ``step(batch) -> (pred, label, loss)``: what ``batch_end`` handlers receive.
 Step = Callable[[Any], "tuple[Any, Any, Any]"]
-
-#: the "epoch" of an evaluated sample's seed: ``(seed, _INFERENCE_EPOCH, index)``.
-_INFERENCE_EPOCH = -0x5EED
-#: loaders with persistent workers keep their rebuilt copy (and its workers) between evaluations.
-_SEEDED: "weakref.WeakKeyDictionary[DataLoader[Any], tuple[int, DataLoader[Any]]]" = weakref.WeakKeyDictionary()
-
-
-class _SeededSamples(Dataset[Any]):
-    """A map-style dataset whose every sample's random draws (torch, python ``random``, numpy's
-    legacy global generator and :func:`estimatorch.rng.default_numpy_rng`) are seeded from
-    ``(seed, index)``, as training samples are from ``(seed, epoch, index)``: evaluating gives
-    the same values whenever it runs, also after a resume. In the training process your
-    generators are put back after each sample."""
-
-    def __init__(self, dataset: Any, seed: int):
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: Any) -> Any:
-        with rng.sample_seeding(self.seed, _INFERENCE_EPOCH, restore=get_worker_info() is None) as seed_sample:
-            if is_int(index):
-                seed_sample(index)
-            return self.dataset[index]
-
-
-def _seeded(data: Iterable[Any], seed: int) -> Iterable[Any]:
-    """``data`` as evaluated: a map-style DataLoader over a dataset that may draw randomness is
-    rebuilt (sampler, batching and settings kept) around :class:`_SeededSamples`."""
-    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset) \
-            or isinstance(data.dataset, _SeededSamples) or draws_no_randomness(data.dataset):
-        return data
-    cached: Optional[tuple[int, DataLoader[Any]]] = _SEEDED.get(data)
-    if cached is not None and cached[0] == seed:
-        return cached[1]
-    kwargs = dict(collate_fn=data.collate_fn, generator=data.generator, **loader_kwargs(data))
-    dataset = _SeededSamples(data.dataset, seed)
-    if data.batch_sampler is not None:
-        rebuilt = DataLoader(dataset, batch_sampler=data.batch_sampler, **kwargs)
-    else:
-        rebuilt = DataLoader(dataset, batch_size=None, sampler=data.sampler, **kwargs)
-    if data.persistent_workers:
-        _SEEDED[data] = (seed, rebuilt)
-    return rebuilt
-
 
 def check_inference_args(data: Any, arg: str, batch_axis: Any, event_handlers: Any, *,
                          check_empty: bool = True) -> list[Any]:
@@ -159,7 +110,8 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     """
     with _inference_mode(estimator):
         sharded = forward is not None and is_sharded_module(estimator.val_net)
-        shard = for_inference(_seeded(data, getattr(estimator, "seed", rng.DEFAULT_SEED)), arg, pad=sharded)
+        seeded = seeded_for_inference(data, getattr(estimator, "seed", rng.DEFAULT_SEED))
+        shard = for_inference(seeded, arg, pad=sharded)
         dispatch = _dispatch(estimator, handlers, shard.batches)
         device = estimator.device
         dispatch.fire("epoch_begin", estimator)

@@ -93,7 +93,7 @@ class SlowFirst(torch.utils.data.Dataset):
 def test_in_order_false_with_workers_trains_in_order_said_at_fit_start(kind):
     from torchdata.stateful_dataloader import StatefulDataLoader
 
-    from estimatorch.data._streams import make_train_stream
+    from estimatorch.data import open_stream
 
     cls = StatefulDataLoader if kind == "StatefulDataLoader" else torch.utils.data.DataLoader
 
@@ -101,7 +101,7 @@ def test_in_order_false_with_workers_trains_in_order_said_at_fit_start(kind):
         return cls(SlowFirst(), batch_size=4, shuffle=True, num_workers=2, in_order=False)
 
     with pytest.warns(UserWarning, match=rf"train_data's {kind} has in_order=False.*in the sampler's order"):
-        stream = make_train_stream(data(), seed=0)
+        stream = open_stream(data(), 0)
     assert stream.loader.in_order is True
     exact(data, stops=[3, 8, 11], allowed=[".*in_order=False.*", ".*deprecated.*"])  # and torchdata's own
 
