@@ -167,6 +167,7 @@ def _order_of(sampler: Any) -> Optional[tuple[Callable[[int], Any], list[Any], b
 _GIVEN = {"_SequenceStream": "a list or tuple of batches", "StatefulIterableStream": "an IterableDataset",
           "_ReplayStream": "an iterable of batches without indices (a generator, an IterableDataset...)",
           "_EpochReplayStream": "a Hugging Face datasets.IterableDataset",
+          "BufferedStream": "a Hugging Face datasets.IterableDataset with a shuffle buffer",
           "_StreamingStream": "a MosaicML StreamingDataset (whose samples streaming itself lays out over "
                               "the ranks)"}
 

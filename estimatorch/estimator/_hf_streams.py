@@ -10,10 +10,13 @@ the order of its shards and its shuffle buffer's draws are then a function of ``
   ``IterableDataset`` (:class:`~._iterable_streams.StatefulIterableStream`, workers included),
   and a resume re-reads at most the start of the shard it stopped in.
 - With one (``.shuffle(seed=..., buffer_size=...)``), its ``state_dict()`` does not hold the
-  buffer's content (datasets warns that those examples are lost on resume). The epoch is then
-  a function of ``(seed, epoch)`` alone, so a resume replays it from its start and discards the
-  batches before the saved one: exact, at the cost of reading (and collating) those batches,
-  which ``fit`` says in a warning when it resumes.
+  buffer's content (datasets warns that those examples are lost on resume). ``fit`` runs a copy
+  whose buffers keep their content and generator in the state (:mod:`._shuffle_buffer`), so it
+  resumes as above, restoring the buffer instead of reading the epoch again.
+- Where what comes after the shuffle would not resume exactly from its own state (a batched
+  ``.map()``, ...), a resume replays the epoch from its start instead (the epoch is a function
+  of ``(seed, epoch)``) and discards the batches before the saved one: exact, at the cost of
+  reading those batches, which ``fit`` says, with the reason, when it resumes.
 """
 
 from __future__ import annotations
@@ -27,6 +30,7 @@ from torch.utils.data import DataLoader
 from .. import rng
 from .._checks import warn_user
 from ._iterable_streams import StatefulIterableStream
+from ._shuffle_buffer import BufferedStream, why_not_resumable
 from ._stream_base import TrainStream
 
 __all__ = ["hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
@@ -75,8 +79,9 @@ class _EpochReplayStream(TrainStream):
     # positioned by a replay that set_epoch makes exact: said at the resume, not as a doubt at fit start
     exact = True
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int]):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int], why: str):
         super().__init__(seed)
+        self.why = why
         self.dataset = dataset
         self.data: Any = loader if loader is not None else dataset
         self.buffers = buffers
@@ -88,11 +93,11 @@ class _EpochReplayStream(TrainStream):
         self.dataset.set_epoch(epoch)
         if start:
             warn_user(
-                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): its "
-                f"state_dict() does not hold the buffer's content, so fit replays epoch {epoch} from its "
-                f"start and discards the {start} batches before the saved position (read, not trained). "
-                "Exact; costs the time to read those batches. Without .shuffle(buffer_size=...) a resume "
-                "starts from the dataset's own state instead.")
+                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}) and {self.why}, "
+                "whose own state would not resume exactly: fit replays epoch "
+                f"{epoch} from its start and discards the {start} batches before the saved position (read, not "
+                "trained). Exact; costs the time to read those batches. Without it, the buffer's content is saved "
+                "in the checkpoint and a resume starts from there.")
         # the draws of .map() functions and of the loader's worker seeds are a function of (seed, epoch)
         order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
         return itertools.islice(order, start, None)
@@ -107,6 +112,9 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
             "(torch.rand, random, np.random) happen in an order no seed fixes, so a random .map() gives other "
             "values on every run, resumed or not. Put a random .map() after .shuffle().")
     buffers = shuffle_buffers(dataset)
-    if buffers:
-        return _EpochReplayStream(dataset, loader, seed, buffers)
-    return StatefulIterableStream(dataset, loader, seed)
+    if not buffers:
+        return StatefulIterableStream(dataset, loader, seed)
+    why = why_not_resumable(dataset)
+    if why is None:
+        return BufferedStream(dataset, loader, seed, buffers)
+    return _EpochReplayStream(dataset, loader, seed, buffers, why)
