@@ -93,11 +93,9 @@ class _EpochReplayStream(TrainStream):
         self.dataset.set_epoch(epoch)
         if start:
             warn_user(
-                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}) and {self.why}, "
-                "whose own state would not resume exactly: fit replays epoch "
-                f"{epoch} from its start and discards the {start} batches before the saved position (read, not "
-                "trained). Exact; costs the time to read those batches. Without it, the buffer's content is saved "
-                "in the checkpoint and a resume starts from there.")
+                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): {self.why}, so "
+                f"fit replays epoch {epoch} from its start and discards the {start} batches before the saved "
+                "position (read, not trained). Exact; costs the time to read those batches.")
         # the draws of .map() functions and of the loader's worker seeds are a function of (seed, epoch)
         order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
         return itertools.islice(order, start, None)
@@ -115,6 +113,10 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
     if not buffers:
         return StatefulIterableStream(dataset, loader, seed)
     why = why_not_resumable(dataset)
-    if why is None:
-        return BufferedStream(dataset, loader, seed, buffers)
-    return _EpochReplayStream(dataset, loader, seed, buffers, why)
+    if why is None:  # an earlier estimatorch's checkpoint (no buffer in it) resumes its epoch by the replay
+        earlier = _EpochReplayStream(dataset, loader, seed, buffers, "the checkpoint was written without the "
+                                     "buffer's content (by an earlier estimatorch, which replayed)")
+        return BufferedStream(dataset, loader, seed, buffers, earlier)
+    return _EpochReplayStream(dataset, loader, seed, buffers, f"{why} would not resume exactly from its own state "
+                              "(without it, the buffer's content is saved in the checkpoint and a resume starts "
+                              "from there)")

@@ -25,14 +25,12 @@ spawned DataLoader worker unpickles it), and estimatorch itself imports without 
 from __future__ import annotations
 
 import functools
-import itertools
 from collections.abc import Iterator
 from copy import copy, deepcopy
 from typing import Any, Optional
 
 from torch.utils.data import DataLoader
 
-from .._checks import warn_user
 from ._iterable_streams import StatefulIterableStream, check_num_workers
 from ._stream_base import TrainStream
 
@@ -229,45 +227,47 @@ class BufferedStream(TrainStream):
     from their saved content: a :class:`StatefulIterableStream` over :func:`resumable_copy`.
 
     Its fingerprint is the one of the epoch replay that came before it, and a checkpoint written
-    by that replay (its data state empty) still resumes: by replaying that epoch once, the same
-    examples in the same order (the random draws of a ``.map()`` are this version's).
+    by that replay (its data state empty) still resumes, its epoch exactly as the replay would
+    have gone on (``earlier``, datasets' own buffer, draws a function of ``(seed, epoch)``; a
+    checkpoint within that epoch is again one without the buffer); the epochs after it are this
+    stream's.
     """
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int]):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int],
+                 earlier: TrainStream):
         super().__init__(seed)
         self.dataset = dataset
         self.buffers = buffers
         self.workers = loader.num_workers if loader is not None else 0
         self.inner = StatefulIterableStream(resumable_copy(dataset), loader, seed)
+        self.earlier = earlier
         self._iterated = False
-        self._replay = False  # the next resume is from a checkpoint without the buffer's content
+        self._resume_earlier = False  # the next resume is from a checkpoint without the buffer's content
+        self._in_earlier = False  # this epoch is the earlier stream's
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "dataset": type(self.dataset).__name__, "shuffle_buffers": self.buffers}
 
     def state_dict(self) -> dict[str, Any]:
-        if not self._iterated:  # nothing read yet: a checkpoint without data state resumes too
+        if not self._iterated or self._in_earlier:  # nothing read yet, or an earlier checkpoint's epoch
             return {}
         return {"buffered": self.inner.state_dict(), "num_workers": self.workers}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "buffered" not in state:  # written by the epoch replay: no buffer content to restore
-            self._replay = True
+            self._resume_earlier = True
             return
         check_num_workers(int(state.get("num_workers", 0)) or None, self.workers or None, "the checkpoint")
         self.inner.load_state_dict(state["buffered"])
 
     def close(self) -> None:
         self.inner.close()
+        self.earlier.close()
 
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
         self._iterated = True
-        replay, self._replay = self._replay, False
-        if not (replay and start):
-            return self.inner.epoch_iter(epoch, start)
-        warn_user(
-            f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}) from a checkpoint "
-            f"written without the buffer's content (by an earlier estimatorch): fit replays epoch {epoch} from its "
-            f"start and discards the {start} batches before the saved position (read, not trained). Checkpoints "
-            "written from now on hold the buffer and resume without reading the epoch again.")
-        return itertools.islice(self.inner.epoch_iter(epoch, 0), start, None)
+        earlier, self._resume_earlier = self._resume_earlier, False
+        self._in_earlier = earlier and start > 0
+        if self._in_earlier:
+            return self.earlier.epoch_iter(epoch, start)
+        return self.inner.epoch_iter(epoch, start)

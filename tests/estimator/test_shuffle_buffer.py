@@ -1,0 +1,191 @@
+"""A datasets shuffle buffer resumes from the checkpoint's copy of its content: bitwise after a
+SIGKILL (workers 0 and 2, two gloo ranks with split_dataset_by_node), reading the buffer from
+the checkpoint instead of the epoch; a pipeline that would not resume exactly after its shuffle
+is replayed, saying why."""
+
+from __future__ import annotations
+
+import os
+import signal
+import subprocess
+import sys
+import warnings
+from concurrent.futures import ThreadPoolExecutor
+
+os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never the Hub
+os.environ.setdefault("HF_HUB_OFFLINE", "1")
+
+import pytest  # noqa: E402
+import torch  # noqa: E402
+from datasets import IterableDataset, load_dataset  # noqa: E402
+
+from estimatorch.estimator._hf_streams import _EpochReplayStream  # noqa: E402
+from estimatorch.estimator._shuffle_buffer import BufferedStream, resumable_copy  # noqa: E402
+from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.testing import assert_resumable  # noqa: E402
+from tests.estimator.shuffle_buffer_worker import BATCH, EPOCHS, N  # noqa: E402
+from tests.estimator.test_hf_datasets import augment, resumes_exactly, write_shards  # noqa: E402
+from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+
+WORKER = os.path.join(os.path.dirname(__file__), "shuffle_buffer_worker.py")
+
+
+# -- the buffer's order and state ------------------------------------------------------------------
+def shuffled_json(directory, buffer_size=6):
+    return load_dataset("json", data_files=write_shards(directory, "json", shards=4), split="train",
+                        streaming=True).shuffle(seed=1, buffer_size=buffer_size)
+
+
+@pytest.mark.parametrize("epoch", [0, 1])
+def test_it_yields_what_datasets_buffer_yields_fed_example_by_example(tmp_path, epoch):
+    ds = shuffled_json(tmp_path)
+    ds.set_epoch(epoch)
+    ex_iterable = ds._prepare_ex_iterable_for_iteration()
+    while type(ex_iterable).__name__ != "BufferShuffledExamplesIterable":
+        ex_iterable = ex_iterable.ex_iterable
+    theirs = [example["i"] for _, example in iter(ex_iterable)]  # datasets' buffer, example by example
+    ours = resumable_copy(shuffled_json(tmp_path))
+    ours.set_epoch(epoch)
+    assert [example["i"] for example in ours] == theirs and sorted(theirs) == list(range(16))
+
+
+@pytest.mark.parametrize("stop", [1, 3, 5, 8, 15, 16])
+def test_its_state_holds_the_buffer_and_resumes_where_it_stopped(tmp_path, stop):
+    full = [e["i"] for e in resumable_copy(shuffled_json(tmp_path))]
+    ds = resumable_copy(shuffled_json(tmp_path))
+    it = iter(ds)
+    head = [next(it)["i"] for _ in range(stop)]
+    state = ds.state_dict()
+    fresh = resumable_copy(shuffled_json(tmp_path))
+    fresh.load_state_dict(state)
+    assert head + [e["i"] for e in fresh] == full
+
+
+# -- what a resume reads ---------------------------------------------------------------------------
+READ = []  # each example the generator below made (workers 0: in this process)
+
+
+def counted(shards):
+    for s in shards:
+        for j in range(64):
+            READ.append(s)
+            yield {"i": s * 64 + j}
+
+
+def test_a_resume_reads_the_buffer_from_the_checkpoint_not_the_epoch():
+    buffer_size, open_shards = 16, 2  # 8 shards of 64 examples, two read at a time into the buffer
+
+    def loader():
+        ds = IterableDataset.from_generator(counted, gen_kwargs={"shards": list(range(8))})
+        ds = ds.shuffle(seed=1, buffer_size=buffer_size, max_buffer_input_shards=open_shards)
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
+
+    stream = make_train_stream(loader(), 0)
+    assert isinstance(stream, BufferedStream)
+    it = iter(stream.epoch_iter(0, 0))
+    READ.clear()
+    for _ in range(100):  # 400 of 512 examples
+        next(it)
+    read_to_get_there = len(READ)
+    state = stream.state_dict()
+    expected = next(it)
+    fresh = make_train_stream(loader(), 0)
+    fresh.load_state_dict(state)
+    READ.clear()
+    first = next(iter(fresh.epoch_iter(0, 100)))
+    assert torch.equal(first["i"], expected["i"])
+    # the buffer comes from the state; the input shards being read re-read their starts (datasets'
+    # state), and refilling the buffer for the next flush reads at most half of it
+    assert len(READ) <= open_shards * 64 + buffer_size // 2 < read_to_get_there
+
+
+# -- what follows the shuffle ----------------------------------------------------------------------
+def test_a_batched_map_after_the_shuffle_is_replayed_and_says_why(tmp_path):
+    def randomise(batch):
+        return {"input": [(torch.full((4,), float(i)) + torch.rand(4)).tolist() for i in batch["i"]],
+                "label": [i % 3 for i in batch["i"]]}
+
+    def data():
+        ds = shuffled_json(tmp_path).map(randomise, batched=True, batch_size=3, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
+
+    assert isinstance(make_train_stream(data(), 0), _EpochReplayStream)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_resumable(dropout_estimator, data, epochs=2, stop_at=[3], quiet=True)
+    said = [str(w.message) for w in caught if "replays epoch" in str(w.message)]
+    assert said and all("a batched .map() after the .shuffle() would not resume exactly" in m for m in said)
+
+
+def test_a_map_after_the_shuffle_resumes_from_the_saved_buffer(tmp_path):
+    def data():
+        ds = shuffled_json(tmp_path).map(augment, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
+
+    assert isinstance(make_train_stream(data(), 0), BufferedStream)
+    resumes_exactly(data, stops=[1, 3, 4, 6])  # no replay said
+
+
+# -- SIGKILL after a checkpoint, in a fresh process ------------------------------------------------
+def _run(*args, killed=False):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, env=env,
+                          timeout=600)
+    if killed:  # the process killed itself; a spawn launcher reports its killed ranks
+        assert proc.returncode != 0, proc.stderr[-2000:]
+        assert proc.returncode == -signal.SIGKILL or "--ranks" in args, proc.stderr[-2000:]
+    else:
+        assert proc.returncode == 0, proc.stderr[-3000:]
+
+
+def _stops(per_epoch):
+    return {"mid-epoch": per_epoch // 2 + 1, "epoch-last": per_epoch, "after-first-epoch": per_epoch + 2}
+
+
+@pytest.fixture(scope="module")
+def killed_and_resumed(tmp_path_factory):
+    """For workers 0 and 2 on one process, and 0 on two gloo ranks: the uninterrupted run and each
+    stop's resumed run, two processes at a time."""
+    root = tmp_path_factory.mktemp("shuffle-buffer")
+    setups = {"workers-0": (0, 1), "workers-2": (2, 1), "ranks-2": (0, 2)}
+
+    def full(name):
+        workers, ranks = setups[name]
+        _run("full", "--dir", root / f"full-{name}", "--workers", workers, "--ranks", ranks,
+             "--out", root / f"full-{name}.pt")
+
+    def kill_and_resume(case):
+        name, stop, at = case
+        workers, ranks = setups[name]
+        directory = root / f"{name}-{stop}"
+        _run("kill", "--dir", directory, "--workers", workers, "--ranks", ranks, "--at", at, killed=True)
+        _run("resume", "--dir", directory, "--workers", workers, "--ranks", ranks, "--out", root / f"{name}-{stop}.pt")
+
+    per_epoch = {name: N // ranks // BATCH for name, (_, ranks) in setups.items()}
+    cases = [(name, stop, at) for name in setups for stop, at in _stops(per_epoch[name]).items()]
+    with ThreadPoolExecutor(max_workers=2) as pool:
+        list(pool.map(full, setups))
+        list(pool.map(kill_and_resume, cases))
+    load = lambda p: torch.load(p, weights_only=True)  # noqa: E731
+    return ({name: load(root / f"full-{name}.pt") for name in setups},
+            {(name, stop, at): load(root / f"{name}-{stop}.pt") for name, stop, at in cases}, per_epoch)
+
+
+@pytest.mark.slow
+@pytest.mark.distributed
+@pytest.mark.parametrize("name", ["workers-0", "workers-2", "ranks-2"])
+@pytest.mark.parametrize("stop", ["mid-epoch", "epoch-last", "after-first-epoch"])
+def test_a_fit_killed_after_a_checkpoint_resumes_bitwise(killed_and_resumed, name, stop):
+    full, resumed, per_epoch = killed_and_resumed
+    at = _stops(per_epoch[name])[stop]
+    for rank, (whole, rest) in enumerate(zip(full[name], resumed[(name, stop, at)])):
+        where = f"{name}, {stop} (step {at}), rank {rank}"
+        assert len(whole["batches"]) == per_epoch[name] * EPOCHS, where
+        assert len(rest["batches"]) == len(whole["batches"]) - at, where
+        for step, (a, b) in enumerate(zip(whole["batches"][at:], rest["batches"]), start=at + 1):
+            assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{where}: batch {step}"
+        assert rest["losses"] == whole["losses"][at:], where
+        assert all(torch.equal(p, q) for p, q in zip(whole["params"], rest["params"])), where
+    if name == "ranks-2":  # each rank its own half of the examples (example i's input is i + noise in [0, 1))
+        first, second = ({int(x) for b in r["batches"] for x in b["input"][:, 0]} for r in full[name])
+        assert len(first) == len(second) == N // 2 and not first & second
