@@ -6,6 +6,7 @@ is replayed, saying why."""
 from __future__ import annotations
 
 import os
+import shutil
 import signal
 import subprocess
 import sys
@@ -19,6 +20,7 @@ import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import IterableDataset, load_dataset  # noqa: E402
 
+from estimatorch import CheckpointHandler  # noqa: E402
 from estimatorch.estimator._hf_streams import _EpochReplayStream  # noqa: E402
 from estimatorch.estimator._shuffle_buffer import BufferedStream, resumable_copy  # noqa: E402
 from estimatorch.estimator._streams import make_train_stream  # noqa: E402
@@ -26,6 +28,7 @@ from estimatorch.testing import assert_resumable  # noqa: E402
 from tests.estimator.shuffle_buffer_worker import BATCH, EPOCHS, N  # noqa: E402
 from tests.estimator.test_hf_datasets import augment, resumes_exactly, write_shards  # noqa: E402
 from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+from tests.fixtures import make_hf_buffer_checkpoint as hf_fixture  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "shuffle_buffer_worker.py")
 
@@ -189,3 +192,23 @@ def test_a_fit_killed_after_a_checkpoint_resumes_bitwise(killed_and_resumed, nam
     if name == "ranks-2":  # each rank its own half of the examples (example i's input is i + noise in [0, 1))
         first, second = ({int(x) for b in r["batches"] for x in b["input"][:, 0]} for r in full[name])
         assert len(first) == len(second) == N // 2 and not first & second
+
+
+# -- a checkpoint of the replay era ----------------------------------------------------------------
+def test_a_checkpoint_written_while_the_epoch_was_replayed_resumes_its_epoch_as_it_would_have(tmp_path):
+    ckpt = tmp_path / "ckpt"
+    ckpt.mkdir()
+    shutil.copy(os.path.join(hf_fixture.FIXTURE_DIR, "model-epoch0batch5.pt"), ckpt)
+    recorded = torch.load(os.path.join(hf_fixture.FIXTURE_DIR, "batches.pt"), weights_only=True)
+    est, data = hf_fixture.build(str(tmp_path))
+    rest = hf_fixture.Recorder()
+    with pytest.warns(UserWarning, match="written without the buffer's content"):
+        est.fit(data, epochs=hf_fixture.EPOCHS, event_handlers=[
+            rest, CheckpointHandler(str(ckpt), batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
+    per_epoch = len(recorded) // hf_fixture.EPOCHS
+    assert len(rest.batches) == len(recorded) - hf_fixture.STEP
+    for step, (a, b) in enumerate(zip(recorded[hf_fixture.STEP:per_epoch], rest.batches), start=hf_fixture.STEP + 1):
+        assert all(torch.equal(a[k], b[k]) for k in a), f"batch {step}"
+    # the next epoch is the resumable buffer's, whose checkpoints hold the buffer
+    saved = torch.load(sorted(ckpt.glob("model-epoch1*.pt"))[-1], weights_only=True)
+    assert "buffered" in saved["ranks"][0]["data"]
