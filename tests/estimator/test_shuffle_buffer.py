@@ -145,52 +145,64 @@ def _stops(per_epoch):
     return {"mid-epoch": per_epoch // 2 + 1, "epoch-last": per_epoch, "after-first-epoch": per_epoch + 2}
 
 
+SETUPS = {"workers-0": (0, 1), "workers-2": (2, 1), "ranks-2": (0, 2)}  # (num_workers, ranks)
+
+
+def _per_epoch(name):
+    return N // SETUPS[name][1] // BATCH
+
+
 @pytest.fixture(scope="module")
 def killed_and_resumed(tmp_path_factory):
-    """For workers 0 and 2 on one process, and 0 on two gloo ranks: the uninterrupted run and each
-    stop's resumed run, two processes at a time."""
+    """``runs(name)``: for a setup of :data:`SETUPS`, the uninterrupted run and each stop's resumed
+    run (run once, two processes at a time)."""
     root = tmp_path_factory.mktemp("shuffle-buffer")
-    setups = {"workers-0": (0, 1), "workers-2": (2, 1), "ranks-2": (0, 2)}
+    done = {}
 
-    def full(name):
-        workers, ranks = setups[name]
-        _run("full", "--dir", root / f"full-{name}", "--workers", workers, "--ranks", ranks,
-             "--out", root / f"full-{name}.pt")
+    def runs(name):
+        if name in done:
+            return done[name]
+        workers, ranks = SETUPS[name]
+        common = ("--workers", workers, "--ranks", ranks)
 
-    def kill_and_resume(case):
-        name, stop, at = case
-        workers, ranks = setups[name]
-        directory = root / f"{name}-{stop}"
-        _run("kill", "--dir", directory, "--workers", workers, "--ranks", ranks, "--at", at, killed=True)
-        _run("resume", "--dir", directory, "--workers", workers, "--ranks", ranks, "--out", root / f"{name}-{stop}.pt")
+        def full():
+            _run("full", "--dir", root / f"full-{name}", *common, "--out", root / f"full-{name}.pt")
 
-    per_epoch = {name: N // ranks // BATCH for name, (_, ranks) in setups.items()}
-    cases = [(name, stop, at) for name in setups for stop, at in _stops(per_epoch[name]).items()]
-    with ThreadPoolExecutor(max_workers=2) as pool:
-        list(pool.map(full, setups))
-        list(pool.map(kill_and_resume, cases))
-    load = lambda p: torch.load(p, weights_only=True)  # noqa: E731
-    return ({name: load(root / f"full-{name}.pt") for name in setups},
-            {(name, stop, at): load(root / f"{name}-{stop}.pt") for name, stop, at in cases}, per_epoch)
+        def kill_and_resume(stop):
+            directory = root / f"{name}-{stop}"
+            _run("kill", "--dir", directory, *common, "--at", _stops(_per_epoch(name))[stop], killed=True)
+            _run("resume", "--dir", directory, *common, "--out", root / f"{name}-{stop}.pt")
+
+        with ThreadPoolExecutor(max_workers=2) as pool:
+            jobs = [pool.submit(full)] + [pool.submit(kill_and_resume, stop) for stop in _stops(_per_epoch(name))]
+            for job in jobs:
+                job.result()
+        load = lambda p: torch.load(p, weights_only=True)  # noqa: E731
+        done[name] = (load(root / f"full-{name}.pt"),
+                      {stop: load(root / f"{name}-{stop}.pt") for stop in _stops(_per_epoch(name))})
+        return done[name]
+
+    return runs
 
 
 @pytest.mark.slow
 @pytest.mark.distributed
-@pytest.mark.parametrize("name", ["workers-0", "workers-2", "ranks-2"])
+@pytest.mark.timeout(900)  # a setup's 7 processes, on a loaded 2-core machine
+@pytest.mark.parametrize("name", list(SETUPS))
 @pytest.mark.parametrize("stop", ["mid-epoch", "epoch-last", "after-first-epoch"])
 def test_a_fit_killed_after_a_checkpoint_resumes_bitwise(killed_and_resumed, name, stop):
-    full, resumed, per_epoch = killed_and_resumed
-    at = _stops(per_epoch[name])[stop]
-    for rank, (whole, rest) in enumerate(zip(full[name], resumed[(name, stop, at)])):
+    full, resumed = killed_and_resumed(name)
+    at = _stops(_per_epoch(name))[stop]
+    for rank, (whole, rest) in enumerate(zip(full, resumed[stop])):
         where = f"{name}, {stop} (step {at}), rank {rank}"
-        assert len(whole["batches"]) == per_epoch[name] * EPOCHS, where
+        assert len(whole["batches"]) == _per_epoch(name) * EPOCHS, where
         assert len(rest["batches"]) == len(whole["batches"]) - at, where
         for step, (a, b) in enumerate(zip(whole["batches"][at:], rest["batches"]), start=at + 1):
             assert a.keys() == b.keys() and all(torch.equal(a[k], b[k]) for k in a), f"{where}: batch {step}"
         assert rest["losses"] == whole["losses"][at:], where
         assert all(torch.equal(p, q) for p, q in zip(whole["params"], rest["params"])), where
     if name == "ranks-2":  # each rank its own half of the examples (example i's input is i + noise in [0, 1))
-        first, second = ({int(x) for b in r["batches"] for x in b["input"][:, 0]} for r in full[name])
+        first, second = ({int(x) for b in r["batches"] for x in b["input"][:, 0]} for r in full)
         assert len(first) == len(second) == N // 2 and not first & second
 
 
