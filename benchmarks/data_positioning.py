@@ -1,7 +1,7 @@
 """Time to the first batch after resuming at the middle of an epoch of 10^6 examples, for each
 data library ``fit`` resumes exactly (docs/data.md), against the first batch at the epoch's start.
 
-Each case builds the training stream ``fit`` builds (``make_train_stream``, a private helper),
+Each case builds the training stream ``fit`` builds (``estimatorch.data.open_stream``),
 positions it the way a resume does, and times from the positioning to the first batch:
 
 - ``torchdata map``: a ``StatefulDataLoader(shuffle=True)`` over a map-style dataset of
@@ -55,7 +55,7 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.data import open_stream  # noqa: E402
 
 
 class Indexed(torch.utils.data.Dataset):
@@ -73,7 +73,7 @@ class Indexed(torch.utils.data.Dataset):
 
 def first_batch(make: Callable[[], Any], start: int) -> float:
     """Seconds from positioning a fresh stream at ``start`` to its first batch."""
-    stream = make_train_stream(make(), 0)
+    stream = open_stream(make(), 0)
     t0 = time.perf_counter()
     next(iter(stream.epoch_iter(0, start)))
     return time.perf_counter() - t0
@@ -81,12 +81,12 @@ def first_batch(make: Callable[[], Any], start: int) -> float:
 
 def from_state(make: Callable[[], Any], start: int) -> float:
     """A stateful stream run to ``start`` once; a fresh one restored from that state, timed."""
-    stream = make_train_stream(make(), 0)
+    stream = open_stream(make(), 0)
     it = iter(stream.epoch_iter(0, 0))
     for _ in range(start):
         next(it)
     state = stream.state_dict()
-    fresh = make_train_stream(make(), 0)
+    fresh = open_stream(make(), 0)
     t0 = time.perf_counter()
     fresh.load_state_dict(state)
     next(iter(fresh.epoch_iter(0, start)))
@@ -179,7 +179,7 @@ def hf_buffer_positions(n: int, b: int, root: str, shards: int, buffer: int) -> 
     per_epoch = -(-n // b)
     positions = [0, per_epoch // 4, per_epoch // 2, 3 * per_epoch // 4]
     saved: dict[int, bytes] = {}
-    capture = make_train_stream(make(no_op), 0)
+    capture = open_stream(make(no_op), 0)
     it = iter(capture.epoch_iter(0, 0))
     t0 = time.perf_counter()
     for batch in range(positions[-1] + 1):
@@ -195,7 +195,7 @@ def hf_buffer_positions(n: int, b: int, root: str, shards: int, buffer: int) -> 
     start = None
     for batch in positions:
         state = torch.load(io.BytesIO(saved[batch]), weights_only=True) if batch else {}
-        fresh = make_train_stream(make(augment), 0)
+        fresh = open_stream(make(augment), 0)
         t0 = time.perf_counter()
         if batch:
             fresh.load_state_dict(torch.load(io.BytesIO(saved[batch]), weights_only=True))

@@ -18,7 +18,7 @@ Timing a call in place costs something itself: a ``BatchEnd`` handler that does 
 the same way, and its figure (the cost of one timed, empty handler call) is subtracted from
 every timed call. The rows are therefore estimates, good to about a microsecond; their sum is
 compared with the measured overhead. It patches ``estimatorch`` internals (module-level
-``batch_mover``, ``call_net``, ``make_train_stream``) for the run, so it may need an update when
+``batch_mover``, ``call_net``, ``open_train_stream``) for the run, so it may need an update when
 they move.
 
 Usage::
@@ -139,8 +139,8 @@ def instrumented_fit(config: str, steps: int, dataset: Any) -> tuple[Timings, fl
         stream.epoch_iter = lambda epoch, start: t.iterate("data: next(batch)", iter(epoch_iter(epoch, start)))
         return stream
 
-    real_make_stream = start_module.make_train_stream
-    with patched(start_module, "make_train_stream", make_stream), \
+    real_make_stream = start_module.open_train_stream
+    with patched(start_module, "open_train_stream", make_stream), \
             patched(est_module, "run_loop", t.wrap("loop", est_module.run_loop)), \
             patched(loop_module, "batch_mover",  # the loop's move to the device (to_device off CUDA)
                     lambda device, mover=loop_module.batch_mover: t.wrap("glue: to_device", mover(device))), \

@@ -1,5 +1,6 @@
 """Test helpers for your own suite: :func:`assert_resumable` proves a training setup resumes
-bit-identically from a checkpoint at any step.
+bit-identically from a checkpoint at any step; :func:`check_stream_adapter` proves the stream a
+data adapter opens (see :mod:`estimatorch.data`) resumes exactly at every kind of position.
 
 Example:
     >>> import torch
@@ -22,16 +23,19 @@ import hashlib
 import io
 import logging
 import math
+import random
 import tempfile
 from collections.abc import Iterable, Sequence
 from typing import Any, Callable, Optional, Union
 
 import torch
 
+from . import rng
+from .data import open_stream
 from .estimator import default_logger
 from .event_handlers import BatchEnd, CheckpointHandler, ProgressBarHandler
 
-__all__ = ["assert_resumable"]
+__all__ = ["assert_resumable", "check_stream_adapter"]
 
 
 class SimulatedCrash(BaseException):
@@ -223,3 +227,141 @@ def _compare(k: int, reference: _Trace, resumed: _Trace, final: tuple, got: tupl
         where = _tensors_equal(want, have, name)
         if where:
             raise AssertionError(f"{who}: the final {where} differ")
+
+
+# -- the adapter conformance check ----------------------------------------------------------------
+def _plain(value: Any) -> Any:
+    """``value`` with numpy arrays as tensors (compared bitwise like them)."""
+    if type(value).__module__ == "numpy" and hasattr(value, "shape"):
+        return torch.as_tensor(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _step_draws() -> None:
+    """What a training step draws from the global generators (dropout, a random augmentation of
+    the step): the stream must neither shift them nor depend on them."""
+    torch.rand(1)
+    random.random()
+    rng.default_numpy_rng().random()
+
+
+def _round_trip(state: Any) -> Any:
+    """``state`` as a checkpoint gives it back (``torch.save``, then ``torch.load(weights_only=True)``)."""
+    buffer = io.BytesIO()
+    torch.save(state, buffer)
+    buffer.seek(0)
+    return torch.load(buffer, weights_only=True)
+
+
+def _reference(stream: Any, epochs: int) -> tuple[list[list[Any]], dict[tuple[int, int], tuple[Any, Any]]]:
+    """Every epoch's batches, and at each boundary ``(epoch, batches done)`` the stream's state
+    and the generators' (``(0, 0)``: before the first; ``(epoch + 1, 0)``: after the epoch's
+    iterator ended)."""
+    batches: list[list[Any]] = []
+    saved = {(0, 0): (_round_trip(stream.state_dict()), rng.get_state())}
+    for epoch in range(epochs):
+        batches.append([])
+        for batch in stream.epoch_iter(epoch, 0):
+            batches[-1].append(_plain(batch))
+            _step_draws()
+            saved[(epoch, len(batches[-1]))] = (_round_trip(stream.state_dict()), rng.get_state())
+        saved[(epoch + 1, 0)] = (_round_trip(stream.state_dict()), rng.get_state())
+    return batches, saved
+
+
+def check_stream_adapter(make_data: Callable[[int], Any], *, num_workers: Sequence[int] = (0, 2), epochs: int = 2,
+                         seed: int = 0) -> None:
+    """Check that the training stream ``fit`` opens for your data resumes exactly: the conformance
+    check of a data adapter (``estimatorch.data.register_adapter``), run on your own data.
+
+    For each worker count, the stream of ``make_data(num_workers)`` (opened by the registered
+    adapters, as ``fit`` opens it) is read for ``epochs`` epochs, with a step's random draws
+    between batches; then fresh streams of fresh data resume from its states (saved as a
+    checkpoint saves them, with the generators' states) at the start, the middle of the first
+    epoch, its last batch, and after it, and must yield the same batches to the last bit, and
+    accept the saved fingerprint, and leave the global generators as the uninterrupted read left
+    them at each epoch's end. It also checks ``batches_per_epoch`` where the stream knows it.
+
+    Args:
+        make_data: ``make_data(num_workers)`` -> what you pass to ``fit`` as ``train_data``,
+            built afresh at each call; how it uses ``num_workers`` (a ``DataLoader``'s, a pool of
+            readers...) is yours.
+        num_workers: the worker counts to check. Defaults to (0, 2).
+        epochs: epochs read, at least 2. Defaults to 2.
+        seed: the fit's seed. Defaults to 0.
+
+    Raises:
+        AssertionError: naming the position, the worker count and the first batch that differs
+            (or the fingerprint refused, the batch count wrong).
+        ValueError: ``epochs`` is below 2, or the data's first epoch has fewer than 2 batches.
+
+    Example:
+        >>> import torch
+        >>> from torch.utils.data import DataLoader, TensorDataset
+        >>> from estimatorch.testing import check_stream_adapter
+        >>> data = TensorDataset(torch.arange(12.0))
+        >>> check_stream_adapter(lambda workers: DataLoader(data, batch_size=3, shuffle=True), num_workers=(0,))
+    """
+    if not isinstance(epochs, int) or epochs < 2:
+        raise ValueError(f"epochs must be an int of at least 2 (a resume after the first epoch), got {epochs!r}")
+    for workers in num_workers:
+        with rng.keep_random_state():
+            rng.seed_everything(seed)
+            stream = open_stream(make_data(workers), seed)
+            try:
+                fingerprint = _round_trip(stream.fingerprint())
+                batches, saved = _reference(stream, epochs)
+                known = stream.batches_per_epoch
+            finally:
+                stream.close()
+            n = len(batches[0])
+            if n < 2:
+                raise ValueError(f"make_data({workers}) gives {n} batch(es) an epoch: the check needs at least 2")
+            if known is not None and known != n:
+                raise AssertionError(f"with num_workers={workers}: batches_per_epoch says {known}, "
+                                     f"but the first epoch yielded {n} batches")
+            for (epoch, done), where in (((0, 0), "the start"), ((0, n // 2), "the middle of an epoch"),
+                                          ((0, n), "an epoch's last batch"), ((1, 0), "after the first epoch")):
+                _check_resume(make_data, workers, seed, fingerprint, batches, saved, epoch, done, where)
+
+
+def _check_resume(make_data: Callable[[int], Any], workers: int, seed: int, fingerprint: Any,
+                  batches: list[list[Any]], saved: dict[tuple[int, int], tuple[Any, Any]], epoch: int, done: int,
+                  where: str) -> None:
+    at = f"resumed at {where} (epoch {epoch}, after batch {done}) with num_workers={workers}"
+    state, generators = saved[(epoch, done)]
+    rng.seed_everything(seed)
+    stream = open_stream(make_data(workers), seed)
+    try:
+        try:
+            stream.check_fingerprint(fingerprint, "the saved stream")
+        except ValueError as err:
+            raise AssertionError(f"{at}: a fresh stream refuses its own fingerprint: {err}") from None
+        stream.load_state_dict(state)
+        rng.set_state(generators)
+        for e in range(epoch, len(batches)):
+            got = []
+            for batch in stream.epoch_iter(e, done if e == epoch else 0):
+                got.append(_plain(batch))
+                _step_draws()
+            want = batches[e][done:] if e == epoch else batches[e]
+            for i, (a, b) in enumerate(zip(want, got)):
+                if _tensors_equal(a, b, "batch") is not None:
+                    first = (done if e == epoch else 0) + i
+                    raise AssertionError(f"{at}: epoch {e}'s batch {first} differs from the uninterrupted "
+                                         f"read's ({_tensors_equal(a, b, 'batch')})")
+            if len(got) != len(want):
+                raise AssertionError(f"{at}: epoch {e} yielded {len(got)} batches after the position, the "
+                                     f"uninterrupted read {len(want)}")
+            differs = _tensors_equal(_plain(rng.get_state()), _plain(saved[(e + 1, 0)][1]), "the generators")
+            if differs is not None:
+                raise AssertionError(f"{at}: after epoch {e} {differs} differ from the uninterrupted read's: the "
+                                     "stream draws from the global generators (a DataLoader without a generator "
+                                     "of its own draws its workers' seed there), which shifts the model's dropout")
+    finally:
+        stream.close()
+

@@ -105,6 +105,13 @@ def test_the_module_map_names_every_internal_module():
     assert not missing, f"docs/architecture.md's map lacks {missing}"
 
 
+def test_the_data_page_maps_every_module_of_the_data_layer():
+    """docs/data.md's module map of ``estimatorch.data`` names each of its modules."""
+    where = section(read(DOCS / "data.md"), "The data layer (`estimatorch.data`)")
+    missing = [m.name for m in sorted((ROOT / "estimatorch" / "data").glob("*.py")) if f"| `{m.name}` |" not in where]
+    assert not missing, f"docs/data.md's map of estimatorch.data lacks {missing}"
+
+
 def test_the_loop_page_lists_every_event_and_its_mixin():
     loop = read(DOCS / "loop.md")
     for event, mixin in EVENTS.items():
@@ -249,3 +256,112 @@ def test_the_complete_handler_of_the_guide_takes_part_through_public_hooks_only(
         resumed, CheckpointHandler(ckpt, resume_from_checkpoint=True)])
     assert (resumed.batches, resumed.lines) == (12, 6)  # 6 before the stop, continued from the checkpoint
     assert [line.split()[0] for line in log.read_text().splitlines()[4:-1]] == ["8", "10", "12"]
+
+
+# -- the data guide's own adapter ------------------------------------------------------------------
+def _write_jsonl_shards(directory: pathlib.Path) -> None:
+    """Three shards of 7, 5 and 9 examples (4 features, 3 classes), written by the test."""
+    import torch
+
+    directory.mkdir()
+    g = torch.Generator().manual_seed(0)
+    for i, count in enumerate((7, 5, 9)):
+        x = torch.randn(count, 4, generator=g)
+        lines = [json.dumps({"x": row.tolist(), "y": int(row[0] > 0) + int(row[1] > 1)}) for row in x]
+        (directory / f"part-{i}.jsonl").write_text("\n".join(lines) + "\n", encoding="utf-8")
+
+
+def _guide_adapter(workdir: pathlib.Path) -> pathlib.Path:
+    """The complete adapter of docs/data.md, written as a module ``jsonl_adapter`` in ``workdir``."""
+    code = re.search(r"```python\n(.*?)```", section(read(DOCS / "data.md"), "A data source of your own"), re.DOTALL)
+    assert code, "no code under 'A data source of your own'"
+    path = workdir / "jsonl_adapter.py"
+    path.write_text(code.group(1), encoding="utf-8")
+    return path
+
+
+def test_the_data_guides_adapter_passes_the_conformance_check(tmp_path):
+    import importlib.util
+
+    from estimatorch.data import registered_adapters, unregister_adapter
+    from estimatorch.testing import check_stream_adapter
+
+    _write_jsonl_shards(tmp_path / "shards")
+    spec = importlib.util.spec_from_file_location("jsonl_adapter", _guide_adapter(tmp_path))
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)  # registers the page's adapter
+    try:
+        assert registered_adapters()[0] == ("jsonl-shards", 0)
+        check_stream_adapter(lambda workers: module.JsonlShards(tmp_path / "shards", 4, seed=1, num_workers=workers))
+        with pytest.raises(ValueError, match="train_data holds no .jsonl shard"):
+            from estimatorch.data import open_stream
+            open_stream(module.JsonlShards(tmp_path, 4), 0)
+    finally:
+        unregister_adapter("jsonl-shards")
+
+
+_TRAIN = """
+import os, signal, sys
+import torch
+from torch import nn
+sys.path.insert(0, os.path.dirname(os.path.abspath(__file__)))
+import jsonl_adapter
+from estimatorch import CheckpointHandler, Estimator
+from estimatorch.event_handlers import BatchEnd
+
+workdir, workers, kill_at = sys.argv[1], int(sys.argv[2]), int(sys.argv[3])
+
+class Record(BatchEnd):
+    priority = float("inf")
+    def __init__(self):
+        self.steps = 0
+    def batch_end(self, estimator, *, batch, loss, **kwargs):
+        self.steps += 1
+        x, y = batch
+        with open(os.path.join(workdir, "steps.txt"), "a") as f:
+            f.write(f"{x.numpy().tobytes().hex()} {y.tolist()} {float(loss).hex()}\\n")
+        if self.steps == kill_at:  # killed right after the checkpoint of this step
+            estimator.at_boundary(lambda: os.kill(os.getpid(), signal.SIGKILL))
+
+torch.manual_seed(0)
+net = nn.Sequential(nn.Linear(4, 16), nn.Dropout(0.3), nn.ReLU(), nn.Linear(16, 3))
+est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.Adam(net.parameters(), lr=0.01))
+shards = jsonl_adapter.JsonlShards(os.path.join(workdir, "..", "shards"), 4, seed=1, num_workers=workers)
+est.fit(shards, epochs=3, event_handlers=[Record(), CheckpointHandler(os.path.join(workdir, "ckpt"), batch_period=1,
+                                                                     resume_from_checkpoint=True)])
+torch.save(est.net.state_dict(), os.path.join(workdir, "final.pt"))
+"""
+
+
+def _train(workdir: pathlib.Path, workers: int, kill_at: int) -> subprocess.CompletedProcess:
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
+    return subprocess.run([sys.executable, str(workdir.parent / "train.py"), str(workdir), str(workers), str(kill_at)],
+                          capture_output=True, text=True, timeout=300, env=env)
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("workers, kill_at", [(0, 6), (2, 3), (2, 8)],
+                         ids=["workers0-an-epochs-last-batch", "workers2-mid-epoch", "workers2-second-epoch"])
+def test_the_data_guides_adapter_resumes_after_a_sigkill_bit_for_bit(tmp_path, workers, kill_at):
+    """The page's code in a fit SIGKILLed right after a checkpoint and run again, against an
+    uninterrupted fit: the same batches, losses and final parameters, bit for bit (21 examples in
+    batches of 4: 6 batches an epoch)."""
+    import torch
+
+    _write_jsonl_shards(tmp_path / "shards")
+    _guide_adapter(tmp_path)
+    (tmp_path / "train.py").write_text(_TRAIN, encoding="utf-8")
+    full, resumed = tmp_path / "full", tmp_path / "resumed"
+    full.mkdir()
+    resumed.mkdir()
+    done = _train(full, workers, 0)
+    assert done.returncode == 0, done.stderr[-2000:]
+    killed = _train(resumed, workers, kill_at)
+    assert killed.returncode == -9, killed.stderr[-2000:]
+    assert len((resumed / "steps.txt").read_text().splitlines()) == kill_at
+    again = _train(resumed, workers, 0)
+    assert again.returncode == 0, again.stderr[-2000:]
+    steps = (full / "steps.txt").read_text().splitlines()
+    assert len(steps) == 18 and (resumed / "steps.txt").read_text().splitlines() == steps
+    want, got = (torch.load(d / "final.pt", weights_only=True) for d in (full, resumed))
+    assert all(torch.equal(want[k], got[k]) for k in want) and set(want) == set(got)

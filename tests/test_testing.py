@@ -4,6 +4,7 @@ diverges."""
 from __future__ import annotations
 
 import logging
+import random
 
 import numpy as np
 import pytest
@@ -12,7 +13,9 @@ from torch import nn
 
 from estimatorch import Estimator, rng
 from estimatorch.event_handlers import BatchEnd
-from estimatorch.testing import assert_resumable
+from estimatorch.data import TrainStream, register_adapter, unregister_adapter
+from estimatorch.testing import assert_resumable, check_stream_adapter
+from tests.data.test_iterable_streams import StatefulRange
 from tests.conftest import make_batches, make_estimator
 
 
@@ -119,3 +122,111 @@ def test_the_log_keeps_its_info_level_when_assert_resumable_runs_before_any_esti
     finally:
         logger.handlers, logger.propagate = handlers, propagate
         logger.setLevel(level)
+
+
+# -- check_stream_adapter ------------------------------------------------------------------------
+class _Listed:
+    """Data of a kind no built-in adapter knows: a few batches of distinct values."""
+
+    def __init__(self, n: int = 6):
+        self.batches = [(torch.full((2, 4), float(i)), torch.tensor([i % 3, (i + 1) % 3])) for i in range(n)]
+
+    def __iter__(self):
+        return iter(self.batches)
+
+
+class _Forgetful(_Listed):
+    pass
+
+
+class _Shuffled(_Listed):
+    pass
+
+
+class _ForgetfulStream(TrainStream):
+    """Broken: ignores the position it is asked to start at."""
+
+    def __init__(self, data, seed):
+        super().__init__(seed)
+        self.data, self.batches_per_epoch = data, len(data.batches)
+
+    def epoch_iter(self, epoch, start):
+        return iter(self.data.batches)
+
+
+class _ShuffledStream(_ForgetfulStream):
+    """Broken: its epoch's order drawn from python's global generator when the epoch starts."""
+
+    def epoch_iter(self, epoch, start):
+        order = list(range(len(self.data.batches)))
+        random.shuffle(order)
+        return (self.data.batches[i] for i in order[start:])
+
+
+class _Drawing(_Listed):
+    pass
+
+
+class _DrawingStream(_ForgetfulStream):
+    """Broken: right batches, but it draws from torch's global generator when an epoch starts."""
+
+    def epoch_iter(self, epoch, start):
+        torch.rand(1)
+        return iter(self.data.batches[start:])
+
+
+class _Adapter:
+    def __init__(self, name, kind, stream):
+        self.name, self.kind, self.stream = name, kind, stream
+
+    def recognises(self, source):
+        return type(source.data) is self.kind
+
+    def open(self, source):
+        return self.stream(source.data, source.seed)
+
+
+@pytest.fixture
+def broken_adapters():
+    for name, kind, stream in (("test-forgetful", _Forgetful, _ForgetfulStream),
+                               ("test-shuffled", _Shuffled, _ShuffledStream),
+                               ("test-drawing", _Drawing, _DrawingStream)):
+        register_adapter(_Adapter(name, kind, stream))
+    yield
+    for name in ("test-forgetful", "test-shuffled", "test-drawing"):
+        unregister_adapter(name)
+
+
+@pytest.mark.parametrize("make_data", [
+    lambda workers: torch.utils.data.DataLoader(Augmented(), batch_size=8, shuffle=True, num_workers=workers),
+    lambda workers: torch.utils.data.DataLoader(StatefulRange(30, noise=True), batch_size=4, num_workers=workers),
+], ids=["map-loader-augmented", "stateful-iterable"])
+def test_the_adapter_check_passes_the_built_in_adapters_over_workers(make_data):
+    check_stream_adapter(make_data)
+
+
+@pytest.mark.parametrize("kind, words", [
+    (_Forgetful, r"resumed at the middle of an epoch \(epoch 0, after batch 3\) with num_workers=0: "
+                 r"epoch 0's batch 3 differs from the uninterrupted read's"),
+    (_Shuffled, r"resumed at the middle of an epoch \(epoch 0, after batch 3\) with num_workers=0: epoch 0's batch "),
+    (_Drawing, r"resumed at the middle of an epoch \(epoch 0, after batch 3\) with num_workers=0: after epoch 0 the "
+               r"generators\['torch'\] differ"),
+], ids=["ignores-the-position", "draws-its-order-from-the-global-generator", "shifts-the-global-generator"])
+def test_the_adapter_check_fails_a_broken_adapter_naming_where(broken_adapters, kind, words):
+    with pytest.raises(AssertionError, match=words):
+        check_stream_adapter(lambda workers: kind(), num_workers=(0,))
+
+
+def test_the_adapter_check_names_a_wrong_batch_count_and_refuses_too_few_epochs(broken_adapters):
+    class Short(_ForgetfulStream):
+        def epoch_iter(self, epoch, start):
+            return iter(self.data.batches[start:-1])
+
+    register_adapter(_Adapter("test-short", _Listed, Short))
+    try:
+        with pytest.raises(AssertionError, match="batches_per_epoch says 6, but the first epoch yielded 5"):
+            check_stream_adapter(lambda workers: _Listed(), num_workers=(0,))
+    finally:
+        unregister_adapter("test-short")
+    with pytest.raises(ValueError, match="epochs must be an int of at least 2"):
+        check_stream_adapter(lambda workers: _Listed(), epochs=1)

@@ -1,79 +1,28 @@
 """The loop ``evaluate`` and ``predict`` share: ``val_net`` in eval mode without gradients, every
 random generator kept, the four epoch/batch events fired, over this rank's share of the data
-(:mod:`._sharding`)."""
+(:mod:`estimatorch.data._sharding`)."""
 
 from __future__ import annotations
 
 import contextlib
 import itertools
-import weakref
 from collections.abc import Iterable, Iterator, Mapping, Sized
 from typing import Any, Callable, Optional
 
 import torch
-from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
 from .. import distributed, rng
 from .._batches import to_device
 from .._checks import is_int
 from ..checkpoint import is_sharded_module
+from ..data import InferenceData, for_inference, in_step, seeded_for_inference
 from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
-from ._sharding import InferenceData, for_inference, in_step
-from ._stream_base import loader_kwargs
-from ._streams import draws_no_randomness
 
 __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
 
 #: ``step(batch) -> (pred, label, loss)``: what ``batch_end`` handlers receive.
 Step = Callable[[Any], "tuple[Any, Any, Any]"]
-
-#: the "epoch" of an evaluated sample's seed: ``(seed, _INFERENCE_EPOCH, index)``.
-_INFERENCE_EPOCH = -0x5EED
-#: loaders with persistent workers keep their rebuilt copy (and its workers) between evaluations.
-_SEEDED: "weakref.WeakKeyDictionary[DataLoader[Any], tuple[int, DataLoader[Any]]]" = weakref.WeakKeyDictionary()
-
-
-class _SeededSamples(Dataset[Any]):
-    """A map-style dataset whose every sample's random draws (torch, python ``random``, numpy's
-    legacy global generator and :func:`estimatorch.rng.default_numpy_rng`) are seeded from
-    ``(seed, index)``, as training samples are from ``(seed, epoch, index)``: evaluating gives
-    the same values whenever it runs, also after a resume. In the training process your
-    generators are put back after each sample."""
-
-    def __init__(self, dataset: Any, seed: int):
-        self.dataset = dataset
-        self.seed = seed
-
-    def __len__(self) -> int:
-        return len(self.dataset)
-
-    def __getitem__(self, index: Any) -> Any:
-        with rng.sample_seeding(self.seed, _INFERENCE_EPOCH, restore=get_worker_info() is None) as seed_sample:
-            if is_int(index):
-                seed_sample(index)
-            return self.dataset[index]
-
-
-def _seeded(data: Iterable[Any], seed: int) -> Iterable[Any]:
-    """``data`` as evaluated: a map-style DataLoader over a dataset that may draw randomness is
-    rebuilt (sampler, batching and settings kept) around :class:`_SeededSamples`."""
-    if not isinstance(data, DataLoader) or isinstance(data.dataset, IterableDataset) \
-            or isinstance(data.dataset, _SeededSamples) or draws_no_randomness(data.dataset):
-        return data
-    cached: Optional[tuple[int, DataLoader[Any]]] = _SEEDED.get(data)
-    if cached is not None and cached[0] == seed:
-        return cached[1]
-    kwargs = dict(collate_fn=data.collate_fn, generator=data.generator, **loader_kwargs(data))
-    dataset = _SeededSamples(data.dataset, seed)
-    if data.batch_sampler is not None:
-        rebuilt = DataLoader(dataset, batch_sampler=data.batch_sampler, **kwargs)
-    else:
-        rebuilt = DataLoader(dataset, batch_size=None, sampler=data.sampler, **kwargs)
-    if data.persistent_workers:
-        _SEEDED[data] = (seed, rebuilt)
-    return rebuilt
-
 
 def check_inference_args(data: Any, arg: str, batch_axis: Any, event_handlers: Any, *,
                          check_empty: bool = True) -> list[Any]:
@@ -130,7 +79,7 @@ def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Di
 
 def _own_or_padding(shard: InferenceData, limit: Optional[int], sharded: bool) -> Iterable[tuple[Any, bool]]:
     """``(batch, own)`` pairs: this rank's batches (at most ``limit``), and for a sharded net
-    padding ones, so that every rank runs as many forwards (:mod:`._sharding`)."""
+    padding ones, so that every rank runs as many forwards (:mod:`estimatorch.data._sharding`)."""
     batches = shard.batches if limit is None else itertools.islice(shard.batches, limit)
     if sharded and not shard.split and distributed.is_distributed():
         return in_step(batches)  # lengths unknown: agreed batch by batch
@@ -147,7 +96,7 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     For a sharded ``val_net`` (FSDP2: each forward gathers parameters from every rank) every
     rank runs as many forwards: a rank with a batch fewer of a split loader, or that has run out
     of data it holds itself (the ranks agree before each batch: one small all-reduce per batch),
-    runs ``forward`` on a padding batch and discards its result, firing no event (:mod:`._sharding`).
+    runs ``forward`` on a padding batch and discards its result, firing no event (:mod:`estimatorch.data._sharding`).
 
     Args:
         agree_on_empty: with data each rank holds itself, under torch.distributed, raise only
@@ -161,7 +110,8 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     """
     with _inference_mode(estimator):
         sharded = forward is not None and is_sharded_module(estimator.val_net)
-        shard = for_inference(_seeded(data, getattr(estimator, "seed", rng.DEFAULT_SEED)), arg, pad=sharded)
+        seeded = seeded_for_inference(data, getattr(estimator, "seed", rng.DEFAULT_SEED))
+        shard = for_inference(seeded, arg, pad=sharded)
         dispatch = _dispatch(estimator, handlers, shard.batches)
         device = estimator.device
         dispatch.fire("epoch_begin", estimator)

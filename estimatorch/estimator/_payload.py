@@ -48,8 +48,10 @@ def check_payload(estimator: Any, run: Run, payload: dict[str, Any], source: str
         if rank >= len(payload["ranks"]):
             raise CheckpointError(f"it holds {len(payload['ranks'])} rank snapshots, none for rank {rank}")
         snapshot = checkpoint.rank_snapshot(payload, rank)
-        if isinstance(snapshot.get("fingerprint"), dict):  # a stream's refusals come before any other check
-            run.stream.refuse(snapshot["fingerprint"], source)
+        # The data's refusal comes before any other check (a state of another layout would read as a
+        # damaged file, skipped for an older one); a file of another world size is load_payload's to refuse.
+        if isinstance(snapshot.get("fingerprint"), dict) and payload["world_size"] == distributed.get_world_size():
+            run.stream.check_fingerprint(snapshot["fingerprint"], source)
         check_snapshot(estimator, run, snapshot)
     except CheckpointError as err:
         raise CheckpointError(f"{source}: {err}") from None

@@ -27,13 +27,12 @@ from torch.optim.lr_scheduler import (
 )
 
 from .._checks import check_positive_int, warn_user
+from ..data import TrainStream, open_stream
 from ..event_handlers import LRSchedulerHandler
-from ..events import accumulation_steps, check_handlers
-from ._elastic import configure_elastic
-from ._streams import make_train_stream
+from ..events import accumulation_steps, check_handlers, declared
 
 __all__ = ["PlanCounts", "build_scheduler", "check_horizons", "count_epoch_ends", "count_steps", "limited",
-           "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]
+           "open_train_stream", "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]
 
 
 class PlanCounts:
@@ -255,6 +254,15 @@ def limited(batches: Iterator[Any], start: int, limit: Optional[int]) -> Iterato
     return itertools.islice(batches, max(limit - start, 0))
 
 
+def open_train_stream(estimator: Any, train_data: Any, handlers: list[Any]) -> TrainStream:
+    """The training stream of ``train_data`` for a fit with ``handlers``: the estimator's one way
+    into the data layer. Laid out in global optimizer steps when a handler asks for elastic
+    checkpoints (``CheckpointHandler(..., elastic=True)``), with the handlers' accumulation steps."""
+    elastic = any(declared(h, "elastic_checkpoints") for h in handlers)
+    return open_stream(train_data, estimator.seed, elastic_steps=accumulation_steps(handlers) if elastic else None,
+                       device=estimator.device)
+
+
 def planned_steps(estimator: Any, train_data: Any, epochs: Optional[int], batches: Optional[int],
                   batches_per_epoch: Optional[int], event_handlers: Any) -> int:
     """``Estimator.planned_steps``: the data wrapped as ``fit`` wraps it (this process's share),
@@ -265,9 +273,8 @@ def planned_steps(estimator: Any, train_data: Any, epochs: Optional[int], batche
     check_positive_int(batches, "batches", allow_none=True)
     check_positive_int(batches_per_epoch, "batches_per_epoch", allow_none=True)
     handlers = check_handlers(event_handlers)
-    stream = make_train_stream(train_data, estimator.seed)
+    stream = open_train_stream(estimator, train_data, handlers)
     try:
-        configure_elastic(stream, handlers, estimator.device)
         return plan_counts(stream.batches_per_epoch, handlers, epochs, batches, batches_per_epoch).steps()
     finally:
         stream.close()

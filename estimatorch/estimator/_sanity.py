@@ -21,9 +21,9 @@ from .. import distributed
 from .._batches import to_device
 from .._checks import check_positive_int
 from ..checkpoint import is_sharded_module
+from ..data import in_step, seeded_for_inference
 from ..metrics.base import Metric, split_loss_metrics, update_metrics
-from ._evaluation import _inference_mode, _seeded
-from ._sharding import in_step
+from ._evaluation import _inference_mode
 
 __all__ = ["sanity_pass"]
 
@@ -57,7 +57,7 @@ def _check_batches(estimator: Any, val_data: Iterable[Any], steps: int, batch_ax
     where = "its batch 1"
     try:
         with _inference_mode(estimator):  # eval mode, no gradients, every global generator kept
-            batches = itertools.islice(_seeded(val_data, estimator.seed), steps)
+            batches = itertools.islice(seeded_for_inference(val_data, estimator.seed), steps)
             index = 1
             for batch, own in _own_or_padding(estimator, batches):
                 batch = to_device(batch, estimator.device)

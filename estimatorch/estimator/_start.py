@@ -13,12 +13,10 @@ from ..events.monitor import resolve_monitors
 from ..events.timing import StepTimes
 from ._capture import check_capture
 from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
-from ._elastic import configure_elastic
-from ._plan import plan_counts, schedule_length
+from ._plan import open_train_stream, plan_counts, schedule_length
 from ._setup import default_handlers, signal_guard, warn_default_optimizer
 from ._state import Run, resume_plan
 from ._stop_agreement import agreement_period
-from ._streams import make_train_stream
 
 __all__ = ["start_run"]
 
@@ -39,13 +37,12 @@ def start_run(estimator: Any, train_data: Iterable[Any], val_data: Optional[Iter
     check_unique_handlers(user)
     if resume and estimator._last is None:
         raise ValueError("resume=True but this estimator has no earlier fit to continue")
-    stream = make_train_stream(train_data, estimator.seed)
     handlers = order_handlers(user, default_handlers(estimator, user, val_data))
     resolve_monitors(handlers, estimator.train_metrics + estimator.val_metrics)  # monitors given by name
     check_metric_references(handlers, estimator.train_metrics + estimator.val_metrics)
     check_fit(handlers, estimator, resume)
     check_capture(estimator, handlers, distributed.get_world_size())  # cuda_graphs=True
-    configure_elastic(stream, handlers, estimator.device)  # CheckpointHandler(..., elastic=True)
+    stream = open_train_stream(estimator, train_data, handlers)  # laid out for CheckpointHandler(..., elastic=True)
     resumes = resume or any(declared(h, "resumes_run") or declared(h, "checkpoint_location") is not None
                             for h in handlers)
     if not stream.exact and resumes:

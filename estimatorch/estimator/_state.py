@@ -32,15 +32,14 @@ from ..checkpoint import (
     check_positions,
     check_snapshot_structure,
 )
+from ..data import TrainStream
 from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..event_handlers.speed_monitor import epoch_speed_values
 from ..events import Dispatch, state_attributes
 from ..events.timing import StepTimes
 from ..metrics.base import Metric, metric_name
-from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
 from ._stop_agreement import StopAgreement
-from ._streams import TrainStream
 from .history import History
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "Stage", "check_snapshot",
@@ -237,7 +236,7 @@ def _check_metrics(saved: Any, metrics: list[Any]) -> None:
 def resume_plan(run: Run, snapshot: dict[str, Any], source: str) -> dict[str, Any]:
     """Check a snapshot against this fit (data fingerprint, plan) before any work starts, and
     decide whether its recorded stop still holds under the new plan."""
-    check_fingerprint(snapshot["fingerprint"], run.stream.fingerprint(), source)
+    run.stream.check_fingerprint(snapshot["fingerprint"], source)
     if not isinstance(snapshot.get("pending_stop", False), bool):  # read by the stop agreement
         raise ValueError(f"cannot resume from {source}: its pending_stop must be a bool, "
                          f"got {snapshot['pending_stop']!r}")

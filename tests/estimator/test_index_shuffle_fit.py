@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from estimatorch import CheckpointHandler, Estimator
-from estimatorch.estimator._streams import make_train_stream
-from estimatorch.estimator._elastic import ElasticLayout
+from estimatorch.data import open_stream
+from estimatorch.data._elastic import ElasticLayout
 from estimatorch.samplers import AUTO_THRESHOLD, ResumableRandomSampler
 from estimatorch.testing import assert_resumable
 from tests.conftest import CrashAt, losses_recorder
@@ -55,7 +55,7 @@ def test_a_fit_over_a_billion_virtual_samples_resumes_bit_identically(no_large_r
     def loader():
         return DataLoader(VirtualSamples(), batch_size=8, shuffle=True)
 
-    assert make_train_stream(loader(), seed=3).fingerprint()["permutation"] == "feistel"
+    assert open_stream(loader(), seed=3).fingerprint()["permutation"] == "feistel"
     assert_resumable(make_estimator, loader, batches=40, stop_at=[1, 23, 40], quiet=True)
 
 
@@ -90,11 +90,11 @@ def test_a_feistel_fit_resumes_across_epoch_boundaries():
 
 def test_the_fingerprint_names_the_order_only_when_it_is_not_randperm():
     data = TensorDataset(torch.zeros(10, 2), torch.zeros(10))
-    shuffled = make_train_stream(DataLoader(data, batch_size=4, shuffle=True), seed=0).fingerprint()
+    shuffled = open_stream(DataLoader(data, batch_size=4, shuffle=True), seed=0).fingerprint()
     assert shuffled == {"world_size": 1, "seed": 0, "dataset_len": 10, "batch_size": 4, "drop_last": False,
                         "sampler": "ResumableRandomSampler"}  # what checkpoints always held
     feistel = DataLoader(data, batch_size=4, sampler=ResumableRandomSampler(data, permutation="feistel"))
-    assert make_train_stream(feistel, seed=0).fingerprint() == {**shuffled, "permutation": "feistel"}
+    assert open_stream(feistel, seed=0).fingerprint() == {**shuffled, "permutation": "feistel"}
 
 
 @pytest.mark.parametrize("saved, now", [("feistel", "randperm"), ("randperm", "feistel")])

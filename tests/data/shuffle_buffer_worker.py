@@ -27,7 +27,7 @@ from datasets.distributed import split_dataset_by_node  # noqa: E402
 
 from estimatorch import CheckpointHandler, distributed  # noqa: E402
 from estimatorch.event_handlers import BatchEnd  # noqa: E402
-from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+from tests.data.test_iterable_streams import dropout_estimator  # noqa: E402
 
 N, SHARDS, BATCH, BUFFER, EPOCHS = 48, 4, 4, 10, 2
 

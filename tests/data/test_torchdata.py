@@ -9,12 +9,12 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from estimatorch.estimator._streams import make_train_stream
+from estimatorch.data import open_stream
 from estimatorch.samplers import ResumableRandomSampler
 from estimatorch.testing import assert_resumable
 from tests.conftest import losses_recorder
-from tests.estimator.test_iterable_streams import StatefulRange, dropout_estimator
-from tests.estimator.test_streams_matrix import Noisy
+from tests.data.test_iterable_streams import StatefulRange, dropout_estimator
+from tests.data.test_streams_matrix import Noisy
 
 STOPS = [2, 4, 6]  # mid-epoch, an epoch's last step, mid second epoch (4 batches per epoch)
 
@@ -35,7 +35,7 @@ def losses(data, epochs=2):
 @pytest.mark.parametrize("num_workers", [0, 2])
 def test_a_map_style_stateful_loader_trains_as_the_dataloader_it_replaces(num_workers):
     loader = StatefulDataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=num_workers)
-    stream = make_train_stream(loader, seed=0)
+    stream = open_stream(loader, seed=0)
     # torchdata's stateful RandomSampler is taken as torch's: positioned by estimatorch's sampler
     assert isinstance(stream.sampler, ResumableRandomSampler)
     plain = torch.utils.data.DataLoader(Noisy(), batch_size=4, shuffle=True, num_workers=num_workers)

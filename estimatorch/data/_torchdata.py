@@ -23,7 +23,10 @@ from typing import Any
 
 from torch.utils.data import BatchSampler, DistributedSampler, RandomSampler
 
-__all__ = ["check_stateful_loader", "torch_sampler"]
+from ._adapters import DataSource
+from ._stream_base import TrainStream
+
+__all__ = ["TorchdataAdapter", "check_stateful_loader", "torch_sampler"]
 
 _SAMPLERS = "torchdata.stateful_dataloader.sampler"
 
@@ -53,3 +56,18 @@ def check_stateful_loader(loader: Any) -> None:
         "data position in its own checkpoint (CheckpointHandler(..., resume_from_checkpoint=True) or "
         "fit(..., resume=True)) and would position the loader a second time. Pass a loader built "
         "afresh (its own state_dict() need not be saved: the checkpoint holds the position).")
+
+
+class TorchdataAdapter:
+    """Recognises torchdata's ``StatefulDataLoader``: refuses one with a loaded state, then passes
+    it on to the adapters after it, as the ``DataLoader`` it replaces (the map-style loader's
+    stream takes torchdata's stateful samplers as torch's: :func:`torch_sampler`)."""
+
+    name = "torchdata"
+
+    def recognises(self, source: DataSource) -> bool:
+        return source.loader is not None and type(source.loader).__module__.startswith("torchdata.")
+
+    def open(self, source: DataSource) -> TrainStream:
+        check_stateful_loader(source.loader)
+        return source.pass_on(self)

@@ -1,26 +1,21 @@
-"""Training streams that can start any epoch at any batch (the batch conventions themselves are
-in :mod:`estimatorch._batches`).
+"""A map-style :class:`~torch.utils.data.DataLoader` as a training stream that starts any epoch at
+any batch in O(1) (the batch conventions themselves are in :mod:`estimatorch._batches`).
 
-``make_train_stream`` turns what the user passed to ``fit`` into a :class:`TrainStream`:
-
-- a map-style :class:`~torch.utils.data.DataLoader` is rebuilt around a resumable sampler
-  (settings kept) and a fetch that seeds every sample from ``(seed, epoch, index)``;
-- a list or tuple of batches is indexed directly;
-- an ``IterableDataset`` with ``state_dict``/``load_state_dict`` is restored from its own state
-  (Hugging Face ``datasets``' one with a shuffle buffer is replayed from its epoch's start:
-  ``_hf_streams``);
-- MosaicML ``streaming``'s ``StreamingDataset`` is positioned by its own resume state
-  (``_mosaic_streams``);
-- torchdata's ``StatefulDataLoader`` is taken as the ``DataLoader`` it replaces (``_torchdata``);
-- anything else is replayed (with a warning when a resume has to do it).
+The loader is rebuilt around a resumable sampler (settings kept) and a fetch that seeds every
+sample from ``(seed, epoch, index)``: only the exact torch sampler classes (and estimatorch's
+resumable ones) are positioned; any other sampler's indices are replayed, with a warning. A
+``datasets.Dataset`` (Hugging Face's map-style dataset, ``with_transform`` included) is a
+map-style dataset like any other. Under ``elastic=True`` its batches are laid out in global
+optimizer steps (:mod:`._elastic`). The other kinds of data have modules of their own, each
+with its adapter (:mod:`._adapters` lists them).
 """
 
 from __future__ import annotations
 
 import itertools
 import operator
-from collections.abc import Iterable, Iterator, Mapping, Sequence, Sized
-from typing import TYPE_CHECKING, Any, Callable, Optional, cast
+from collections.abc import Iterator, Sized
+from typing import Any, Callable, Optional, cast
 
 import torch
 from torch.utils.data import (
@@ -46,22 +41,20 @@ from ..samplers.resumable import (
     ResumableSampler,
     ResumableSequentialSampler,
 )
-from ._hf_streams import hf_iterable_stream, is_hf_iterable
-from ._iterable_streams import StatefulIterableStream
-from ._mosaic_streams import is_streaming_dataset, streaming_stream
-from ._stream_base import LOADER_SALT, TrainStream, identity, length_of, loader_kwargs
-from ._torchdata import check_stateful_loader, torch_sampler
+from ._adapters import DataSource
+from ._elastic import elastic_layout
+from ._stream_base import LOADER_SALT, TrainStream, identity, loader_kwargs
+from ._torchdata import torch_sampler
 
-if TYPE_CHECKING:  # _elastic builds on this module; typing only
-    from ._elastic import ElasticLayout
-
-__all__ = ["TrainStream", "draws_no_randomness", "make_train_stream"]
+__all__ = ["MapLoaderAdapter", "draws_no_randomness"]
 
 _SAMPLER_SALT = 0x5A3D
-_REPLAY_SALT = 0x4E9A
 
 
 def draws_no_randomness(dataset: Any) -> bool:
+    """Whether fetching from ``dataset`` draws no random numbers (then it is not seeded per
+    sample): a ``TensorDataset`` (or a ``Subset``/``ConcatDataset`` of them), or a dataset whose
+    ``estimatorch_sample_seeding`` attribute is False."""
     flag = getattr(dataset, "estimatorch_sample_seeding", None)
     if flag is not None:
         return not flag
@@ -153,8 +146,7 @@ class _KeyBatches:
 class _LoaderStream(TrainStream):
     """A map-style DataLoader rebuilt so that any (epoch, batch) is reachable in O(1)."""
 
-    #: the elastic layout of the batches (see ``_elastic``), else None: the sampler's shards.
-    layout: Optional[ElasticLayout] = None
+    kind = "a map-style DataLoader"
 
     def __init__(self, loader: DataLoader[Any], seed: int):
         super().__init__(seed)
@@ -250,8 +242,11 @@ class _LoaderStream(TrainStream):
         for batch in itertools.islice(order, start, None):
             yield list(batch) if auto_collate else [batch]  # without a batch sampler: one key
 
-    def use_layout(self, layout: ElasticLayout) -> None:
-        """Take this rank's batches from an ``_elastic.ElasticLayout`` instead of the sampler's shard."""
+    def use_elastic(self, accumulation_steps: int, device: Optional[torch.device] = None) -> None:
+        """Take this rank's batches from an :class:`~estimatorch.data.ElasticLayout` of the
+        sampler's order instead of the sampler's shard."""
+        layout = elastic_layout(self.sampler, self.sampler_name, self.dataset_len, self.batch_size, self.drop_last,
+                                self.seed, accumulation_steps, device)
         self.layout = layout
         self.batches_per_epoch = self._keys._length = layout.batches_per_epoch
         self._keys._index_batches = layout.index_batches
@@ -279,95 +274,22 @@ class _LoaderStream(TrainStream):
         return iter(loader)
 
 
-class _SequenceStream(TrainStream):
-    """A list or tuple of batches: indexed directly."""
+class MapLoaderAdapter:
+    """Opens a ``DataLoader`` over a map-style dataset (one that is not an ``IterableDataset``)."""
 
-    def __init__(self, batches: Sequence[Any], seed: int):
-        super().__init__(seed)
-        self.batches = batches
-        self.batches_per_epoch = len(batches)
+    name = "map-loader"
 
-    def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "dataset_len": len(self.batches)}
+    def recognises(self, source: DataSource) -> bool:
+        return source.loader is not None and not isinstance(source.dataset, IterableDataset)
 
-    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
-        return itertools.islice(self.batches, start, None)
-
-
-class _ReplayStream(TrainStream):
-    """Any other iterable: re-iterated each epoch, skipped batches are loaded and discarded."""
-
-    exact = False
-
-    def __init__(self, data: Iterable[Any], seed: int):
-        super().__init__(seed)
-        self.data = data
-        self.batches_per_epoch = length_of(data)
-
-    def fingerprint(self) -> dict[str, Any]:
-        fp = {**super().fingerprint(), "data": type(self.data).__name__}
-        if self.batches_per_epoch is not None:
-            fp["dataset_len"] = self.batches_per_epoch
-        return fp
-
-    def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
-        if start:
-            warn_user(
-                f"resuming a {type(self.data).__name__} without state_dict(): replaying {start} "
-                "batches (loaded and discarded) to reach the saved position; exact only if it "
-                "yields the same batches each time it is iterated")
-        # Its draws from the global generators (a DataLoader's base seed for its workers, a
-        # dataset's augmentation in the training process) are a function of (seed, epoch), and
-        # iterating it shifts nothing of the model's random stream.
-        order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
-        return itertools.islice(order, start, None)
-
-
-def _library_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> Optional[TrainStream]:
-    """The stream of a data library's iterable dataset (``datasets``, ``streaming``), else None."""
-    if is_hf_iterable(dataset):
-        return hf_iterable_stream(dataset, loader, seed)
-    if is_streaming_dataset(dataset):
-        return streaming_stream(dataset, loader, seed)
-    return None
-
-
-def make_train_stream(train_data: Any, seed: int) -> TrainStream:
-    """Wrap ``fit``'s ``train_data``; raises when it is not an iterable of batches or is empty."""
-    if isinstance(train_data, (torch.Tensor, str, bytes, Mapping)) or not isinstance(train_data, Iterable):
-        raise TypeError(
-            "train_data must be an iterable of batches (a DataLoader, a list of (data, label) "
-            f"pairs, ...), got {type(train_data).__name__}"
-        )
-    if isinstance(train_data, DataLoader):
-        check_stateful_loader(train_data)
-        dataset = train_data.dataset
-        if isinstance(dataset, IterableDataset):
-            library = _library_stream(dataset, train_data, seed)
-            if library is not None:
-                return library
-            if hasattr(dataset, "state_dict") and hasattr(dataset, "load_state_dict"):
-                return StatefulIterableStream(dataset, train_data, seed)
-            return _ReplayStream(train_data, seed)
-        if len(cast(Sized, dataset)) == 0:
+    def open(self, source: DataSource) -> TrainStream:
+        loader = source.loader
+        assert loader is not None, "recognised: a DataLoader"
+        n = len(cast(Sized, source.dataset))
+        if n == 0:
             raise ValueError("train_data is empty: its dataset has length 0")
-        stream: TrainStream = _LoaderStream(train_data, seed)
+        stream = _LoaderStream(loader, source.seed)
         if stream.batches_per_epoch == 0:
             raise ValueError(
-                f"train_data yields no batches: {len(cast(Sized, dataset))} samples with batch_size="
-                f"{train_data.batch_size} and drop_last=True"
-            )
+                f"train_data yields no batches: {n} samples with batch_size={loader.batch_size} and drop_last=True")
         return stream
-    library = _library_stream(train_data, None, seed)
-    if library is not None:
-        return library
-    if isinstance(train_data, IterableDataset) and hasattr(train_data, "state_dict") \
-            and hasattr(train_data, "load_state_dict"):
-        return StatefulIterableStream(train_data, None, seed)
-    if isinstance(train_data, Sequence):
-        if len(train_data) == 0:
-            raise ValueError("train_data is empty: a sequence of length 0")
-        return _SequenceStream(train_data, seed)
-    if length_of(train_data) == 0:
-        raise ValueError(f"train_data is empty: a {type(train_data).__name__} of length 0")
-    return _ReplayStream(train_data, seed)

@@ -29,9 +29,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import distributed, rng
+from ._adapters import DataSource
 from ._stream_base import LOADER_SALT, TrainStream, identity, loader_kwargs
 
-__all__ = ["is_streaming_dataset", "streaming_stream"]
+__all__ = ["MosaicAdapter", "is_streaming_dataset", "streaming_stream"]
 
 _BATCH_SALT = 0x5D57
 
@@ -69,6 +70,8 @@ class _Batches(IterableDataset[Any]):
 
 class _StreamingStream(TrainStream):
     """A ``StreamingDataset``: every epoch positioned by the dataset's own resume state."""
+
+    kind = "a MosaicML StreamingDataset (whose samples streaming itself lays out over the ranks)"
 
     def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int):
         super().__init__(seed)
@@ -128,3 +131,15 @@ class _StreamingStream(TrainStream):
 def streaming_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``StreamingDataset``, alone or in ``loader``."""
     return _StreamingStream(dataset, loader, seed)
+
+
+class MosaicAdapter:
+    """Opens a ``streaming.StreamingDataset``, in a ``DataLoader`` (``StreamingDataLoader``) or alone."""
+
+    name = "mosaic"
+
+    def recognises(self, source: DataSource) -> bool:
+        return is_streaming_dataset(source.dataset)
+
+    def open(self, source: DataSource) -> TrainStream:
+        return streaming_stream(source.dataset, source.loader, source.seed)

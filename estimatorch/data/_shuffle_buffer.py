@@ -233,6 +233,8 @@ class BufferedStream(TrainStream):
     stream's.
     """
 
+    kind = "a Hugging Face datasets.IterableDataset with a shuffle buffer"
+
     def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int],
                  earlier: TrainStream):
         super().__init__(seed)

@@ -33,9 +33,10 @@ import torch
 from torch.utils.data import DataLoader, IterableDataset, get_worker_info
 
 from .. import rng
+from ._adapters import DataSource
 from ._stream_base import LOADER_SALT, TrainStream, identity, loader_kwargs
 
-__all__ = ["StatefulIterableStream", "check_num_workers"]
+__all__ = ["StatefulIterableAdapter", "StatefulIterableStream", "check_num_workers", "is_stateful_iterable"]
 
 _WORKER_SALT = 0x3E11
 
@@ -144,6 +145,8 @@ class StatefulIterableStream(TrainStream):
     """An ``IterableDataset`` with ``state_dict``/``load_state_dict``, alone or in a DataLoader
     (any ``num_workers``): every resume continues each copy of the dataset from its own state."""
 
+    kind = "an IterableDataset"
+
     def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int):
         super().__init__(seed)
         self.dataset = dataset
@@ -172,9 +175,11 @@ class StatefulIterableStream(TrainStream):
             fp["num_workers"] = self.workers
         return fp
 
-    def refuse(self, fingerprint: dict[str, Any], source: str) -> None:
-        if "dataset" in fingerprint:  # written by a stream of this kind
-            check_num_workers(fingerprint.get("num_workers"), self.workers or None, source)
+    def check_fingerprint(self, saved: dict[str, Any], source: str) -> None:
+        """The number of workers first (each holds its own copy's state), then the rest."""
+        if "dataset" in saved:  # written by a stream of a dataset
+            check_num_workers(saved.get("num_workers"), self.workers or None, source)
+        super().check_fingerprint(saved, source)
 
     def state_dict(self) -> dict[str, Any]:
         if not self.workers:
@@ -192,7 +197,8 @@ class StatefulIterableStream(TrainStream):
         workers = state.get("workers")
         if not isinstance(workers, list):
             raise ValueError(f"the data state's 'workers' must be a list, got {type(workers).__name__}")
-        check_num_workers(len(workers), self.workers, "the checkpoint")
+        if len(workers) != self.workers:  # check_fingerprint judged the number: a state at odds with it
+            raise ValueError(f"the data state holds {len(workers)} worker states for {self.workers} workers")
         self._states = [w["state"] for w in workers]
         self._made = [int(w["batches"]) for w in workers]
         self._ended = [bool(w["ended"]) for w in workers]
@@ -253,3 +259,22 @@ class StatefulIterableStream(TrainStream):
                 continue
             self._last = worker
             yield batch
+
+
+def is_stateful_iterable(dataset: Any) -> bool:
+    """Whether ``dataset`` is an ``IterableDataset`` that saves its own position."""
+    return isinstance(dataset, IterableDataset) and hasattr(dataset, "state_dict") \
+        and hasattr(dataset, "load_state_dict")
+
+
+class StatefulIterableAdapter:
+    """Opens an ``IterableDataset`` with ``state_dict``/``load_state_dict``, in a ``DataLoader``
+    (any ``num_workers``) or alone."""
+
+    name = "stateful-iterable"
+
+    def recognises(self, source: DataSource) -> bool:
+        return is_stateful_iterable(source.dataset)
+
+    def open(self, source: DataSource) -> TrainStream:
+        return StatefulIterableStream(source.dataset, source.loader, source.seed)

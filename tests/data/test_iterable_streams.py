@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator
-from estimatorch.estimator._streams import make_train_stream
+from estimatorch.data import open_stream
 from estimatorch.testing import assert_resumable
 from tests.conftest import Count, losses_recorder
 
@@ -94,7 +94,7 @@ def test_a_worker_init_fn_reaches_the_dataset():
     def init(worker_id):
         torch.utils.data.get_worker_info().dataset.n = 8  # the PyTorch docs' way to configure a worker
 
-    stream = make_train_stream(torch.utils.data.DataLoader(StatefulRange(30), batch_size=2, num_workers=2,
+    stream = open_stream(torch.utils.data.DataLoader(StatefulRange(30), batch_size=2, num_workers=2,
                                                            worker_init_fn=init), seed=0)
     seen = sorted(sum((b[0][:, 0].long().tolist() for b in stream.epoch_iter(0, 0)), []))
     assert seen == list(range(8))

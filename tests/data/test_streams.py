@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator
-from estimatorch.estimator._streams import make_train_stream
+from estimatorch.data import open_stream
 from estimatorch.event_handlers import BatchBegin, BatchEnd
 from estimatorch.metrics import Accuracy
 from estimatorch.testing import assert_resumable
@@ -19,14 +19,14 @@ from tests.conftest import losses_recorder, make_batches, make_estimator
 
 def test_streams_by_kind():
     loader = torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.zeros(10, 2), torch.zeros(10)), batch_size=4)
-    stream = make_train_stream(loader, seed=0)
+    stream = open_stream(loader, seed=0)
     assert stream.batches_per_epoch == 3 and stream.exact
     assert stream.fingerprint() == {"world_size": 1, "seed": 0, "dataset_len": 10, "batch_size": 4,
                                     "drop_last": False, "sampler": "ResumableSequentialSampler"}
     assert [len(b[0]) for b in stream.epoch_iter(0, 1)] == [4, 2]
     assert list(stream.epoch_iter(0, 3)) == []
     batches = make_batches(n_batches=3)
-    seq = make_train_stream(batches, seed=0)
+    seq = open_stream(batches, seed=0)
     assert [b[0] is batches[i][0] for i, b in zip((1, 2), seq.epoch_iter(5, 1))] == [True, True]
 
 
@@ -43,7 +43,7 @@ def test_a_shuffled_loader_is_positioned_without_loading_skipped_batches():
             return torch.tensor([float(i)]), i % 2
 
     dataset = Counting()
-    stream = make_train_stream(torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True), seed=3)
+    stream = open_stream(torch.utils.data.DataLoader(dataset, batch_size=4, shuffle=True), seed=3)
     full = [b[0].flatten().tolist() for b in stream.epoch_iter(2, 0)]
     dataset.fetched.clear()
     tail = [b[0].flatten().tolist() for b in stream.epoch_iter(2, 7)]
@@ -228,7 +228,7 @@ def test_a_batch_sampler_given_as_batch_sampler_is_positioned():
     dataset = indexed(20)
     loader = torch.utils.data.DataLoader(
         dataset, batch_sampler=torch.utils.data.BatchSampler(torch.utils.data.RandomSampler(dataset), 4, False))
-    stream = make_train_stream(loader, seed=0)
+    stream = open_stream(loader, seed=0)
     assert stream.exact and stream.sampler_name == "ResumableRandomSampler" and stream.batches_per_epoch == 5
     whole = [b[0][:, 0].long().tolist() for b in stream.epoch_iter(1, 0)]
     assert [len(b) for b in whole] == [4] * 5 and sorted(sum(whole, [])) == list(range(20))

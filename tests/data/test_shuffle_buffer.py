@@ -21,13 +21,13 @@ import torch  # noqa: E402
 from datasets import IterableDataset, load_dataset  # noqa: E402
 
 from estimatorch import CheckpointHandler  # noqa: E402
-from estimatorch.estimator._hf_streams import _EpochReplayStream  # noqa: E402
-from estimatorch.estimator._shuffle_buffer import BufferedStream, resumable_copy  # noqa: E402
-from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.data import open_stream  # noqa: E402
+from estimatorch.data._hf_streams import _EpochReplayStream  # noqa: E402
+from estimatorch.data._shuffle_buffer import BufferedStream, resumable_copy  # noqa: E402
 from estimatorch.testing import assert_resumable  # noqa: E402
-from tests.estimator.shuffle_buffer_worker import BATCH, EPOCHS, N  # noqa: E402
-from tests.estimator.test_hf_datasets import augment, resumes_exactly, write_shards  # noqa: E402
-from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+from tests.data.shuffle_buffer_worker import BATCH, EPOCHS, N  # noqa: E402
+from tests.data.test_hf_datasets import augment, resumes_exactly, write_shards  # noqa: E402
+from tests.data.test_iterable_streams import dropout_estimator  # noqa: E402
 from tests.fixtures import make_hf_buffer_checkpoint as hf_fixture  # noqa: E402
 
 WORKER = os.path.join(os.path.dirname(__file__), "shuffle_buffer_worker.py")
@@ -83,7 +83,7 @@ def test_a_resume_reads_the_buffer_from_the_checkpoint_not_the_epoch():
         ds = ds.shuffle(seed=1, buffer_size=buffer_size, max_buffer_input_shards=open_shards)
         return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
 
-    stream = make_train_stream(loader(), 0)
+    stream = open_stream(loader(), 0)
     assert isinstance(stream, BufferedStream)
     it = iter(stream.epoch_iter(0, 0))
     READ.clear()
@@ -92,7 +92,7 @@ def test_a_resume_reads_the_buffer_from_the_checkpoint_not_the_epoch():
     read_to_get_there = len(READ)
     state = stream.state_dict()
     expected = next(it)
-    fresh = make_train_stream(loader(), 0)
+    fresh = open_stream(loader(), 0)
     fresh.load_state_dict(state)
     READ.clear()
     first = next(iter(fresh.epoch_iter(0, 100)))
@@ -112,7 +112,7 @@ def test_a_batched_map_after_the_shuffle_is_replayed_and_says_why(tmp_path):
         ds = shuffled_json(tmp_path).map(randomise, batched=True, batch_size=3, remove_columns=["i"])
         return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
 
-    assert isinstance(make_train_stream(data(), 0), _EpochReplayStream)
+    assert isinstance(open_stream(data(), 0), _EpochReplayStream)
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         assert_resumable(dropout_estimator, data, epochs=2, stop_at=[3], quiet=True)
@@ -125,7 +125,7 @@ def test_a_map_after_the_shuffle_resumes_from_the_saved_buffer(tmp_path):
         ds = shuffled_json(tmp_path).map(augment, remove_columns=["i"])
         return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
 
-    assert isinstance(make_train_stream(data(), 0), BufferedStream)
+    assert isinstance(open_stream(data(), 0), BufferedStream)
     resumes_exactly(data, stops=[1, 3, 4, 6])  # no replay said
 
 

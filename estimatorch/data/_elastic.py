@@ -2,8 +2,10 @@
 another world size and train the same samples in every optimizer step.
 
 A fit is elastic when one of its handlers asks for it (``CheckpointHandler(..., elastic=True)``):
-:func:`configure_elastic` then lays its ``DataLoader`` out with an :class:`ElasticLayout`, from
-the first step of the first run on (a checkpoint written without it keeps its world size).
+``fit`` then opens its stream with ``elastic_steps`` (:func:`estimatorch.data.open_stream`), and
+a map-style loader's stream lays its batches out with an :class:`ElasticLayout`
+(:func:`elastic_layout`), from the first step of the first run on (a checkpoint written without
+it keeps its world size). Another stream kind refuses (:func:`elastic_refusal`).
 
 **Layout.** With ``b`` samples per batch and process, ``W`` processes and ``k`` accumulation
 steps, an optimizer step trains ``S = W * k`` micro-batches ("slots") of ``b`` samples. The
@@ -51,17 +53,17 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from .. import distributed, rng
-from ..events import accumulation_steps, declared
-from ..samplers import check_permutation, order_fingerprint
+from ..samplers import order_fingerprint
 from ..samplers.resumable import ResumableDistributedSampler, ResumableRandomSampler, ResumableSequentialSampler
-from ._iterable_streams import check_num_workers
-from ._streams import _LoaderStream
+from ._fingerprint import ELASTIC, LAYOUT_KEY
 
-__all__ = ["ElasticLayout", "check_fingerprint", "configure_elastic", "is_elastic", "slot_positions"]
+__all__ = ["ElasticLayout", "elastic_layout", "elastic_refusal", "slot_positions"]
 
-#: the fingerprint key that marks an elastic stream (its value: the layout's name).
-LAYOUT_KEY = "layout"
-_ELASTIC = "elastic"
+#: what elastic=True needs of train_data, in words.
+_NEEDS = ("elastic=True lays the samples of every optimizer step out over the processes, so train_data "
+          "must be a map-style DataLoader with a batch_size and a sampler estimatorch orders by (seed, "
+          "epoch): shuffle=True or False, a torch DistributedSampler or an estimatorch ResumableRandomSampler, "
+          "ResumableSequentialSampler or ResumableDistributedSampler")
 
 
 def slot_positions(n: int, batch_size: int, slots: int, step: int, slot: int) -> Union[range, list[int]]:
@@ -144,7 +146,7 @@ class ElasticLayout:
 
     def fingerprint(self) -> dict[str, Any]:
         """What shapes the global stream: the same on every world size of the same global batch."""
-        return {LAYOUT_KEY: _ELASTIC, "dataset_len": self.n, "batch_size": self.batch_size,
+        return {LAYOUT_KEY: ELASTIC, "dataset_len": self.n, "batch_size": self.batch_size,
                 "micro_batches_per_step": self.slots, "drop_last": self.drop_last, "order": self.order_key,
                 "seed": self.seed, **order_fingerprint(self)}
 
@@ -163,76 +165,26 @@ def _order_of(sampler: Any) -> Optional[tuple[Callable[[int], Any], list[Any], b
     return None
 
 
-#: what the user passed, by the stream ``make_train_stream`` made of it (for messages).
-_GIVEN = {"_SequenceStream": "a list or tuple of batches", "StatefulIterableStream": "an IterableDataset",
-          "_ReplayStream": "an iterable of batches without indices (a generator, an IterableDataset...)",
-          "_EpochReplayStream": "a Hugging Face datasets.IterableDataset",
-          "BufferedStream": "a Hugging Face datasets.IterableDataset with a shuffle buffer",
-          "_StreamingStream": "a MosaicML StreamingDataset (whose samples streaming itself lays out over "
-                              "the ranks)"}
+def elastic_refusal(given: str) -> ValueError:
+    """The ``ValueError`` of data that cannot be laid out in global steps; ``given`` says what it
+    is ("train_data that is a list or tuple of batches")."""
+    return ValueError(f"{_NEEDS}; got {given}")
 
 
-def configure_elastic(stream: Any, handlers: Sequence[Any], device: torch.device) -> None:
-    """Lay ``stream`` out in global steps when one of ``handlers`` asks for elastic checkpoints
-    (``elastic_checkpoints``); raises ``ValueError`` before any work when its data
-    cannot be laid out so."""
-    if not any(declared(h, "elastic_checkpoints") for h in handlers):
-        return
-    why = ("elastic=True lays the samples of every optimizer step out over the processes, so train_data "
-           "must be a map-style DataLoader with a batch_size and a sampler estimatorch orders by (seed, "
-           "epoch): shuffle=True or False, a torch DistributedSampler or an estimatorch ResumableRandomSampler, "
-           "ResumableSequentialSampler or ResumableDistributedSampler")
-    if not isinstance(stream, _LoaderStream):
-        given = _GIVEN.get(type(stream).__name__, type(stream).__name__)
-        raise ValueError(f"{why}; got train_data that is {given}")
-    batch_size = stream.batch_size
-    found = _order_of(stream.sampler) if batch_size is not None else None
+def elastic_layout(sampler: Any, sampler_name: str, n: int, batch_size: Optional[int], drop_last: bool, seed: int,
+                   accumulation_steps: int, device: Optional[torch.device]) -> ElasticLayout:
+    """The layout of a map-style loader's ``n`` samples in global steps of this process group,
+    ``accumulation_steps`` batches of ``batch_size`` per process and step; raises ``ValueError``
+    before any work when its sampler has no order estimatorch knows or no step fits."""
+    found = _order_of(sampler) if batch_size is not None else None
     if found is None or batch_size is None:
-        raise ValueError(f"{why}; got a DataLoader with batch_size={stream.batch_size!r} and a {stream.sampler_name}")
+        raise elastic_refusal(f"a DataLoader with batch_size={batch_size!r} and a {sampler_name}")
     order, key, sampler_drops = found
-    accumulation = accumulation_steps(handlers)
-    layout = ElasticLayout(order, key, stream.dataset_len, batch_size, distributed.get_world_size(),
-                           distributed.get_rank(), accumulation, stream.drop_last or sampler_drops, stream.seed,
-                           device, getattr(stream.sampler, "permutation", None))
+    layout = ElasticLayout(order, key, n, batch_size, distributed.get_world_size(), distributed.get_rank(),
+                           accumulation_steps, drop_last or sampler_drops, seed, device,
+                           getattr(sampler, "permutation", None))
     if layout.batches_per_epoch == 0:
         raise ValueError(f"train_data yields no optimizer step with elastic=True and drop_last=True: "
                          f"{layout.n} samples, fewer than one global batch of {layout.batch_size} x "
-                         f"{layout.world_size} processes x {accumulation} accumulation steps")
-    stream.use_layout(layout)
-
-
-def is_elastic(fingerprint: dict[str, Any]) -> bool:
-    """Whether a data fingerprint is an elastic layout's."""
-    return fingerprint.get(LAYOUT_KEY) == _ELASTIC
-
-
-def check_fingerprint(saved: dict[str, Any], now: dict[str, Any], source: str) -> None:
-    """Refuse to resume from ``source`` when its data fingerprint ``saved`` differs from this
-    fit's ``now``, naming what differs (an elastic layout on one side only, or another global
-    batch, in words)."""
-    if is_elastic(saved) != is_elastic(now):
-        if is_elastic(now):
-            raise ValueError(f"cannot resume from {source} with elastic=True: it was written by a fit without it "
-                             "(its samples are laid out per process); resume it without elastic=True")
-        raise ValueError(f"cannot resume from {source}: it was written by a fit with CheckpointHandler(..., "
-                         "elastic=True) (its samples are laid out in global steps): resume with elastic=True")
-    check_permutation(saved.get("permutation"), now.get("permutation"), source)
-    if "dataset" in saved and "dataset" in now:  # a stateful IterableDataset: one state per worker
-        check_num_workers(saved.get("num_workers"), now.get("num_workers"), source)
-    if is_elastic(now) and saved.get("batch_size") != now.get("batch_size"):
-        raise ValueError(f"cannot resume from {source}: batch_size would change (saved {saved.get('batch_size')!r}, "
-                         f"now {now.get('batch_size')!r}). Elastic resume keeps every micro-batch's samples: keep "
-                         "batch_size, and change only world_size x accumulation_steps (their product stays "
-                         f"{saved.get('micro_batches_per_step')!r})")
-    if is_elastic(now) and saved.get("micro_batches_per_step") != now.get("micro_batches_per_step"):
-        before, after = (f"{fp.get('batch_size')!r} samples x {fp.get('micro_batches_per_step')!r} micro-batches"
-                         for fp in (saved, now))
-        raise ValueError(f"cannot resume from {source}: the global batch would change (saved {before} per optimizer "
-                         f"step, now {after}, from batch_size x world_size x accumulation_steps). Elastic resume keeps "
-                         "the samples of every optimizer step: keep batch_size, and world_size x accumulation_steps")
-    diffs = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
-             for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
-    if diffs:
-        same = "drop_last and seed" if is_elastic(now) else "drop_last, world size and seed"
-        raise ValueError(f"cannot resume from {source}: the data stream differs ({'; '.join(diffs)}). "
-                         f"Resume with the same data, batch size, {same}.")
+                         f"{layout.world_size} processes x {accumulation_steps} accumulation steps")
+    return layout

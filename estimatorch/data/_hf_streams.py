@@ -29,11 +29,12 @@ from torch.utils.data import DataLoader
 
 from .. import rng
 from .._checks import warn_user
+from ._adapters import DataSource
 from ._iterable_streams import StatefulIterableStream
 from ._shuffle_buffer import BufferedStream, why_not_resumable
 from ._stream_base import TrainStream
 
-__all__ = ["hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
+__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
 
 _REPLAY_SALT = 0x4F1D
 
@@ -78,6 +79,7 @@ class _EpochReplayStream(TrainStream):
 
     # positioned by a replay that set_epoch makes exact: said at the resume, not as a doubt at fit start
     exact = True
+    kind = "a Hugging Face datasets.IterableDataset"
 
     def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int], why: str):
         super().__init__(seed)
@@ -120,3 +122,15 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
     return _EpochReplayStream(dataset, loader, seed, buffers, f"{why} would not resume exactly from its own state "
                               "(without it, the buffer's content is saved in the checkpoint and a resume starts "
                               "from there)")
+
+
+class HFIterableAdapter:
+    """Opens a ``datasets.IterableDataset``, in a ``DataLoader`` or alone."""
+
+    name = "hf-iterable"
+
+    def recognises(self, source: DataSource) -> bool:
+        return is_hf_iterable(source.dataset)
+
+    def open(self, source: DataSource) -> TrainStream:
+        return hf_iterable_stream(source.dataset, source.loader, source.seed)

@@ -19,11 +19,11 @@ from datasets import Dataset, IterableDataset, load_dataset  # noqa: E402
 from datasets.distributed import split_dataset_by_node  # noqa: E402
 
 from estimatorch import distributed  # noqa: E402
-from estimatorch.estimator._iterable_streams import StatefulIterableStream  # noqa: E402
-from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.data._iterable_streams import StatefulIterableStream  # noqa: E402
+from estimatorch.data import open_stream  # noqa: E402
 from estimatorch.testing import assert_resumable  # noqa: E402
 from tests.conftest import losses_recorder  # noqa: E402
-from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+from tests.data.test_iterable_streams import dropout_estimator  # noqa: E402
 
 N = 16  # samples: batches of 4, 4 per epoch
 STOPS = [2, 4, 6]  # mid-epoch, an epoch's last step, mid second epoch
@@ -115,7 +115,7 @@ def test_an_iterable_dataset_resumes_exactly(tmp_path, kind, shuffle, num_worker
 
 
 def test_without_a_shuffle_buffer_its_own_state_positions_it(tmp_path):
-    stream = make_train_stream(torch.utils.data.DataLoader(iterable(tmp_path, "json", False), batch_size=4), 0)
+    stream = open_stream(torch.utils.data.DataLoader(iterable(tmp_path, "json", False), batch_size=4), 0)
     assert isinstance(stream, StatefulIterableStream)
 
 
@@ -124,10 +124,10 @@ def test_a_random_map_before_the_shuffle_is_named_at_fit_start(tmp_path):
     before = source.map(augment, remove_columns=["i"]).shuffle(seed=1, buffer_size=6).with_format("torch")
     after = source.shuffle(seed=1, buffer_size=6).map(augment, remove_columns=["i"]).with_format("torch")
     with pytest.warns(UserWarning, match=r"has a \.map\(\) \(or \.filter\(\)\) before its \.shuffle\(\)"):
-        make_train_stream(before, 0)
+        open_stream(before, 0)
     with warnings.catch_warnings():
         warnings.filterwarnings("error", message=".*before its .shuffle.*")
-        make_train_stream(after, 0)
+        open_stream(after, 0)
 
 
 def labels_by_epoch(data, epochs=2):
