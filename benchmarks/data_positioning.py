@@ -11,8 +11,15 @@ positions it the way a resume does, and times from the positioning to the first 
 - ``hf iterable``: ``load_dataset("json", streaming=True)`` over 8 json-lines shards, ``.map``,
   no shuffle buffer: resumed from its own state (the dataset re-reads the start of the shard it
   stopped in); the state at the middle is captured by running the stream there once;
-- ``hf iterable + buffer``: the same with ``.shuffle(seed, buffer_size=1000)``: replayed from
-  the epoch's start (read and discarded);
+- ``hf iterable + buffer``: ``--shards`` (default 64) json-lines shards, ``.shuffle(seed,
+  buffer_size=--buffer)`` (default 10,000), ``.map``: resumed from a checkpoint's data state,
+  timed from reading it (``torch.load``) to the first batch, at the epoch's start and at a
+  quarter, half and three quarters of it; its size in the checkpoint is printed. The state at
+  each position is captured by running a copy of the pipeline there once, with a no-op ``.map``
+  (a map's state is its position, not its function; the random one formats 32 floats into a
+  tensor per example, about 700 a second here). On this version the state holds the buffer's
+  content; before, it was empty and the resume replayed the epoch up to the position. The
+  ``hf-buffer`` choice of ``--only`` runs these alone;
 - ``streaming``: a ``StreamingDataset(shuffle=True)`` over MDS shards written here, positioned
   by its resume state (the epoch's order is computed, nothing skipped is read).
 
@@ -32,6 +39,7 @@ from __future__ import annotations
 
 import argparse
 import importlib.util
+import io
 import os
 import shutil
 import sys
@@ -141,8 +149,71 @@ def hf_cases(n: int, b: int, root: str) -> dict[str, Callable[[int], float]]:
 
     return {"hf map": lambda s: first_batch(map_style, s),
             "hf iterable (its state)": lambda s: from_state(iterable(False), s) if s else first_batch(
-                iterable(False), 0),
-            "hf iterable + buffer (replay)": lambda s: first_batch(iterable(True), s)}
+                iterable(False), 0)}
+
+
+def hf_buffer_positions(n: int, b: int, root: str, shards: int, buffer: int) -> None:
+    """The shuffle-buffer case at the epoch's start and at 1/4, 1/2 and 3/4 of it: seconds from
+    reading the saved data state to the first batch, and that state's size."""
+    from datasets import load_dataset
+
+    files = []
+    for s in range(shards):
+        path = os.path.join(root, f"buffered{s}.jsonl")
+        with open(path, "w") as out:
+            out.writelines(f'{{"i": {i}}}\n' for i in range(s, n, shards))
+        files.append(path)
+
+    def augment(example: dict) -> dict:
+        return {"input": (torch.full((32,), float(example["i"])) + torch.rand(32)).tolist(),
+                "label": example["i"] % 10}
+
+    def no_op(example: dict) -> dict:
+        return {"input": [0.0], "label": 0}
+
+    def make(fn: Callable[[dict], dict]) -> Any:
+        ds = load_dataset("json", data_files=files, split="train", streaming=True)
+        ds = ds.shuffle(seed=1, buffer_size=buffer).map(fn, remove_columns=["i"]).with_format("torch")
+        return torch.utils.data.DataLoader(ds, batch_size=b)
+
+    per_epoch = -(-n // b)
+    positions = [0, per_epoch // 4, per_epoch // 2, 3 * per_epoch // 4]
+    saved: dict[int, bytes] = {}
+    capture = open_stream(make(no_op), 0)
+    it = iter(capture.epoch_iter(0, 0))
+    t0 = time.perf_counter()
+    for batch in range(positions[-1] + 1):
+        if batch in positions:
+            out = io.BytesIO()
+            torch.save(capture.state_dict(), out)
+            saved[batch] = out.getvalue()
+        if batch < positions[-1]:
+            next(it)
+    print(f"(states captured in {time.perf_counter() - t0:.0f} s)", flush=True)
+    print(f"{n} examples in {shards} json shards, .shuffle(buffer_size={buffer}), batches of {b}")
+    print(f"{'resume at batch':>16s} {'seconds':>9s} {'vs start':>9s} {'state bytes':>12s} {'buffered':>9s}")
+    start = None
+    for batch in positions:
+        state = torch.load(io.BytesIO(saved[batch]), weights_only=True) if batch else {}
+        fresh = open_stream(make(augment), 0)
+        t0 = time.perf_counter()
+        if batch:
+            fresh.load_state_dict(torch.load(io.BytesIO(saved[batch]), weights_only=True))
+        next(iter(fresh.epoch_iter(0, batch)))
+        took = time.perf_counter() - t0
+        start = took if start is None else start
+        held = _buffered(state)
+        print(f"{batch:16d} {took:9.3f} {took / start:9.1f} {len(saved[batch]):12d} {held:9d}", flush=True)
+
+
+def _buffered(state: Any) -> int:
+    """How many examples the shuffle buffers in a data state hold."""
+    if isinstance(state, dict):
+        own = len(state["buffer"]) if state.get("type", "").endswith("ShuffleBuffer") and state["buffer"] else 0
+        return own + sum(_buffered(v) for v in state.values())
+    if isinstance(state, list):
+        return sum(_buffered(v) for v in state)
+    return 0
 
 
 def streaming_cases(n: int, b: int, root: str) -> dict[str, Callable[[int], float]]:
@@ -176,7 +247,9 @@ def main() -> None:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--samples", type=int, default=10**6)
     parser.add_argument("--batch-size", type=int, default=1000)
-    parser.add_argument("--only", choices=["torchdata", "hf", "streaming"])
+    parser.add_argument("--only", choices=["torchdata", "hf", "hf-buffer", "streaming"])
+    parser.add_argument("--shards", type=int, default=64, help="json shards of the shuffle-buffer case")
+    parser.add_argument("--buffer", type=int, default=10_000, help="buffer_size of the shuffle-buffer case")
     parser.add_argument("--repeats", type=int, default=3, help="the best of this many (1 for datasets' iterables)")
     args = parser.parse_args()
     torch.set_num_threads(1)
@@ -192,13 +265,16 @@ def main() -> None:
             cases.update(hf_cases(n, b, root))
         if args.only in (None, "streaming"):
             cases.update(streaming_cases(n, b, root))
-        print(f"{n} examples, batches of {b}: first batch at batch 0 and at batch {middle} (s)")
-        print(f"{'case':42s} {'start':>9s} {'middle':>9s} {'ratio':>7s}")
+        if cases:
+            print(f"{n} examples, batches of {b}: first batch at batch 0 and at batch {middle} (s)")
+            print(f"{'case':42s} {'start':>9s} {'middle':>9s} {'ratio':>7s}")
         for name, case in cases.items():
             times = 1 if "iterable" in name else args.repeats  # the datasets iterables: minutes each
             start = min(case(0) for _ in range(times))
             mid = min(case(middle) for _ in range(times))
             print(f"{name:42s} {start:9.3f} {mid:9.3f} {mid / start:7.1f}", flush=True)
+        if args.only in (None, "hf-buffer"):
+            hf_buffer_positions(n, b, root, args.shards, args.buffer)
     finally:  # streaming's download threads may still be copying shards: no error at removal
         time.sleep(1)
         shutil.rmtree(root, ignore_errors=True)

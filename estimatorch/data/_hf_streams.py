@@ -10,10 +10,13 @@ the order of its shards and its shuffle buffer's draws are then a function of ``
   ``IterableDataset`` (:class:`~._iterable_streams.StatefulIterableStream`, workers included),
   and a resume re-reads at most the start of the shard it stopped in.
 - With one (``.shuffle(seed=..., buffer_size=...)``), its ``state_dict()`` does not hold the
-  buffer's content (datasets warns that those examples are lost on resume). The epoch is then
-  a function of ``(seed, epoch)`` alone, so a resume replays it from its start and discards the
-  batches before the saved one: exact, at the cost of reading (and collating) those batches,
-  which ``fit`` says in a warning when it resumes.
+  buffer's content (datasets warns that those examples are lost on resume). ``fit`` runs a copy
+  whose buffers keep their content and generator in the state (:mod:`._shuffle_buffer`), so it
+  resumes as above, restoring the buffer instead of reading the epoch again.
+- Where what comes after the shuffle would not resume exactly from its own state (a batched
+  ``.map()``, ...), a resume replays the epoch from its start instead (the epoch is a function
+  of ``(seed, epoch)``) and discards the batches before the saved one: exact, at the cost of
+  reading those batches, which ``fit`` says, with the reason, when it resumes.
 """
 
 from __future__ import annotations
@@ -29,6 +32,7 @@ from .._checks import warn_user
 from ._adapters import DataSource
 from ._hf_maps import seed_batched_maps
 from ._iterable_streams import StatefulIterableStream
+from ._shuffle_buffer import BufferedStream, why_not_resumable
 from ._stream_base import TrainStream
 from ._warnings import warn_threaded_maps
 
@@ -94,8 +98,9 @@ class _EpochReplayStream(TrainStream):
     exact = True
     kind = "a Hugging Face datasets.IterableDataset"
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int]):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int], why: str):
         super().__init__(seed)
+        self.why = why
         self.dataset = dataset
         self.data: Any = loader if loader is not None else dataset
         self.buffers = buffers
@@ -107,11 +112,9 @@ class _EpochReplayStream(TrainStream):
         self.dataset.set_epoch(epoch)
         if start:
             warn_user(
-                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): its "
-                f"state_dict() does not hold the buffer's content, so fit replays epoch {epoch} from its "
-                f"start and discards the {start} batches before the saved position (read, not trained). "
-                "Exact; costs the time to read those batches. Without .shuffle(buffer_size=...) a resume "
-                "starts from the dataset's own state instead.")
+                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): {self.why}, so "
+                f"fit replays epoch {epoch} from its start and discards the {start} batches before the saved "
+                "position (read, not trained). Exact; costs the time to read those batches.")
         # the draws of .map() functions and of the loader's worker seeds are a function of (seed, epoch)
         order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
         return itertools.islice(order, start, None)
@@ -122,9 +125,16 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
     warn_threaded_maps("train_data's datasets.IterableDataset", maps_in_threads(dataset))
     seed_batched_maps(dataset, seed)  # a resume re-runs the map batch it fell inside: the same draws
     buffers = shuffle_buffers(dataset)
-    if buffers:
-        return _EpochReplayStream(dataset, loader, seed, buffers)
-    return StatefulIterableStream(dataset, loader, seed)
+    if not buffers:
+        return StatefulIterableStream(dataset, loader, seed)
+    why = why_not_resumable(dataset)
+    if why is None:  # an earlier estimatorch's checkpoint (no buffer in it) resumes its epoch by the replay
+        earlier = _EpochReplayStream(dataset, loader, seed, buffers, "the checkpoint was written without the "
+                                     "buffer's content (by an earlier estimatorch, which replayed)")
+        return BufferedStream(dataset, loader, seed, buffers, earlier)
+    return _EpochReplayStream(dataset, loader, seed, buffers, f"{why} would not resume exactly from its own state "
+                              "(without it, the buffer's content is saved in the checkpoint and a resume starts "
+                              "from there)")
 
 
 class HFIterableAdapter:
