@@ -5,15 +5,18 @@ from __future__ import annotations
 
 import os
 import random
+from typing import Any
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never the Hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import datasets  # noqa: E402
 import torch  # noqa: E402
 import transformers  # noqa: E402
 from tokenizers import Tokenizer, models, pre_tokenizers, trainers  # noqa: E402
 
 transformers.logging.set_verbosity_error()  # the tiny configs' token ids and loss_type notes
+datasets.disable_progress_bars()
 
 WORDS = ("the a cat dog sat ran on under mat log fast slow red blue big small and then it was "
          "saw near far tree house bird sang loud soft").split()
@@ -93,3 +96,45 @@ def classification_batches(vocab_size: int, n: int = 4, size: int = 4, length: i
     return [{"input_ids": torch.randint(6, vocab_size, (size, length), generator=g),
              "attention_mask": torch.ones(size, length, dtype=torch.long),
              "labels": torch.randint(0, num_labels, (size,), generator=g)} for _ in range(n)]
+
+
+def write_shards(corpus: str, directory: str, shards: int = 4) -> list[str]:
+    """``corpus``'s lines dealt into ``shards`` text files (several input shards: datasets reads
+    them through its prefetch threads, as it reads a real corpus); returns their paths."""
+    with open(corpus) as f:
+        lines = f.read().splitlines()
+    paths = []
+    for s in range(shards):
+        path = os.path.join(directory, f"part{s}.txt")
+        with open(path, "w") as f:
+            f.write("\n".join(lines[s::shards]) + "\n")
+        paths.append(path)
+    return paths
+
+
+def lm_stream(files: list[str], tokenizer: Any, batch_size: int = 8, buffer_size: int = 16, max_length: int = 16,
+              workers: int = 0) -> Any:
+    """The standard pre-training pipeline: text files streamed with ``datasets``, a batched
+    tokenizing ``.map``, a shuffle buffer, ``DataCollatorForLanguageModeling(mlm=False)``."""
+    from datasets import load_dataset  # heavy: only the tests that stream import it
+    from torch.utils.data import DataLoader
+
+    ds = load_dataset("text", data_files=files, split="train", streaming=True)
+    ds = ds.map(lambda rows: tokenizer(rows["text"], truncation=True, max_length=max_length), batched=True,
+                remove_columns=["text"])
+    ds = ds.shuffle(seed=1, buffer_size=buffer_size)
+    collate = transformers.DataCollatorForLanguageModeling(tokenizer, mlm=False)
+    return DataLoader(ds, batch_size=batch_size, collate_fn=collate, num_workers=workers)
+
+
+def save_tokenizer(tokenizer: transformers.PreTrainedTokenizerFast, path: str) -> str:
+    """Write ``tokenizer`` as one ``tokenizer.json`` (what :func:`load_tokenizer` reads)."""
+    tokenizer.backend_tokenizer.save(path)
+    return path
+
+
+def load_tokenizer(path: str) -> transformers.PreTrainedTokenizerFast:
+    """A tokenizer :func:`save_tokenizer` wrote, with the special tokens the collators need."""
+    return transformers.PreTrainedTokenizerFast(tokenizer_file=path, pad_token="[PAD]", unk_token="[UNK]",
+                                                mask_token="[MASK]", cls_token="[CLS]", sep_token="[SEP]",
+                                                eos_token="[EOS]")
