@@ -212,3 +212,11 @@ def test_the_gpu_check_script_runs_benchmarks_and_tests_with_options_they_accept
         module = runpy.run_path(os.path.join(BENCHMARKS, os.path.basename(words[1])), run_name="gpu_check")
         with pytest.raises(Parsed):
             module["main"](words[2:])
+
+
+def test_tokenized_data_reports_every_path_against_the_plain_collate():
+    out = json.loads(_run("tokenized_data.py", "--rows", "256", "--repeats", "1", "--json"))
+    results = out["results"]
+    assert len(results) == 6 and next(iter(results.values()))["ratio"] == 1.0
+    assert any("ArrowCollate" in name for name in results)
+    assert all(_positive(r["ratio"]) and _positive(r["us_per_row"]["median"]) for r in results.values())
