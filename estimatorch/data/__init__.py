@@ -12,15 +12,19 @@ It sits below the estimator and the handlers (it imports ``rng``, ``distributed`
   ``streaming``, torchdata's ``StatefulDataLoader``;
 - ``_elastic``: the elastic layout (samples laid out in global optimizer steps);
 - ``_sharding``: each rank's share of the data for ``evaluate`` and ``predict``;
-- ``_workers``: what a rebuilt loader's worker processes run first.
+- ``_workers``: what a rebuilt loader's worker processes run first;
+- ``_map_probe``: whether a ``datasets`` step run in its prefetch threads draws randomness
+  (``ThreadedMapWarning``).
 """
 
 from ._elastic import ElasticLayout, check_fingerprint, configure_elastic, is_elastic
+from ._map_probe import ThreadedMapWarning
 from ._sharding import InferenceData, for_inference, in_step
 from ._stream_base import TrainStream, loader_kwargs
 from ._streams import draws_no_randomness, make_train_stream
 from ._workers import IgnoreStopSignals
 
-__all__ = ["ElasticLayout", "IgnoreStopSignals", "InferenceData", "TrainStream", "check_fingerprint",
+__all__ = ["ElasticLayout", "IgnoreStopSignals", "InferenceData", "ThreadedMapWarning", "TrainStream",
+           "check_fingerprint",
            "configure_elastic", "draws_no_randomness", "for_inference", "in_step", "is_elastic", "loader_kwargs",
            "make_train_stream"]

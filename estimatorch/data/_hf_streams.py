@@ -27,6 +27,7 @@ from torch.utils.data import DataLoader
 from .. import rng
 from .._checks import warn_user
 from ._iterable_streams import StatefulIterableStream
+from ._map_probe import ThreadedMapWarning, drawing_threaded_maps
 from ._stream_base import TrainStream
 
 __all__ = ["hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
@@ -100,12 +101,15 @@ class _EpochReplayStream(TrainStream):
 
 def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
-    if maps_in_threads(dataset):
+    drawing = drawing_threaded_maps(_pipeline(dataset))  # probed on the first examples (_map_probe)
+    if drawing:
         warn_user(
-            "train_data's datasets.IterableDataset has a .map() (or .filter()) before its .shuffle(), which "
-            "datasets runs in prefetch threads, one per input shard: draws there from the global generators "
-            "(torch.rand, random, np.random) happen in an order no seed fixes, so a random .map() gives other "
-            "values on every run, resumed or not. Put a random .map() after .shuffle().")
+            f"train_data's datasets.IterableDataset has a .map() (or .filter()) before its .shuffle() that drew "
+            f"from the global generators on its first examples ({', '.join(drawing)}). datasets runs it in "
+            "prefetch threads, one per input shard: draws there (torch.rand, random, np.random) happen in an order "
+            "no seed fixes, so it gives other values on every run, resumed or not. Put a random .map() after "
+            ".shuffle(), or silence this with warnings.filterwarnings('ignore', "
+            "category=estimatorch.data.ThreadedMapWarning).", ThreadedMapWarning)
     buffers = shuffle_buffers(dataset)
     if buffers:
         return _EpochReplayStream(dataset, loader, seed, buffers)
