@@ -191,14 +191,35 @@ def call_net(net: Callable[..., Any], data: Any) -> Any:
 def call_loss(loss: Callable[..., Any], pred: Any, label: Any, data_arg: str) -> Any:
     """``loss(pred, label)`` on a batch of ``data_arg`` (``"train_data"``, ``"val_data"``); a
     failure the labels' dtype or shape explains (float or int32 class indices, a target of
-    another shape) is re-raised, as the same type, with the labels' format and the fix added."""
+    another shape) is re-raised, as the same type, with the labels' format and the fix added; a
+    ``transformers`` output handed to a loss (a ``TypeError``, or a loss of None) says to build
+    the estimator without a loss."""
     try:
-        return loss(pred, label)
-    except (RuntimeError, ValueError, IndexError) as err:
-        hint = _label_hint(pred, label, data_arg)
-        if hint is None or type(err) not in (RuntimeError, ValueError, IndexError):
+        value = loss(pred, label)
+    except (RuntimeError, ValueError, IndexError, TypeError) as err:
+        if type(err) is TypeError:  # what a loss function says of a transformers output
+            hint = _OWN_LOSS_HINT if _model_output(pred) else None
+        else:
+            hint = _label_hint(pred, label, data_arg) if type(err) in (RuntimeError, ValueError, IndexError) else None
+        if hint is None:
             raise
         raise type(err)(f"{err}. {hint}") from err
+    if value is None:
+        raise TypeError(f"loss(pred, label) returned None on a batch of {data_arg}"
+                        + (f". {_OWN_LOSS_HINT}" if _model_output(pred) else ""))
+    return value
+
+
+#: what to do when a ``transformers`` model's output reaches a loss function.
+_OWN_LOSS_HINT = ("The net returned a model output with logits (a transformers model?) and the batch's "
+                  "'labels' went to the loss as the label, not to the model, so the model computed no loss. "
+                  "Build Estimator(model, optimizer=...) without a loss: the whole batch, labels included, then "
+                  "goes to the model and fit trains on the loss it returns (docs/transformers.md)")
+
+
+def _model_output(pred: Any) -> bool:
+    """A ``transformers`` ``ModelOutput`` or a dict of logits: what no loss function takes."""
+    return isinstance(pred, Mapping) and "logits" in pred
 
 
 def _label_hint(pred: Any, label: Any, data_arg: str) -> Optional[str]:

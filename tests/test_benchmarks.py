@@ -212,3 +212,25 @@ def test_the_gpu_check_script_runs_benchmarks_and_tests_with_options_they_accept
         module = runpy.run_path(os.path.join(BENCHMARKS, os.path.basename(words[1])), run_name="gpu_check")
         with pytest.raises(Parsed):
             module["main"](words[2:])
+
+
+def test_tokenized_data_reports_every_path_against_the_plain_collate():
+    out = json.loads(_run("tokenized_data.py", "--rows", "256", "--repeats", "1", "--json"))
+    results = out["results"]
+    assert len(results) == 6 and next(iter(results.values()))["ratio"] == 1.0
+    assert any("ArrowCollate" in name for name in results)
+    assert all(_positive(r["ratio"]) and _positive(r["us_per_row"]["median"]) for r in results.values())
+
+
+def test_vs_trainer_reports_steps_data_and_both_kills_for_each_framework():
+    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "vs_trainer.py"), "--steps", "6", "--save-every",
+                           "2", "--stop-at", "3", "--buffers", "0", "--frameworks", "estimatorch,trainer", "--json"],
+                          capture_output=True, text=True, timeout=1500)
+    assert done.returncode == 0, done.stderr[-3000:]
+    results = json.loads(done.stdout)["results"]
+    assert sorted(results) == ["estimatorch, buffer 0", "trainer, buffer 0"]
+    ours = results["estimatorch, buffer 0"]
+    assert _positive(ours["step_ms"]) and _positive(ours["data_ms"]) and _positive(ours["step_ratio_to_loop"])
+    assert ours["sigterm"]["exit"] == 143 and ours["sigterm"]["steps_redone"] == 0  # the stopped step was saved
+    assert ours["sigterm"]["bitwise"] and ours["sigkill"]["bitwise"] and ours["sigkill"]["exit"] == -9
+    assert results["trainer, buffer 0"]["sigterm"]["exit"] == -15  # Trainer's default: killed, nothing saved

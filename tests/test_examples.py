@@ -1,6 +1,7 @@
-"""examples/char_lm.py runs as a user runs it, briefly (a few dozen steps, a tiny model): in one
+"""The example scripts run as a user runs them, briefly (a few dozen steps, a tiny model): char_lm.py in one
 process, and under ``torchrun --nproc-per-node=2``; the rerun of the finished command resumes
-and has nothing left to train."""
+and has nothing left to train. The Hugging Face ones: hf_pretrain_lm.py stopped by SIGTERM and
+resumed by the same command (and under torchrun), hf_lora.py over its model, hf_classifier.py."""
 
 from __future__ import annotations
 
@@ -57,3 +58,62 @@ def test_char_lm_under_torchrun_with_two_processes(tmp_path):
     assert proc.stdout.count("Training begin") == 1 and "2 processes" in proc.stdout
     assert ": 2 epochs, 24 batches." in proc.stdout
     assert proc.stdout.count("Greedy sample:") == 1
+
+
+# -- the Hugging Face examples (docs/transformers.md) ----------------------------------------------
+HF_TINY = ["--epochs", "2", "--batches-per-epoch", "8", "--val-batches", "2", "--files", "6", "--vocab", "400",
+           "--d-model", "32", "--layers", "1", "--heads", "2", "--batch-size", "8", "--buffer", "64"]
+
+
+def run_example(name, args, tmp_path, launcher=None, **popen):
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    command = [*(launcher or [sys.executable]), os.path.join(ROOT, "examples", name), *args]
+    if popen:
+        return subprocess.Popen(command, env=env, cwd=tmp_path, **popen)
+    return subprocess.run(command, capture_output=True, text=True, env=env, timeout=500, cwd=tmp_path)
+
+
+def test_hf_pretrain_lm_stopped_by_sigterm_resumes_then_lora_adapts_it(tmp_path):
+    import signal
+    import time
+
+    args = [*HF_TINY, "--model-dir", "run", "--checkpoint-every", "3", "--batches-per-epoch", "40"]  # time to stop
+    proc = run_example("hf_pretrain_lm.py", args, tmp_path, stdout=subprocess.PIPE, stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 400
+    while not list((tmp_path / "run").glob("model-epoch*batch*.pt")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]  # stopped at a step boundary, that step saved
+    assert "SIGTERM" in err + out and "Train finished" not in out
+
+    again = run_example("hf_pretrain_lm.py", args, tmp_path)  # the same command resumes
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stderr + again.stdout and ": 2 epochs, 80 batches (" in again.stdout
+    assert "val_perplexity" in again.stdout and "Greedy sample: 'def" in again.stdout
+    assert "before its .shuffle()" not in err + again.stderr  # the tokenizing .map draws nothing: no warning
+    assert os.path.exists(tmp_path / "run" / "final" / "config.json")
+
+    lora = run_example("hf_lora.py", ["--base", "run/final", "--lines", "200", "--epochs", "1", "--model-dir", "lora"],
+                       tmp_path)
+    assert lora.returncode == 0, lora.stderr[-3000:]
+    assert "(the adapter)" in lora.stdout and "same logits: True" in lora.stdout
+    assert os.path.exists(tmp_path / "lora" / "adapter" / "adapter_model.safetensors")
+
+
+def test_hf_classifier_fine_tunes_with_data_collator_with_padding(tmp_path):
+    args = ["--epochs", "2", "--lines", "60", "--vocab", "400", "--hidden", "32", "--layers", "1", "--model-dir", "run"]
+    proc = run_example("hf_classifier.py", args, tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    assert "val_accuracy" in proc.stdout and "'import json'" in proc.stdout and "Train finished" in proc.stdout
+
+
+@pytest.mark.distributed
+def test_hf_pretrain_lm_under_torchrun_with_two_processes(tmp_path):
+    proc = run_example("hf_pretrain_lm.py", [*HF_TINY, "--model-dir", "run"], tmp_path,
+                       launcher=[sys.executable, "-m", "torch.distributed.run", "--standalone", "--nproc-per-node=2"])
+    teardown = "terminate called without an active exception" in proc.stderr  # see the char_lm test
+    assert proc.returncode == 0 or teardown, proc.stderr[-3000:]
+    assert proc.stdout.count("Training begin") == 1 and "2 processes" in proc.stdout
+    assert ": 2 epochs, 16 batches." in proc.stdout and proc.stdout.count("Greedy sample:") == 1

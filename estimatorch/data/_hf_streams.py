@@ -32,11 +32,12 @@ from .._checks import warn_user
 from ._adapters import DataSource
 from ._hf_maps import seed_batched_maps
 from ._iterable_streams import StatefulIterableStream
+from ._map_probe import drawing_threaded_maps
 from ._shuffle_buffer import BufferedStream, why_not_resumable
 from ._stream_base import TrainStream
 from ._warnings import warn_threaded_maps
 
-__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
+__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "shuffle_buffers"]
 
 _REPLAY_SALT = 0x4F1D
 
@@ -77,19 +78,6 @@ def shuffle_buffers(dataset: Any) -> list[int]:
             if type(node).__name__ == "BufferShuffledExamplesIterable"]
 
 
-def maps_in_threads(dataset: Any) -> list[tuple[str, str]]:
-    """Each ``.map()``/``.filter()`` of ``dataset`` that datasets runs in its prefetch threads, as
-    ``(".map(name)", where)``."""
-    found = []
-    for node, threaded in _pipeline(dataset):
-        kind = type(node).__name__
-        if threaded and kind in ("MappedExamplesIterable", "FilteredExamplesIterable"):
-            method = ".filter" if kind == "FilteredExamplesIterable" else ".map"
-            name = getattr(getattr(node, "function", None), "__name__", "a function")
-            found.append((f"{method}({name})", threaded))
-    return found
-
-
 class _EpochReplayStream(TrainStream):
     """A ``datasets.IterableDataset`` with a shuffle buffer: each epoch iterated from its start
     after ``set_epoch(epoch)``; a resume at batch k reads and discards the first k batches."""
@@ -122,7 +110,8 @@ class _EpochReplayStream(TrainStream):
 
 def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
-    warn_threaded_maps("train_data's datasets.IterableDataset", maps_in_threads(dataset))
+    # each threaded step probed on the first examples (_map_probe): one that draws nothing is not named
+    warn_threaded_maps("train_data's datasets.IterableDataset", drawing_threaded_maps(_pipeline(dataset)))
     seed_batched_maps(dataset, seed)  # a resume re-runs the map batch it fell inside: the same draws
     buffers = shuffle_buffers(dataset)
     if not buffers:

@@ -151,7 +151,7 @@ class _LoaderStream(TrainStream):
     def __init__(self, loader: DataLoader[Any], seed: int):
         super().__init__(seed)
         dataset = loader.dataset
-        self.dataset_len = len(cast(Sized, dataset))  # map-style: make_train_stream checked
+        self.dataset_len = len(cast(Sized, dataset))  # map-style: open_stream checked
         # As DataLoader decides: with a batch sampler (built from batch_size, or the user's own)
         # each of its index lists is one batch of samples to collate; without one, each item the
         # sampler yields is one key of the dataset (a BatchSampler given as sampler yields lists).

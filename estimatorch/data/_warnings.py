@@ -26,20 +26,23 @@ class NondeterministicDataWarning(UserWarning):
 
 
 def warn_threaded_maps(owner: str, maps: Sequence[tuple[str, str]]) -> None:
-    """Warn (once, at fit start) that ``owner``'s ``maps`` run in threads.
+    """Warn (once, at fit start) that ``owner``'s ``maps`` run in threads and drew randomness.
 
     Args:
         owner: what the user passed, in words (``"train_data's datasets.IterableDataset"``).
-        maps: ``(what, where)`` per function: ``(".map(augment)", "before its .shuffle()")``.
+        maps: ``(what, where)`` per function that drew from a global generator (a library's
+            adapter probes them; one that draws nothing, a tokenizer, is left out):
+            ``(".map(augment)", "before its .shuffle()")``.
     """
     if not maps:
         return
     listed = "; ".join(f"{what} {where}" for what, where in maps)
     warn_user(
-        f"{owner} runs functions of yours in the library's prefetch threads: {listed}. Draws there from the "
+        f"{owner} runs functions of yours in the library's prefetch threads that drew from the global "
+        f"generators on their first examples: {listed}. Draws there from the "
         "global generators (torch.rand, random, np.random) happen in an order no seed fixes, so a random one "
         "gives other values on every run, resumed or not, and races the model's own draws (dropout). Make "
         "such a function draw nothing (or from a generator seeded from the example), or apply it after "
-        "the .shuffle() / interleave_datasets(); if none of them draws, silence this with "
+        "the .shuffle() / interleave_datasets(); if their draws need not be reproducible, silence this with "
         "warnings.filterwarnings('ignore', category=estimatorch.data.NondeterministicDataWarning).",
         NondeterministicDataWarning)

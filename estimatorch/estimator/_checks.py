@@ -107,8 +107,9 @@ def check_estimator_arguments(net: Any, loss: Any, val_net: Any, val_loss: Any, 
     """The types of ``Estimator``'s arguments, and an optimizer that trains the net."""
     if not isinstance(net, nn.Module):
         raise TypeError(f"net must be a torch.nn.Module, got {type(net).__name__}")
-    if not callable(loss):
-        raise TypeError(f"loss must be callable, e.g. torch.nn.CrossEntropyLoss(), got {loss!r}")
+    if loss is not None and not callable(loss):
+        raise TypeError(f"loss must be callable, e.g. torch.nn.CrossEntropyLoss(), or None (the model computes "
+                        f"its own loss), got {loss!r}")
     if val_net is not None and not isinstance(val_net, nn.Module):
         raise TypeError(f"val_net must be a torch.nn.Module or None, got {type(val_net).__name__}")
     if val_loss is not None and not callable(val_loss):

@@ -2,9 +2,11 @@
 
 from __future__ import annotations
 
-from typing import Any
+from typing import Any, Optional
 
 from .._batches import call_loss, call_net, split_batch, split_inputs
+from .._checks import check_bool
+from .._model_loss import is_causal_lm, logits_of, model_inputs, own_loss_step
 
 __all__ = ["BatchProcessor"]
 
@@ -21,6 +23,15 @@ class BatchProcessor:
     A processor that reads batches its own way overrides ``predict_batch`` too (``predict``
     calls it; one without a ``predict_batch`` method gets ``evaluate_batch``'s ``pred``).
 
+    An estimator built without a loss (``Estimator(model, optimizer=...)``) trains on the loss the
+    model returns: the whole batch goes to the model, labels included, and the metrics read the
+    logits and the labels (:mod:`estimatorch._model_loss`; docs/loop.md, "The batch").
+
+    Args:
+        shift_labels: without a loss, whether the metrics compare the logits at token t with the
+            label at t + 1 (the shift of a causal language model's loss). Defaults to None: for
+            the ``transformers`` causal LM classes (those ``AutoModelForCausalLM`` builds).
+
     Example:
         >>> class TwoInputs(BatchProcessor):
         ...     def fit_batch(self, estimator, batch, batch_axis=0):
@@ -36,19 +47,33 @@ class BatchProcessor:
         ...         return (a, b), label, pred, loss
     """
 
+    shift_labels: Optional[bool] = None
+    _causal: Optional[tuple[Any, bool]] = None  # (the net, whether it is a causal LM)
+
+    def __init__(self, *, shift_labels: Optional[bool] = None):
+        if shift_labels is not None:
+            check_bool(shift_labels, "shift_labels")
+        self.shift_labels = shift_labels
+
     def fit_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
         """Forward, loss and backward for one batch (already on the device).
 
         Returns:
-            ``(data, label, pred, loss)``, which ``batch_end`` handlers receive.
+            ``(data, label, pred, loss)``, which ``batch_end`` handlers receive (without a loss:
+            the whole batch, the labels and the logits metrics read, the model's loss).
         """
-        data, label = split_batch(batch)
         listeners = estimator._dispatch  # events nobody listens to are not fired at all
         if listeners.forward_begin:
             estimator.fire("forward_begin", batch=batch)
         with estimator.autocast():
-            pred = call_net(estimator.train_net, data)
-            loss = call_loss(estimator.loss, pred, label, "train_data")
+            if estimator.loss is None:
+                data = batch
+                pred, label, loss = own_loss_step(estimator.train_net, estimator.net, batch, "train_data",
+                                                  self._shift(estimator.net))
+            else:
+                data, label = split_batch(batch)
+                pred = call_net(estimator.train_net, data)
+                loss = call_loss(estimator.loss, pred, label, "train_data")
         if listeners.forward_end:
             estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
         if listeners.backward_begin:
@@ -64,8 +89,12 @@ class BatchProcessor:
         Returns:
             ``(data, label, pred, loss)``.
         """
-        data, label = split_batch(batch)
         with estimator.autocast():
+            if estimator.val_loss is None:
+                pred, label, loss = own_loss_step(estimator.val_net, estimator.val_net, batch, "val_data",
+                                                  self._shift(estimator.val_net))
+                return batch, label, pred, loss
+            data, label = split_batch(batch)
             pred = call_net(estimator.val_net, data)
             loss = call_loss(estimator.val_loss, pred, label, "val_data")
         return data, label, pred, loss
@@ -76,10 +105,23 @@ class BatchProcessor:
 
         The inputs are the batch without its label: a bare tensor, ``x`` of ``(x,)``, a dict
         without its ``"label"``/``"labels"`` key, or ``(inputs..., label)`` without its last
-        element (the convention of ``evaluate_batch``).
+        element (the convention of ``evaluate_batch``). Without a loss, the whole batch, as
+        ``fit_batch`` gives it (labels, when there, included).
 
         Returns:
-            ``pred``, the network's output (in the autocast dtype under mixed precision).
+            ``pred``, the network's output (in the autocast dtype under mixed precision); without
+            a loss, its logits as the model returns them (no shift, class axis last).
         """
         with estimator.autocast():
+            if estimator.val_loss is None:
+                return logits_of(call_net(estimator.val_net, model_inputs(batch)))
             return call_net(estimator.val_net, split_inputs(batch))
+
+    def _shift(self, net: Any) -> bool:
+        """``shift_labels``, or whether ``net`` is a causal LM (remembered for the net)."""
+        if self.shift_labels is not None:
+            return self.shift_labels
+        causal = self._causal
+        if causal is None or causal[0] is not net:
+            causal = self._causal = (net, is_causal_lm(net))
+        return causal[1]

@@ -55,7 +55,8 @@ class Estimator(RunView):
 
     Args:
         net: the model (moved to ``device``).
-        loss: a callable ``loss(pred, label)``, e.g. ``nn.CrossEntropyLoss()``.
+        loss: a callable ``loss(pred, label)``, e.g. ``nn.CrossEntropyLoss()``. Defaults to None: the model
+            computes its own loss (a ``transformers`` model given ``labels``; see docs/transformers.md).
         train_metrics: a metric or list of metrics. Defaults to a ``Loss`` metric, plus
             ``Accuracy`` when ``loss`` is ``nn.CrossEntropyLoss`` or ``nn.NLLLoss``. A ``Loss``
             metric is always present. Names get a ``train_`` prefix.
@@ -126,14 +127,13 @@ class Estimator(RunView):
     """
 
     #: Under torch.distributed: the ranks exchange stop requests and signals every this many
-    #: steps (see :meth:`fit`), so a request waits at most this many steps to take effect.
-    #: None (the default) chooses: every 16 steps where the flags would queue in front of the
-    #: gradients in DDP's gloo process group (CPU training), every step where they travel on a
-    #: group of their own (NCCL). Set it on the estimator before ``fit``, e.g. to 1 for steps of
-    #: seconds on the CPU, so that a SIGTERM is agreed within one step.
+    #: steps (see :meth:`fit`), so a request waits at most this many steps to take effect. None
+    #: (the default) chooses: every 16 steps where the flags would queue in front of the gradients
+    #: in DDP's gloo process group (CPU training), every step where they travel on a group of their
+    #: own (NCCL). Set it before ``fit``, e.g. to 1 for steps of seconds on the CPU.
     agree_every: Optional[int] = None
 
-    def __init__(self, net: nn.Module, loss: Callable[..., torch.Tensor], train_metrics: Any = None,
+    def __init__(self, net: nn.Module, loss: Optional[Callable[..., Any]] = None, train_metrics: Any = None,
                  val_metrics: Any = None, optimizer: Optional[torch.optim.Optimizer] = None,
                  device: Union[str, torch.device, None] = None, val_net: Optional[nn.Module] = None,
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
@@ -179,9 +179,8 @@ class Estimator(RunView):
         self.max_epoch: Optional[int] = None
         self.max_batch: Optional[int] = None
         self.batch_axis = 0
-        self._dispatch = Dispatch([])
+        self._dispatch, self._fitting = Dispatch([]), False
         self._run: Optional[Run] = None
-        self._fitting = False
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
         self._eval_count = 0
@@ -444,6 +443,7 @@ class Estimator(RunView):
         return run_prediction(self, data, batch_axis, event_handlers)
 
     def __repr__(self) -> str:
-        return (f"Estimator(net={type(self.net).__name__}, loss={type(self.loss).__name__}, "
+        loss = None if self.loss is None else type(self.loss).__name__
+        return (f"Estimator(net={type(self.net).__name__}, loss={loss}, "
                 f"optimizer={type(self.optimizer).__name__}, device={self.device})")
 

@@ -158,7 +158,8 @@ def run_params(estimator: EstimatorView) -> dict[str, Any]:
     handler's options."""
     optimizer = estimator.optimizer
     params: dict[str, Any] = {
-        "model": type(estimator.net).__name__, "loss": type(estimator.loss).__name__,
+        "model": type(estimator.net).__name__,
+        "loss": type(estimator.loss).__name__ if estimator.loss is not None else "the model's own",
         "optimizer": type(optimizer).__name__,
         "lr_scheduler": type(estimator.lr_scheduler).__name__ if estimator.lr_scheduler is not None else None,
         "epochs": estimator.max_epoch, "batches": estimator.max_batch,

@@ -40,7 +40,7 @@ class EstimatorView(Protocol):
 
     #: the model, the loss and the optimizer ``fit`` trains with
     net: nn.Module
-    loss: Callable[..., torch.Tensor]
+    loss: Optional[Callable[..., Any]]  # None: the model computes its own loss
     optimizer: Any
     #: the learning-rate scheduler the estimator steps (through ``LRSchedulerHandler``), if any
     lr_scheduler: Any

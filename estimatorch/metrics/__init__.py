@@ -7,6 +7,7 @@ as a torchmetrics metric, is accepted wherever a metric is.
 from .accuracy import Accuracy, TopKAccuracy
 from .base import Metric, is_metric, metric_name
 from .loss import Loss
+from .perplexity import Perplexity
 from .regression import MeanAbsoluteError, MeanSquaredError
 
 __all__ = [
@@ -15,6 +16,7 @@ __all__ = [
     "MeanAbsoluteError",
     "MeanSquaredError",
     "Metric",
+    "Perplexity",
     "TopKAccuracy",
     "is_metric",
     "metric_name",

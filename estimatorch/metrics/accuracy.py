@@ -41,11 +41,16 @@ class Accuracy(Metric):
     - with ``multilabel=True``: 0/1 labels of the predictions' shape, each compared with its
       thresholded probability (the fraction of right (sample, label) pairs).
 
+    Class indices equal to ``ignore_index`` (padding, the tokens a language model's loss skips)
+    count neither as right nor as samples, as ``nn.CrossEntropyLoss`` skips them.
+
     Args:
         name: Defaults to ``"accuracy"``.
         threshold: for binary probabilities. Defaults to 0.5.
         multilabel: predictions and targets of one shape hold independent binary labels.
             Defaults to False.
+        ignore_index: the class index of targets to skip (None: none). Defaults to -100, the
+            ``ignore_index`` of ``nn.CrossEntropyLoss`` and of ``transformers``' collators.
         device: Defaults to the CPU.
 
     Example:
@@ -65,6 +70,7 @@ class Accuracy(Metric):
     unnormalised: torch.Tensor
     label_correct: torch.Tensor
     label_count: int
+    ignored: torch.Tensor
 
     default_name = "accuracy"
     higher_is_better = True
@@ -73,14 +79,17 @@ class Accuracy(Metric):
     capturable = True
 
     def __init__(self, name: Optional[str] = None, *, threshold: float = 0.5, multilabel: bool = False,
-                 device: Any = None):
+                 ignore_index: Optional[int] = -100, device: Any = None):
         super().__init__(name, device=device)
         if not is_real(threshold) or not 0.0 < threshold < 1.0:
             raise ValueError(f"threshold must be in (0, 1), got {threshold!r}")
         if not isinstance(multilabel, bool):
             raise ValueError(f"multilabel must be a bool, got {multilabel!r}")
+        if ignore_index is not None and not is_int(ignore_index):
+            raise ValueError(f"ignore_index must be an int or None, got {ignore_index!r}")
         self.threshold = float(threshold)
         self.multilabel = multilabel
+        self.ignore_index = ignore_index
         self.add_state("correct", torch.zeros((), dtype=torch.int64))
         self.add_state("count", 0)
         self.add_state("unnormalised", torch.zeros((), dtype=torch.int64))  # target rows not summing to 1
@@ -88,6 +97,7 @@ class Accuracy(Metric):
         # some target rows of the scores' shape do not sum to 1 (multi-hot rows, binary masks)
         self.add_state("label_correct", torch.zeros((), dtype=torch.int64))
         self.add_state("label_count", 0)
+        self.add_state("ignored", torch.zeros((), dtype=torch.int64))  # targets of ignore_index, counted above
 
     def update(self, preds: torch.Tensor, target: torch.Tensor) -> None:
         preds = preds.detach()
@@ -109,16 +119,23 @@ class Accuracy(Metric):
         return _class_layout(self.name, preds, target, binary=True)
 
     def _hits(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
-        """``[right, target rows not summing to 1, right as binary labels]`` for one (or
-        concatenated) update(s)."""
+        """``[right, target rows not summing to 1, right as binary labels, ignored targets]`` for
+        one (or concatenated) update(s)."""
         layout = "labels" if self.multilabel else _class_layout(self.name, preds, target, binary=True)
         if layout == "indices":
-            right = (preds.argmax(dim=1) == target).sum()
-            return torch.stack([right, torch.zeros_like(right), right])
+            hit = preds.argmax(dim=1) == target
+            if self.ignore_index is None:
+                right = hit.sum()
+                return torch.stack([right, torch.zeros_like(right), right, torch.zeros_like(right)])
+            ignored = target == self.ignore_index  # argmax is never negative: no hit among them when < 0
+            right = (hit & ~ignored).sum()
+            return torch.stack([right, torch.zeros_like(right), right, ignored.sum()])
         as_labels = self._label_hits(preds, target)
+        none = torch.zeros_like(as_labels)
         if layout == "labels":
-            return torch.stack([as_labels, torch.zeros_like(as_labels), as_labels])
-        return torch.stack([(preds.argmax(dim=1) == target.argmax(dim=1)).sum(), _unnormalised(target), as_labels])
+            return torch.stack([as_labels, none, as_labels, none])
+        return torch.stack([(preds.argmax(dim=1) == target.argmax(dim=1)).sum(), _unnormalised(target), as_labels,
+                            none])
 
     def _label_hits(self, preds: torch.Tensor, target: torch.Tensor) -> torch.Tensor:
         if not preds.is_floating_point():
@@ -128,7 +145,7 @@ class Accuracy(Metric):
 
     def _fold(self, items: list[tuple[torch.Tensor, torch.Tensor]]) -> dict[str, torch.Tensor]:
         hits = _fold_hits(self._hits, items)
-        return {"correct": hits[0], "unnormalised": hits[1], "label_correct": hits[2]}
+        return {"correct": hits[0], "unnormalised": hits[1], "label_correct": hits[2], "ignored": hits[3]}
 
     def _value(self, states: dict[str, Any]) -> torch.Tensor:
         unnormalised = int(states["unnormalised"])  # compute() reads values anyway: no extra sync per update
@@ -137,13 +154,13 @@ class Accuracy(Metric):
                           "are not one-hot or class probabilities: read as binary labels, element by element "
                           "(multi-label). Pass Accuracy(multilabel=True) to say so, or class indices for one "
                           "class per sample", stacklevel=3)
-            return _ratio(states["label_correct"].double(), states["label_count"])
-        return _ratio(states["correct"].double(), states["count"])
+            return _ratio(states["label_correct"].double(), states["label_count"] - states["ignored"])
+        return _ratio(states["correct"].double(), states["count"] - states["ignored"])
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         # a state saved before targets were checked for normalisation has no such counts; its
         # updates were read as one class per sample (or binary labels without a class axis)
-        defaults = {"unnormalised": torch.zeros((), dtype=torch.int64)}
+        defaults = {"unnormalised": torch.zeros((), dtype=torch.int64), "ignored": torch.zeros((), dtype=torch.int64)}
         if "label_correct" not in state:
             defaults.update(label_correct=torch.as_tensor(state.get("correct", 0)).clone(),
                             label_count=state.get("count", 0))
