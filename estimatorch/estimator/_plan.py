@@ -28,8 +28,7 @@ from torch.optim.lr_scheduler import (
 
 from .._checks import check_positive_int, warn_user
 from ..data import configure_elastic, make_train_stream
-from ..event_handlers import LRSchedulerHandler
-from ..events import accumulation_steps, check_handlers
+from ..events import Handler, accumulation_steps, check_handlers
 
 __all__ = ["PlanCounts", "build_scheduler", "check_horizons", "count_epoch_ends", "count_steps", "limited",
            "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]
@@ -162,13 +161,13 @@ def scheduler_horizon(scheduler: Any) -> Optional[int]:
 
 
 def _stepped_schedules(estimator: Any, handlers: list[Any]) -> list[tuple[Any, str]]:
-    """``(scheduler, "batch" | "epoch")`` for every schedule a handler of the fit steps."""
+    """``(scheduler, "batch" | "epoch")`` for every schedule a handler of the fit steps, as each
+    declares it (:meth:`~estimatorch.events.Handler.stepped_schedule`)."""
     found = []
     for handler in handlers:
-        if isinstance(handler, LRSchedulerHandler):
-            scheduler = handler.scheduler if handler.scheduler is not None else estimator.lr_scheduler
-            if scheduler is not None:
-                found.append((scheduler, handler.step_on))
+        schedule = handler.stepped_schedule(estimator) if isinstance(handler, Handler) else None
+        if schedule is not None:
+            found.append(schedule)
     return found
 
 

@@ -16,15 +16,7 @@ from torch import nn
 
 from .. import _console, cluster, distributed
 from .._checks import warn_user
-from ..event_handlers import (
-    GradientUpdateHandler,
-    LoggingHandler,
-    LRSchedulerHandler,
-    MetricHandler,
-    ProgressBarHandler,
-    StoppingHandler,
-    ValidationHandler,
-)
+from ..event_handlers.defaults import default_handlers as _built_in_defaults
 from ..events import declared
 from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
@@ -109,29 +101,13 @@ def interactive() -> bool:
 
 
 def default_handlers(estimator: Any, user: list[Any], val_data: Any) -> list[Any]:
-    """The handlers ``fit`` adds: each default whose type none of ``user`` has."""
-    def missing(cls: type) -> bool:
-        return not any(isinstance(h, cls) for h in user)
-
-    defaults: list[Any] = []
-    if missing(StoppingHandler):
-        defaults.append(StoppingHandler())
-    if missing(GradientUpdateHandler):
-        defaults.append(GradientUpdateHandler())
-    if missing(MetricHandler):
-        defaults.append(MetricHandler(estimator.train_metrics))
-    if val_data is not None and missing(ValidationHandler):
-        defaults.append(ValidationHandler(val_data, estimator.evaluate))
-    scheduled = estimator.lr_scheduler is not None or estimator.lr_scheduler_factory is not None
-    if scheduled and not any(
-            isinstance(h, LRSchedulerHandler) and h.scheduler in (None, estimator.lr_scheduler) for h in user):
-        # unless one of yours already steps it
-        defaults.append(LRSchedulerHandler(step_on=estimator.lr_scheduler_interval))
-    if missing(LoggingHandler):
-        defaults.append(LoggingHandler())
-    if missing(ProgressBarHandler) and interactive():
-        defaults.append(ProgressBarHandler())
-    return defaults
+    """The handlers ``fit`` adds: each default whose type none of ``user`` has (the handler
+    package decides which; a progress bar where :func:`interactive`)."""
+    return _built_in_defaults(
+        user, train_metrics=estimator.train_metrics, evaluate=estimator.evaluate, val_data=val_data,
+        lr_scheduler=estimator.lr_scheduler,
+        scheduled=estimator.lr_scheduler is not None or estimator.lr_scheduler_factory is not None,
+        lr_scheduler_interval=estimator.lr_scheduler_interval, progress_bar=interactive())
 
 
 @contextlib.contextmanager

@@ -33,9 +33,8 @@ from ..checkpoint import (
     check_snapshot_structure,
 )
 from ..data import TrainStream, check_fingerprint
-from ..event_handlers.lr_scheduler import epoch_learning_rates
-from ..event_handlers.speed_monitor import epoch_speed_values
 from ..events import Dispatch, state_attributes
+from ..events.readings import epoch_learning_rates, epoch_readings
 from ..events.timing import StepTimes
 from ..metrics.base import Metric, metric_name
 from ._interrupts import SignalGuard
@@ -130,13 +129,14 @@ def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
 
 def record_history(estimator: Any, run: Run, epoch: int) -> None:
     """Record the epoch's values in the run's History: every train metric, the val metrics when
-    the epoch validated, the learning rates the epoch trained with and a SpeedMonitor's values."""
+    the epoch validated, the learning rates the epoch trained with and what handlers measured of it
+    (a SpeedMonitor's values), as the handlers declare them (:mod:`estimatorch.events.readings`)."""
     values = {metric_name(m): m.compute() for m in estimator.train_metrics}
     if run.evaluated:
         values.update((metric_name(m), m.compute()) for m in estimator.val_metrics)
         run.evaluated = False
     values.update(epoch_learning_rates(estimator))
-    values.update(epoch_speed_values(estimator))
+    values.update(epoch_readings(estimator))
     run.history.record(epoch + 1, values)
 
 
