@@ -20,6 +20,7 @@ import torch
 
 from ..events import declared, subscribes
 from ..events.dispatch import handler_name
+from ._fit_estimator import FitEstimator
 
 __all__ = ["CaptureConfig", "INSIDE_STEP_EVENTS", "capture_error", "capture_refusal", "check_capture", "config_of",
            "fallback_message", "in_graph", "refusal_error", "schedule_refusal"]
@@ -43,7 +44,7 @@ class CaptureConfig:
     scheduler: Any = None
 
 
-def config_of(estimator: Any, handlers: Sequence[Any], world_size: int) -> CaptureConfig:
+def config_of(estimator: FitEstimator, handlers: Sequence[Any], world_size: int) -> CaptureConfig:
     """The :class:`CaptureConfig` of ``estimator`` for a fit with ``handlers``."""
     return CaptureConfig(estimator.device, estimator.precision, estimator.optimizer, world_size,
                          estimator.strategy, tuple(handlers), getattr(estimator, "lr_scheduler", None))
@@ -70,7 +71,7 @@ def capture_refusal(config: CaptureConfig) -> Optional[str]:
     return None
 
 
-def check_capture(estimator: Any, handlers: Sequence[Any], world_size: int) -> None:
+def check_capture(estimator: FitEstimator, handlers: Sequence[Any], world_size: int) -> None:
     """Refuse, before any work, a fit ``Estimator(..., cuda_graphs=True)`` cannot capture.
 
     Raises:

@@ -38,14 +38,16 @@ from .. import distributed, rng
 from .._checks import is_int, warn_user
 from .._saved import CheckpointError
 from ..checkpoint import rank_snapshot
-from ..data import check_fingerprint, is_elastic
+from ..data import ElasticLayout, check_fingerprint, is_elastic
 from ..events import declared
 from ..metrics.base import Metric, metric_name
+from ._fit_estimator import FitEstimator
+from ._state import Run
 
 __all__ = ["batch_counters", "map_payload", "world_size_error"]
 
 
-def map_payload(estimator: Any, run: Any, payload: dict[str, Any], source: str) -> dict[str, Any]:
+def map_payload(estimator: FitEstimator, run: Run, payload: dict[str, Any], source: str) -> dict[str, Any]:
     """``payload`` as ``estimator``'s current fit (``run``) resumes it: unchanged unless the fit is elastic;
     for an elastic fit, refused unless written by an elastic fit of the same global batch, and
     mapped onto this world size when it was written on another.
@@ -71,7 +73,8 @@ def map_payload(estimator: Any, run: Any, payload: dict[str, Any], source: str) 
     return _remap(estimator, run, payload, layout, source)
 
 
-def _remap(estimator: Any, run: Any, payload: dict[str, Any], layout: Any, source: str) -> dict[str, Any]:
+def _remap(estimator: FitEstimator, run: Run, payload: dict[str, Any], layout: ElasticLayout,
+           source: str) -> dict[str, Any]:
     old_world, new_world = payload["world_size"], layout.world_size
     old_k, rest = divmod(layout.slots, old_world)
     if rest or not old_k:
@@ -152,7 +155,7 @@ def _scaled(state: dict[str, Any], keys: list[str], scale: Callable[[Any], Any])
     return out
 
 
-def _combined_metrics(estimator: Any, saved: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
+def _combined_metrics(estimator: FitEstimator, saved: list[dict[str, Any]], new_world: int) -> list[dict[str, Any]]:
     """Per new rank: every metric's state, the saved ranks' accumulators combined (module notes)."""
     out: list[dict[str, Any]] = [{} for _ in range(new_world)]
     for metric in estimator.train_metrics + estimator.val_metrics:

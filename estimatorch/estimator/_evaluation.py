@@ -20,6 +20,7 @@ from ..checkpoint import is_sharded_module
 from ..data import InferenceData, draws_no_randomness, for_inference, in_step, loader_kwargs
 from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
+from ._fit_estimator import FitEstimator
 
 __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
 
@@ -99,7 +100,7 @@ def check_inference_args(data: Any, arg: str, batch_axis: Any, event_handlers: A
 
 
 @contextlib.contextmanager
-def _inference_mode(estimator: Any) -> Iterator[None]:
+def _inference_mode(estimator: FitEstimator) -> Iterator[None]:
     """``val_net`` in eval mode without gradients; its mode and every generator restored after.
 
     A DataLoader draws its workers' base seed from the global generator: evaluating must not
@@ -115,7 +116,7 @@ def _inference_mode(estimator: Any) -> Iterator[None]:
         net.train(was_training)
 
 
-def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Dispatch:
+def _dispatch(estimator: FitEstimator, handlers: list[Any], batches: Iterable[Any]) -> Dispatch:
     """The caller's handlers, and during ``fit`` the companions fit's handlers attach (the
     progress bar's validation bar), which see this rank's batches."""
     handlers = list(handlers)
@@ -136,7 +137,7 @@ def _own_or_padding(shard: InferenceData, limit: Optional[int], sharded: bool) -
     return ((batch, own is None or i < own) for i, batch in enumerate(batches))
 
 
-def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[Any], step: Step, *,
+def run_batches(estimator: FitEstimator, data: Iterable[Any], arg: str, handlers: list[Any], step: Step, *,
                 agree_on_empty: bool, limit: Optional[int] = None,
                 forward: Optional[Callable[[Any], Any]] = None) -> InferenceData:
     """Fire ``epoch_begin``, then per batch ``batch_begin``, ``step``, ``batch_end``, then
@@ -183,7 +184,7 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     return shard
 
 
-def evaluate_batches(estimator: Any, val_data: Iterable[Any], batch_axis: int, handlers: list[Any], *,
+def evaluate_batches(estimator: FitEstimator, val_data: Iterable[Any], batch_axis: int, handlers: list[Any], *,
                      limit: Optional[int] = None) -> None:
     """Reset the val metrics and update them over ``val_data`` (``Estimator.evaluate``'s loop),
     at most ``limit`` batches of this rank's (None: all)."""

@@ -41,6 +41,8 @@ import torch
 from .._batches import map_tensors, tensors_in
 from .._checks import warn_user
 from ._capture import capture_error, fallback_message, in_graph, refusal_error, schedule_refusal
+from ._fit_estimator import FitEstimator
+from ._state import Run
 
 __all__ = ["GraphedStep", "WARMUP_STEPS", "graphed_step", "layout_of"]
 
@@ -53,7 +55,7 @@ _UNCAPTURED = r".*capturable=True.*"
 SYNC_WARNING = "called a synchronizing CUDA operation"
 
 
-def graphed_step(estimator: Any, run: Any) -> Optional[GraphedStep]:
+def graphed_step(estimator: FitEstimator, run: Run) -> Optional[GraphedStep]:
     """The step ``fit`` runs for ``estimator`` (None without ``cuda_graphs``): takes the
     ``batch_end`` of the handlers the graph records (:func:`._capture.in_graph`, the optimizer's
     step among them: ``_capture`` checked) out of ``run``'s dispatch, into the step. Called after
@@ -98,7 +100,7 @@ class GraphedStep:
     """The loop's step under ``cuda_graphs=True`` (see the module): ``fit_batch`` as a batch
     processor's, plus the optimizer step."""
 
-    def __init__(self, estimator: Any, held: list[Any]):
+    def __init__(self, estimator: FitEstimator, held: list[Any]):
         self.estimator = estimator
         self.processor = estimator.batch_processor
         #: the handlers whose ``batch_end`` the step runs (and the graph records), in order
@@ -123,7 +125,7 @@ class GraphedStep:
         self.replayed = 0
         self.eager = 0
 
-    def fit_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
+    def fit_batch(self, estimator: FitEstimator, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
         """One training step on ``batch`` (on the device): forward, loss, backward and the
         optimizer step; returns ``(data, label, pred, loss)`` for ``batch_end``."""
         tensors: list[torch.Tensor] = []
@@ -262,7 +264,7 @@ class GraphedStep:
         return data, label, pred, loss
 
 
-def _after_replay(handler: Any, estimator: Any) -> Any:
+def _after_replay(handler: Any, estimator: FitEstimator) -> Any:
     """What ``handler`` asks the host to do after each replay (``record_batch_end``); nothing
     for a handler of the mixins alone, which has no such hook."""
     record = getattr(handler, "record_batch_end", None)

@@ -8,13 +8,16 @@ from __future__ import annotations
 
 import logging
 import os
+from collections.abc import Sequence
 from types import TracebackType
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 
 from .. import distributed
 from ..events import declared
+from ._fit_estimator import FitEstimator
+from ._state import Run
 
 __all__ = ["describe_out_of_memory", "diagnostics_dir", "failing_phase"]
 
@@ -42,7 +45,7 @@ def failing_phase(traceback: Optional[TracebackType]) -> str:
     return "a handler"
 
 
-def diagnostics_dir(handlers: Any) -> str:
+def diagnostics_dir(handlers: Sequence[object]) -> str:
     """The first handler's ``diagnostics_location`` (a ``ProfilerHandler``'s ``log_dir``), else the
     local checkpoint directory, else the working directory."""
     for handler in handlers:
@@ -56,7 +59,7 @@ def diagnostics_dir(handlers: Any) -> str:
     return os.getcwd()
 
 
-def _dump_snapshot(handlers: Any, step: int) -> Optional[str]:
+def _dump_snapshot(handlers: Sequence[object], step: int) -> Optional[str]:
     """Write the CUDA allocator's snapshot (with its history when ``_record_memory_history`` was
     on); its path, or None without CUDA or when it cannot be written (logged)."""
     if not torch.cuda.is_available():
@@ -71,7 +74,8 @@ def _dump_snapshot(handlers: Any, step: int) -> Optional[str]:
     return path
 
 
-def describe_out_of_memory(estimator: Any, run: Any, error: torch.cuda.OutOfMemoryError) -> torch.cuda.OutOfMemoryError:
+def describe_out_of_memory(estimator: FitEstimator, run: Run,
+                           error: torch.cuda.OutOfMemoryError) -> torch.cuda.OutOfMemoryError:
     """``error`` told where it happened: raise the result ``from error``."""
     phase = failing_phase(error.__traceback__)
     pos = run.pos

@@ -9,12 +9,13 @@ from typing import Any, Optional
 from .. import checkpoint, distributed
 from .._saved import CheckpointError
 from ._elastic_resume import map_payload, world_size_error
+from ._fit_estimator import FitEstimator
 from ._state import Run, check_positions, check_snapshot, take_snapshot
 
 __all__ = ["check_payload", "payload_of", "snapshot_to_resume"]
 
 
-def payload_of(estimator: Any, run: Run, gather: bool = True) -> Optional[dict[str, Any]]:
+def payload_of(estimator: FitEstimator, run: Run, gather: bool = True) -> Optional[dict[str, Any]]:
     """Every rank's snapshot gathered on global rank 0 with the training state (None elsewhere);
     or, without ``gather``, this rank's part on every rank: its ``snapshot``, ``rank``,
     ``world_size`` and the training state but ``model`` and ``optimizer`` (a sharded store
@@ -40,7 +41,7 @@ def payload_of(estimator: Any, run: Run, gather: bool = True) -> Optional[dict[s
     }
 
 
-def check_payload(estimator: Any, run: Run, payload: dict[str, Any], source: str, rank: int) -> dict[str, Any]:
+def check_payload(estimator: FitEstimator, run: Run, payload: dict[str, Any], source: str, rank: int) -> dict[str, Any]:
     """``payload`` mapped onto this fit (an elastic run's) and checked as rank ``rank`` reads it."""
     payload = map_payload(estimator, run, payload, source)
     try:
@@ -56,7 +57,7 @@ def check_payload(estimator: Any, run: Run, payload: dict[str, Any], source: str
     return payload
 
 
-def snapshot_to_resume(estimator: Any, payload: dict[str, Any], source: str) -> dict[str, Any]:
+def snapshot_to_resume(estimator: FitEstimator, payload: dict[str, Any], source: str) -> dict[str, Any]:
     """This rank's snapshot in ``payload``, once it is known to be of this world size; marks the
     optimizer as stepped when the run had trained."""
     if payload["world_size"] != distributed.get_world_size():

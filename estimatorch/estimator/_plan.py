@@ -29,6 +29,8 @@ from torch.optim.lr_scheduler import (
 from .._checks import check_positive_int, warn_user
 from ..data import configure_elastic, make_train_stream
 from ..events import Handler, accumulation_steps, check_handlers
+from ._fit_estimator import FitEstimator
+from ._state import Run
 
 __all__ = ["PlanCounts", "build_scheduler", "check_horizons", "count_epoch_ends", "count_steps", "limited",
            "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]
@@ -160,7 +162,7 @@ def scheduler_horizon(scheduler: Any) -> Optional[int]:
     return None
 
 
-def _stepped_schedules(estimator: Any, handlers: list[Any]) -> list[tuple[Any, str]]:
+def _stepped_schedules(estimator: FitEstimator, handlers: list[Any]) -> list[tuple[Any, str]]:
     """``(scheduler, "batch" | "epoch")`` for every schedule a handler of the fit steps, as each
     declares it (:meth:`~estimatorch.events.Handler.stepped_schedule`)."""
     found = []
@@ -171,7 +173,7 @@ def _stepped_schedules(estimator: Any, handlers: list[Any]) -> list[tuple[Any, s
     return found
 
 
-def check_horizons(estimator: Any, run: Any) -> None:
+def check_horizons(estimator: FitEstimator, run: Run) -> None:
     """Warn when a schedule the fit steps ends before or after its plan does (both numbers
     said); a resumed run extended past the end of its restored schedule gets its own warning.
     Called once ``train_begin`` has restored a checkpoint (if any)."""
@@ -217,7 +219,7 @@ def _past_the_end(scheduler: Any) -> str:
     return "the steps past its end keep its last learning rate"
 
 
-def schedule_length(estimator: Any, counts: PlanCounts) -> Optional[int]:
+def schedule_length(estimator: FitEstimator, counts: PlanCounts) -> Optional[int]:
     """The steps a schedule built from ``Estimator(lr_scheduler=callable)`` will take in this
     fit's whole plan (None when there is nothing to build). ``fit`` calls it before any work.
 
@@ -232,13 +234,14 @@ def schedule_length(estimator: Any, counts: PlanCounts) -> Optional[int]:
         raise ValueError(f"lr_scheduler is a callable sized from the plan, but {err}") from None
 
 
-def build_scheduler(estimator: Any, run: Any) -> None:
+def build_scheduler(estimator: FitEstimator, run: Run) -> None:
     """Call ``Estimator(lr_scheduler=callable)`` with the optimizer and the steps the schedule
     will take in this fit's whole plan, once (a later fit continues that scheduler)."""
     total = schedule_length(estimator, run.counts)
-    if total is None:
+    factory = estimator.lr_scheduler_factory
+    if total is None or factory is None:  # (schedule_length is None without a factory)
         return
-    scheduler = estimator.lr_scheduler_factory(estimator.optimizer, total)
+    scheduler = factory(estimator.optimizer, total)
     if not all(callable(getattr(scheduler, method, None)) for method in ("step", "state_dict")) \
             or getattr(scheduler, "optimizer", None) is not estimator.optimizer:
         raise TypeError(f"lr_scheduler(optimizer, total_steps) must return a torch LR scheduler of that optimizer, "
@@ -253,7 +256,7 @@ def limited(batches: Iterator[Any], start: int, limit: Optional[int]) -> Iterato
     return itertools.islice(batches, max(limit - start, 0))
 
 
-def planned_steps(estimator: Any, train_data: Any, epochs: Optional[int], batches: Optional[int],
+def planned_steps(estimator: FitEstimator, train_data: Any, epochs: Optional[int], batches: Optional[int],
                   batches_per_epoch: Optional[int], event_handlers: Any) -> int:
     """``Estimator.planned_steps``: the data wrapped as ``fit`` wraps it (this process's share),
     counted with the handlers given (``fit``'s defaults accumulate nothing and stop at the plan)."""

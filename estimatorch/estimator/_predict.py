@@ -10,7 +10,9 @@ import torch
 from .. import distributed
 from .._batches import map_tensors
 from ..checkpoint import is_sharded_module
+from ._checks import PRECISIONS
 from ._evaluation import check_inference_args, run_batches
+from ._fit_estimator import FitEstimator
 
 __all__ = ["join_outputs", "run_prediction"]
 
@@ -81,7 +83,7 @@ def join_outputs(outputs: Sequence[Any], batch_axis: int = 0) -> Any:
         return list(outputs)
 
 
-def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_handlers: Any) -> Any:
+def run_prediction(estimator: FitEstimator, data: Iterable[Any], batch_axis: int, event_handlers: Any) -> Any:
     """``Estimator.predict`` (see its docstring)."""
     # a sharded net's ranks run every forward together: one holding nothing pads, then raises
     together = distributed.is_distributed() and is_sharded_module(estimator.val_net)
@@ -89,7 +91,7 @@ def run_prediction(estimator: Any, data: Iterable[Any], batch_axis: int, event_h
     processor = estimator.batch_processor
     predict_batch = getattr(processor, "predict_batch", None)
     non_blocking = estimator.device.type == "cuda"
-    amp = estimator._amp_dtype  # "bf16-mixed" / "16-mixed": outputs come back as float32
+    amp = PRECISIONS[estimator.precision]  # "bf16-mixed" / "16-mixed": outputs come back as float32
     outputs: list[Any] = []
 
     def forward(batch: Any) -> Any:

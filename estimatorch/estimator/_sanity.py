@@ -32,11 +32,12 @@ from ..checkpoint import is_sharded_module
 from ..data import in_step
 from ..metrics.base import Metric, split_loss_metrics, update_metrics
 from ._evaluation import _inference_mode, _seeded
+from ._fit_estimator import FitEstimator
 
 __all__ = ["sanity_pass"]
 
 
-def sanity_pass(estimator: Any, val_data: Optional[Iterable[Any]], steps: Any, batch_axis: int) -> None:
+def sanity_pass(estimator: FitEstimator, val_data: Optional[Iterable[Any]], steps: Any, batch_axis: int) -> None:
     """Take ``steps`` batches of ``val_data`` through ``val_net``, ``val_loss`` and copies of the
     val metrics (each computed once, on this rank alone); under torch.distributed the ranks then
     agree on the outcome (one small collective), so a failure on one rank stops every rank.
@@ -57,7 +58,7 @@ def sanity_pass(estimator: Any, val_data: Optional[Iterable[Any]], steps: Any, b
     distributed.raise_on_every_rank(error, "fit's sanity pass over val_data")
 
 
-def _check_batches(estimator: Any, val_data: Iterable[Any], steps: int, batch_axis: int) -> None:
+def _check_batches(estimator: FitEstimator, val_data: Iterable[Any], steps: int, batch_axis: int) -> None:
     loss_metrics, other_metrics = split_loss_metrics([copy.deepcopy(m) for m in estimator.val_metrics])
     for metric in loss_metrics + other_metrics:
         metric.reset()
@@ -114,7 +115,7 @@ def _is_batch_rule_error(err: BaseException) -> bool:
     return needs_cause is not None and (not needs_cause or err.__cause__ is not None)
 
 
-def _add_context(estimator: Any, err: BaseException, context: str) -> None:
+def _add_context(estimator: FitEstimator, err: BaseException, context: str) -> None:
     """Tell where ``err`` came from without changing it: a note (Python 3.11+), else the log."""
     if sys.version_info >= (3, 11):
         err.add_note(context)
@@ -122,7 +123,7 @@ def _add_context(estimator: Any, err: BaseException, context: str) -> None:
         estimator.logger.error("%s: %s", type(err).__name__, context)
 
 
-def _own_or_padding(estimator: Any, batches: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
+def _own_or_padding(estimator: FitEstimator, batches: Iterable[Any]) -> Iterable[tuple[Any, bool]]:
     """``(batch, own)`` pairs: this rank's batches, and for a sharded ``val_net`` under
     torch.distributed padding ones until every rank has run out, so that every rank runs as many
     forwards (each gathers parameters from every rank) when ranks hold different numbers of

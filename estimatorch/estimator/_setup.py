@@ -9,7 +9,7 @@ import logging
 import os
 import sys
 from collections.abc import Iterator
-from typing import Any
+from typing import Any, Optional
 
 import torch
 from torch import nn
@@ -20,6 +20,7 @@ from ..event_handlers.defaults import default_handlers as _built_in_defaults
 from ..events import declared
 from ..metrics import Accuracy, Loss
 from ..metrics.base import as_metric_list, metric_name
+from ._fit_estimator import FitEstimator
 from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
 
 __all__ = ["default_handlers", "default_optimizer", "describe_stop", "interactive", "signal_guard", "torch_flags",
@@ -37,10 +38,10 @@ def default_optimizer(net: nn.Module) -> Any:
     return torch.optim.SGD(params, lr=0.01) if params else None
 
 
-def warn_default_optimizer(estimator: Any) -> None:
-    """Warn at the user's ``fit`` line, once per estimator, when it trains with the default
-    optimizer (still the one it was built with)."""
-    default, estimator._default_optimizer = getattr(estimator, "_default_optimizer", None), None
+def warn_default_optimizer(estimator: FitEstimator, default: Optional[torch.optim.Optimizer]) -> None:
+    """Warn at the user's ``fit`` line when it trains with the default optimizer ``default``
+    (still the one it was built with); the estimator passes it until a fit has started, so the
+    warning comes once per estimator."""
     if default is not None and estimator.optimizer is default:
         warn_user(f"no optimizer given to Estimator: fit trains with {DEFAULT_OPTIMIZER}. Pass "
                   "Estimator(..., optimizer=...) to choose one")
@@ -100,7 +101,7 @@ def interactive() -> bool:
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
 
 
-def default_handlers(estimator: Any, user: list[Any], val_data: Any) -> list[Any]:
+def default_handlers(estimator: FitEstimator, user: list[Any], val_data: Any) -> list[Any]:
     """The handlers ``fit`` adds: each default whose type none of ``user`` has (the handler
     package decides which; a progress bar where :func:`interactive`)."""
     return _built_in_defaults(
@@ -161,7 +162,7 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
                        requeue=requeue, resumes=any(declared(h, "resumes_run") for h in savers))
 
 
-def describe_stop(error: BaseException, estimator: Any, handlers: list[Any]) -> BaseException:
+def describe_stop(error: BaseException, estimator: FitEstimator, handlers: list[Any]) -> BaseException:
     """Give the ``KeyboardInterrupt`` of a clean Ctrl-C stop (once ``train_end`` has saved) its
     one line: where it stopped, what was saved, how to resume; returns ``error``."""
     if not is_clean_stop(error):

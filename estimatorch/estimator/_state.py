@@ -37,6 +37,7 @@ from ..events import Dispatch, state_attributes
 from ..events.readings import epoch_learning_rates, epoch_readings
 from ..events.timing import StepTimes
 from ..metrics.base import Metric, metric_name
+from ._fit_estimator import FitEstimator
 from ._interrupts import SignalGuard
 from ._stop_agreement import StopAgreement
 from .history import History
@@ -121,13 +122,15 @@ class Run:
         self.step: Any = None
         #: where the steps' time goes, when a handler declares ``times_steps`` (else None)
         self.step_times: Optional[StepTimes] = None
+        #: the snapshot ``fit(..., resume=True)`` continues from, taken as the fit ends
+        self.final_snapshot: Optional[dict[str, Any]] = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
     return f"epochs={plan['epochs']}" if plan["epochs"] is not None else f"batches={plan['batches']}"
 
 
-def record_history(estimator: Any, run: Run, epoch: int) -> None:
+def record_history(estimator: FitEstimator, run: Run, epoch: int) -> None:
     """Record the epoch's values in the run's History: every train metric, the val metrics when
     the epoch validated, the learning rates the epoch trained with and what handlers measured of it
     (a SpeedMonitor's values), as the handlers declare them (:mod:`estimatorch.events.readings`)."""
@@ -141,7 +144,7 @@ def record_history(estimator: Any, run: Run, epoch: int) -> None:
 
 
 # -- taking ---------------------------------------------------------------------------------------
-def take_snapshot(estimator: Any, run: Run, partial: bool = False) -> dict[str, Any]:
+def take_snapshot(estimator: FitEstimator, run: Run, partial: bool = False) -> dict[str, Any]:
     """This rank's state at the current boundary: everything but model and optimizer."""
     handlers = {name: h.state_dict() for name, h in run.dispatch.by_name.items()
                 if callable(getattr(h, "state_dict", None))}
@@ -176,7 +179,7 @@ def take_snapshot(estimator: Any, run: Run, partial: bool = False) -> dict[str, 
 
 
 # -- checking -------------------------------------------------------------------------------------
-def check_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None:
+def check_snapshot(estimator: FitEstimator, run: Run, snapshot: dict[str, Any]) -> None:
     """Check everything of one rank's snapshot that a resume of ``run`` reads (but the data
     fingerprint and the plan, which :func:`resume_plan` judges), without changing anything: its
     structure (what the store checks of any file, ``checkpoint.check_snapshot_structure``), then
@@ -256,7 +259,7 @@ def resume_plan(run: Run, snapshot: dict[str, Any], source: str) -> dict[str, An
     return snapshot
 
 
-def restore_snapshot(estimator: Any, run: Run, snapshot: dict[str, Any]) -> None:
+def restore_snapshot(estimator: FitEstimator, run: Run, snapshot: dict[str, Any]) -> None:
     """Put a snapshot's state into this fit's handlers, metrics, data and generators."""
     pos = snapshot["position"]
     estimator.logger.info("Resuming from %s: %d epochs and %d batches done", snapshot["source"], pos["epoch"],

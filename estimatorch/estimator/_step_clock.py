@@ -15,6 +15,7 @@ from typing import Any, Callable
 
 from ..events import declared
 from ..events.timing import StepTimes
+from ._fit_estimator import FitEstimator
 
 __all__ = ["StepClock"]
 
@@ -91,7 +92,7 @@ class StepClock:
         clock, ns, times = time.perf_counter_ns, self.ns, self.times
         events = times.events
 
-        def timed_fit_batch(estimator: Any, batch: Any, batch_axis: int) -> Any:
+        def timed_fit_batch(estimator: FitEstimator, batch: Any, batch_axis: int) -> Any:
             begun = clock()
             ns["handlers"] += begun - self.mark  # the batch_begin hooks
             if events:
@@ -104,7 +105,7 @@ class StepClock:
 
         return timed_fit_batch
 
-    def _optimizer_done(self, estimator: Any, **kwargs: Any) -> None:
+    def _optimizer_done(self, estimator: FitEstimator, **kwargs: Any) -> None:
         now = time.perf_counter_ns()
         self.ns["step"] += now - self.mark
         self.mark = now

@@ -21,6 +21,8 @@ from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from .. import distributed
 from ..checkpoint import is_sharded_module
+from ._checks import PRECISIONS
+from ._fit_estimator import FitEstimator
 
 __all__ = ["STRATEGIES", "check_strategy", "train_wrapper", "wraps"]
 
@@ -44,20 +46,20 @@ def check_strategy(strategy: Any, net: nn.Module, optimizer: Optional[torch.opti
     return str(strategy)  # one of STRATEGIES
 
 
-def wraps(est: Any) -> bool:
+def wraps(est: FitEstimator) -> bool:
     """Whether ``fit`` calls :func:`train_wrapper`: under a process group of several processes,
     or of any size for ``strategy="fsdp"``."""
     return distributed.is_distributed() or (
         est.strategy == "fsdp" and torch.distributed.is_available() and torch.distributed.is_initialized())
 
 
-def train_wrapper(est: Any) -> Optional[nn.Module]:
+def train_wrapper(est: FitEstimator) -> Optional[nn.Module]:
     """What ``fit`` trains under a process group: a DDP wrapper of ``est.net``, or None when the
     net is sharded (it trains itself; ``strategy="fsdp"`` shards it here first)."""
     if is_sharded_module(est.net):
         return None
     if est.strategy == "fsdp":
-        shard(est.net, est.optimizer, est.device, est._amp_dtype)
+        shard(est.net, est.optimizer, est.device, PRECISIONS[est.precision])
         return None
     ids = [est.device.index] if est.device.type == "cuda" else None
     return nn.parallel.DistributedDataParallel(est.net, device_ids=ids)

@@ -11,16 +11,17 @@ from __future__ import annotations
 
 import contextlib
 from collections.abc import Iterator
-from typing import Any
 
 from .._rank_watch import RankWatch
+from ._fit_estimator import FitEstimator
 from ._oom import diagnostics_dir
+from ._state import Run
 
 __all__ = ["publish_failure", "watching"]
 
 
 @contextlib.contextmanager
-def watching(estimator: Any, run: Any) -> Iterator[RankWatch]:
+def watching(estimator: FitEstimator, run: Run) -> Iterator[RankWatch]:
     """Watch the ranks for the duration of the block (the loop and ``train_end``)."""
     pos = run.pos
     watch = RankWatch(lambda: pos.step, estimator.logger, estimator.watchdog,
@@ -36,7 +37,7 @@ def watching(estimator: Any, run: Any) -> Iterator[RankWatch]:
         watch.stop()
 
 
-def publish_failure(watch: RankWatch, run: Any, error: BaseException) -> None:
+def publish_failure(watch: RankWatch, run: Run, error: BaseException) -> None:
     """Tell the other ranks that this rank's fit failed (not for a stop every rank agreed on)."""
     if run.signals.stopped is None:
         watch.failed(error, run.pos.step)

@@ -32,12 +32,7 @@ from ._plan import build_scheduler, check_horizons, planned_steps
 from ._predict import run_prediction
 from ._run_view import RunView
 from ._sanity import sanity_pass
-from ._setup import (
-    default_optimizer,
-    describe_stop,
-    metric_lists,
-    torch_flags,
-)
+from ._setup import default_optimizer, describe_stop, metric_lists, torch_flags
 from ._start import start_run
 from ._state import Run, Stage
 from ._strategy import check_strategy, train_wrapper, wraps
@@ -162,8 +157,8 @@ class Estimator(RunView):
 
         self.train_metrics, self.val_metrics = metric_lists(train_metrics, val_metrics, self.loss, self.device)
 
-        if optimizer is None:  # fit warns when it trains with it
-            optimizer = self._default_optimizer = default_optimizer(net)
+        self._default_optimizer = None if optimizer is not None else default_optimizer(net)  # fit warns
+        optimizer = optimizer if optimizer is not None else self._default_optimizer
         self.optimizer = optimizer
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
@@ -171,15 +166,14 @@ class Estimator(RunView):
         self.lr_scheduler, self.lr_scheduler_factory = check_lr_scheduler(lr_scheduler, optimizer,
                                                                           lr_scheduler_interval)
         self.lr_scheduler_interval = lr_scheduler_interval
-        amp_dtype = PRECISIONS[precision]
-        self._amp_dtype = amp_dtype
+        self._amp_dtype = amp_dtype = PRECISIONS[precision]
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)
 
         self.max_epoch: Optional[int] = None
         self.max_batch: Optional[int] = None
         self.batch_axis = 0
-        self._dispatch = Dispatch([])
+        self.dispatch = Dispatch([])
         self._run: Optional[Run] = None
         self._fitting = False
         self._last: Optional[dict[str, Any]] = None
@@ -229,7 +223,7 @@ class Estimator(RunView):
 
         For custom batch processors (forward/backward events). Outside ``fit`` it does nothing.
         """
-        return self._dispatch.fire(event, self, **kwargs)
+        return self.dispatch.fire(event, self, **kwargs)
 
     # -- fit ---------------------------------------------------------------------------------
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
@@ -311,7 +305,9 @@ class Estimator(RunView):
         error: Optional[Exception] = None
         try:
             run = start_run(self, train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
-                            (batches_per_epoch, val_batches))
+                            (batches_per_epoch, val_batches), last=self._last,
+                            default_optimizer=self._default_optimizer)
+            self._default_optimizer = None  # warned (when still in use): once per estimator
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
@@ -320,7 +316,7 @@ class Estimator(RunView):
 
     def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
-        self._run, self._dispatch, self._fitting = run, run.dispatch, True
+        self._run, self.dispatch, self._fitting = run, run.dispatch, True
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed, stopping = False, BaseException()
         try:
@@ -353,9 +349,11 @@ class Estimator(RunView):
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
                 return run.history
         finally:
-            self._dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
+            self.dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
             if not run.stage.holds_state:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
+            else:  # what fit(..., resume=True) continues from
+                self._last = run.final_snapshot
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:
