@@ -222,7 +222,7 @@ def test_the_complete_handler_of_the_guide_takes_part_through_public_hooks_only(
     import signal
 
     from estimatorch import CheckpointHandler, LambdaHandler
-    from estimatorch.estimator._elastic_resume import batch_counters
+    from estimatorch.estimator._state.elastic_resume import batch_counters
     from estimatorch.events import subscribes
     from tests.conftest import make_batches, make_estimator
 

@@ -15,11 +15,11 @@ from typing import Any, Optional
 
 from .._batches import batch_mover
 from ._fit_estimator import FitEstimator
-from ._interrupts import stop_exception
-from ._plan import limited
-from ._state import Run, Stage, describe_plan, record_history, restore_snapshot, take_snapshot
-from ._step_clock import StepClock
-from ._stop_agreement import rank_identical_stops
+from ._plan.counts import limited
+from ._state.run import Run, Stage, describe_plan, record_history, restore_snapshot, take_snapshot
+from ._step.clock import StepClock
+from ._stopping.agreement import rank_identical_stops
+from ._stopping.interrupts import stop_exception
 
 __all__ = ["end_run", "run_loop"]
 

@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 
 from ..events import Dispatch
 from ..events.timing import StepTimes
-from ._state import Position, Run, resume_plan
+from ._state.run import Position, Run, resume_plan
 
 __all__ = ["RunView"]
 

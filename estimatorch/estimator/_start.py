@@ -14,13 +14,13 @@ from ..data import configure_elastic, make_train_stream
 from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
 from ..events.monitor import resolve_monitors
 from ..events.timing import StepTimes
-from ._capture import check_capture
-from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
 from ._fit_estimator import FitEstimator
-from ._plan import plan_counts, schedule_length
-from ._setup import default_handlers, signal_guard, warn_default_optimizer
-from ._state import Run, resume_plan
-from ._stop_agreement import agreement_period
+from ._plan.counts import plan_counts, schedule_length
+from ._setup.arguments import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
+from ._setup.metrics import default_handlers, signal_guard, warn_default_optimizer
+from ._state.run import Run, resume_plan
+from ._step.capture import check_capture
+from ._stopping.agreement import agreement_period
 
 __all__ = ["start_run"]
 

@@ -13,7 +13,13 @@ from .. import distributed, rng
 from .._rank_watch import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
-from ._checks import (
+from ._inference.evaluation import check_inference_args, evaluate_batches
+from ._inference.predict import run_prediction
+from ._inference.sanity import sanity_pass
+from ._loop import end_run, run_loop
+from ._plan.counts import build_scheduler, check_horizons, planned_steps
+from ._run_view import RunView
+from ._setup.arguments import (
     PRECISIONS,
     check_estimator_arguments,
     check_flags,
@@ -21,22 +27,16 @@ from ._checks import (
     precision_name,
     resolve_device,
 )
-from ._evaluation import check_inference_args, evaluate_batches
-from ._graphed_step import graphed_step
-from ._interrupts import stop_exception
-from ._logging import default_logger as _default_logger
-from ._loop import end_run, run_loop
-from ._oom import describe_out_of_memory
-from ._payload import check_payload, payload_of, snapshot_to_resume
-from ._plan import build_scheduler, check_horizons, planned_steps
-from ._predict import run_prediction
-from ._run_view import RunView
-from ._sanity import sanity_pass
-from ._setup import default_optimizer, describe_stop, metric_lists, torch_flags
+from ._setup.logger import default_logger as _default_logger
+from ._setup.metrics import default_optimizer, describe_stop, metric_lists, torch_flags
 from ._start import start_run
-from ._state import Run, Stage
-from ._strategy import check_strategy, train_wrapper, wraps
-from ._watch import publish_failure, watching
+from ._state.payload import check_payload, payload_of, snapshot_to_resume
+from ._state.run import Run, Stage
+from ._step.graphed_step import graphed_step
+from ._step.strategy import check_strategy, train_wrapper, wraps
+from ._stopping.interrupts import stop_exception
+from ._stopping.oom import describe_out_of_memory
+from ._stopping.watch import publish_failure, watching
 from .batch_processor import BatchProcessor
 from .history import History
 

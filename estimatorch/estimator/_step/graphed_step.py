@@ -38,11 +38,11 @@ from typing import Any, Optional
 
 import torch
 
-from .._batches import map_tensors, tensors_in
-from .._checks import warn_user
-from ._capture import capture_error, fallback_message, in_graph, refusal_error, schedule_refusal
-from ._fit_estimator import FitEstimator
-from ._state import Run
+from ..._batches import map_tensors, tensors_in
+from ..._checks import warn_user
+from .._fit_estimator import FitEstimator
+from .._state.run import Run
+from .capture import capture_error, fallback_message, in_graph, refusal_error, schedule_refusal
 
 __all__ = ["GraphedStep", "WARMUP_STEPS", "graphed_step", "layout_of"]
 

@@ -34,15 +34,15 @@ from __future__ import annotations
 import copy
 from typing import Any, Callable
 
-from .. import distributed, rng
-from .._checks import is_int, warn_user
-from .._saved import CheckpointError
-from ..checkpoint import rank_snapshot
-from ..data import ElasticLayout, check_fingerprint, is_elastic
-from ..events import declared
-from ..metrics.base import Metric, metric_name
-from ._fit_estimator import FitEstimator
-from ._state import Run
+from ... import distributed, rng
+from ..._checks import is_int, warn_user
+from ..._saved import CheckpointError
+from ...checkpoint import rank_snapshot
+from ...data import ElasticLayout, check_fingerprint, is_elastic
+from ...events import declared
+from ...metrics.base import Metric, metric_name
+from .._fit_estimator import FitEstimator
+from .run import Run
 
 __all__ = ["batch_counters", "map_payload", "world_size_error"]
 

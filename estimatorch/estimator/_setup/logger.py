@@ -6,7 +6,7 @@ import logging
 import sys
 from typing import Any
 
-from .. import distributed
+from ... import distributed
 
 __all__ = ["MainProcessFilter", "default_logger"]
 

@@ -13,9 +13,9 @@ import time
 from collections.abc import Iterable, Iterator
 from typing import Any, Callable
 
-from ..events import declared
-from ..events.timing import StepTimes
-from ._fit_estimator import FitEstimator
+from ...events import declared
+from ...events.timing import StepTimes
+from .._fit_estimator import FitEstimator
 
 __all__ = ["StepClock"]
 

@@ -38,8 +38,8 @@ from typing import Optional, TypeVar
 
 import torch.distributed as dist
 
-from .. import distributed
-from .._checks import check_positive_int
+from ... import distributed
+from ..._checks import check_positive_int
 
 __all__ = ["StopAgreement", "agreement_period", "rank_identical_stops"]
 

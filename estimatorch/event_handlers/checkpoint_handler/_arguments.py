@@ -6,8 +6,8 @@ from __future__ import annotations
 import os
 from typing import Any, Optional, Union
 
-from .._checks import check_bool, check_file_prefix, check_positive_int
-from ..events.monitor import check_monitor, check_threshold
+from ..._checks import check_bool, check_file_prefix, check_positive_int
+from ...events.monitor import check_monitor, check_threshold
 
 __all__ = ["check_arguments"]
 

@@ -12,10 +12,10 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from .._rank_watch import RankWatch
-from ._fit_estimator import FitEstimator
-from ._oom import diagnostics_dir
-from ._state import Run
+from ..._rank_watch import RankWatch
+from .._fit_estimator import FitEstimator
+from .._state.run import Run
+from .oom import diagnostics_dir
 
 __all__ = ["publish_failure", "watching"]
 

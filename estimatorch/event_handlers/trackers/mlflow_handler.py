@@ -7,9 +7,9 @@ import time
 from typing import Any, Optional, Union
 from urllib.parse import urlsplit
 
-from ..events import EstimatorView
-from ._paths import check_output_dir, check_output_file, path_argument
-from ._tracking import Outcome, Row, TrackingHandler, check_reachable, require
+from ...events import EstimatorView
+from .._paths import check_output_dir, check_output_file, path_argument
+from ._base import Outcome, Row, TrackingHandler, check_reachable, require
 
 __all__ = ["MLflowHandler"]
 

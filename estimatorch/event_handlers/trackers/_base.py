@@ -25,11 +25,11 @@ from urllib.parse import urlsplit
 
 import torch
 
-from .. import distributed
-from .._batches import batch_size_of
-from .._checks import check_bool, check_positive_int, check_state_keys
-from .._schedule import EventFilter
-from ..events import (
+from ... import distributed
+from ..._batches import batch_size_of
+from ..._checks import check_bool, check_positive_int, check_state_keys
+from ..._schedule import EventFilter
+from ...events import (
     AfterTrainEnd,
     BatchEnd,
     CheckpointSaved,
@@ -39,10 +39,10 @@ from ..events import (
     TrainBegin,
     TrainEnd,
 )
-from ..metrics.base import metric_name
-from ._paths import check_run_id
-from .lr_scheduler import epoch_learning_rates, learning_rate_names
-from .speed_monitor import SplitReader, epoch_speed_values
+from ...metrics.base import metric_name
+from .._paths import check_run_id
+from ..lr_scheduler import epoch_learning_rates, learning_rate_names
+from ..speed_monitor import SplitReader, epoch_speed_values
 
 __all__ = ["Outcome", "Row", "TrackingHandler", "check_reachable", "require"]
 

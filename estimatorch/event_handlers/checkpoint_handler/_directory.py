@@ -14,9 +14,9 @@ from typing import Any, Optional
 
 import torch
 
-from .. import checkpoint, distributed
-from ..events import EstimatorView, declared
-from ._paths import check_output_dir
+from ... import checkpoint, distributed
+from ...events import EstimatorView, declared
+from .._paths import check_output_dir
 
 __all__ = ["CheckpointDirectory", "absolute"]
 

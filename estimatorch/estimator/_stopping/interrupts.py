@@ -36,8 +36,8 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
-from .. import cluster, distributed
-from ..data import IgnoreStopSignals
+from ... import cluster, distributed
+from ...data import IgnoreStopSignals
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
            "stop_exception", "stop_message", "stopped_at_once"]

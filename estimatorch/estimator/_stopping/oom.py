@@ -14,10 +14,10 @@ from typing import Optional
 
 import torch
 
-from .. import distributed
-from ..events import declared
-from ._fit_estimator import FitEstimator
-from ._state import Run
+from ... import distributed
+from ...events import declared
+from .._fit_estimator import FitEstimator
+from .._state.run import Run
 
 __all__ = ["describe_out_of_memory", "diagnostics_dir", "failing_phase"]
 

@@ -14,14 +14,14 @@ from typing import Any, Optional
 import torch
 from torch import nn
 
-from .. import _console, cluster, distributed
-from .._checks import warn_user
-from ..event_handlers.defaults import default_handlers as _built_in_defaults
-from ..events import declared
-from ..metrics import Accuracy, Loss
-from ..metrics.base import as_metric_list, metric_name
-from ._fit_estimator import FitEstimator
-from ._interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
+from ... import _console, cluster, distributed
+from ..._checks import warn_user
+from ...event_handlers.defaults import default_handlers as _built_in_defaults
+from ...events import declared
+from ...metrics import Accuracy, Loss
+from ...metrics.base import as_metric_list, metric_name
+from .._fit_estimator import FitEstimator
+from .._stopping.interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message
 
 __all__ = ["default_handlers", "default_optimizer", "describe_stop", "interactive", "signal_guard", "torch_flags",
            "metric_lists", "train_metric_list", "val_metric_list", "warn_default_optimizer"]

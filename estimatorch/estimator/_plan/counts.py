@@ -26,11 +26,11 @@ from torch.optim.lr_scheduler import (
     SequentialLR,
 )
 
-from .._checks import check_positive_int, warn_user
-from ..data import configure_elastic, make_train_stream
-from ..events import Handler, accumulation_steps, check_handlers
-from ._fit_estimator import FitEstimator
-from ._state import Run
+from ..._checks import check_positive_int, warn_user
+from ...data import configure_elastic, make_train_stream
+from ...events import Handler, accumulation_steps, check_handlers
+from .._fit_estimator import FitEstimator
+from .._state.run import Run
 
 __all__ = ["PlanCounts", "build_scheduler", "check_horizons", "count_epoch_ends", "count_steps", "limited",
            "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]

@@ -18,9 +18,9 @@ from typing import Any, Optional
 
 import torch
 
-from ..events import declared, subscribes
-from ..events.dispatch import handler_name
-from ._fit_estimator import FitEstimator
+from ...events import declared, subscribes
+from ...events.dispatch import handler_name
+from .._fit_estimator import FitEstimator
 
 __all__ = ["CaptureConfig", "INSIDE_STEP_EVENTS", "capture_error", "capture_refusal", "check_capture", "config_of",
            "fallback_message", "in_graph", "refusal_error", "schedule_refusal"]

@@ -7,12 +7,12 @@ from typing import Any, Optional
 
 import torch
 
-from .. import distributed
-from .._batches import map_tensors
-from ..checkpoint import is_sharded_module
-from ._checks import PRECISIONS
-from ._evaluation import check_inference_args, run_batches
-from ._fit_estimator import FitEstimator
+from ... import distributed
+from ..._batches import map_tensors
+from ...checkpoint import is_sharded_module
+from .._fit_estimator import FitEstimator
+from .._setup.arguments import PRECISIONS
+from .evaluation import check_inference_args, run_batches
 
 __all__ = ["join_outputs", "run_prediction"]
 

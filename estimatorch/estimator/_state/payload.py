@@ -6,11 +6,11 @@ from __future__ import annotations
 
 from typing import Any, Optional
 
-from .. import checkpoint, distributed
-from .._saved import CheckpointError
-from ._elastic_resume import map_payload, world_size_error
-from ._fit_estimator import FitEstimator
-from ._state import Run, check_positions, check_snapshot, take_snapshot
+from ... import checkpoint, distributed
+from ..._saved import CheckpointError
+from .._fit_estimator import FitEstimator
+from .elastic_resume import map_payload, world_size_error
+from .run import Run, check_positions, check_snapshot, take_snapshot
 
 __all__ = ["check_payload", "payload_of", "snapshot_to_resume"]
 

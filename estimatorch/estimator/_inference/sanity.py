@@ -25,14 +25,14 @@ from typing import Any, Optional
 import torch
 from torch.utils.data import DataLoader
 
-from .. import _batches, distributed
-from .._batches import to_device
-from .._checks import check_positive_int
-from ..checkpoint import is_sharded_module
-from ..data import in_step
-from ..metrics.base import Metric, split_loss_metrics, update_metrics
-from ._evaluation import _inference_mode, _seeded
-from ._fit_estimator import FitEstimator
+from ... import _batches, distributed
+from ..._batches import to_device
+from ..._checks import check_positive_int
+from ...checkpoint import is_sharded_module
+from ...data import in_step
+from ...metrics.base import Metric, split_loss_metrics, update_metrics
+from .._fit_estimator import FitEstimator
+from .evaluation import _inference_mode, _seeded
 
 __all__ = ["sanity_pass"]
 

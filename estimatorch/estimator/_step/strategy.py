@@ -19,10 +19,10 @@ from torch import nn
 from torch.distributed.device_mesh import init_device_mesh
 from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
-from .. import distributed
-from ..checkpoint import is_sharded_module
-from ._checks import PRECISIONS
-from ._fit_estimator import FitEstimator
+from ... import distributed
+from ...checkpoint import is_sharded_module
+from .._fit_estimator import FitEstimator
+from .._setup.arguments import PRECISIONS
 
 __all__ = ["STRATEGIES", "check_strategy", "train_wrapper", "wraps"]
 

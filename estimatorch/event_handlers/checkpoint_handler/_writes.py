@@ -7,8 +7,8 @@ from __future__ import annotations
 import sys
 from typing import Any, Callable, Optional
 
-from .. import checkpoint, distributed
-from ..events import EstimatorView
+from ... import checkpoint, distributed
+from ...events import EstimatorView
 
 __all__ = ["finish_background_write", "submit_background_write"]
 

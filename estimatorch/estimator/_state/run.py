@@ -21,10 +21,10 @@ from typing import Any, Callable, Optional
 
 import torch
 
-from .. import distributed, rng
-from .._checks import warn_user
-from .._saved import CheckpointError, check_dict, check_like, show
-from ..checkpoint import (
+from ... import distributed, rng
+from ..._checks import warn_user
+from ..._saved import CheckpointError, check_dict, check_like, show
+from ...checkpoint import (
     PHASES,
     PLAN_KEYS,
     POSITION_KEYS,
@@ -32,15 +32,15 @@ from ..checkpoint import (
     check_positions,
     check_snapshot_structure,
 )
-from ..data import TrainStream, check_fingerprint
-from ..events import Dispatch, state_attributes
-from ..events.readings import epoch_learning_rates, epoch_readings
-from ..events.timing import StepTimes
-from ..metrics.base import Metric, metric_name
-from ._fit_estimator import FitEstimator
-from ._interrupts import SignalGuard
-from ._stop_agreement import StopAgreement
-from .history import History
+from ...data import TrainStream, check_fingerprint
+from ...events import Dispatch, state_attributes
+from ...events.readings import epoch_learning_rates, epoch_readings
+from ...events.timing import StepTimes
+from ...metrics.base import Metric, metric_name
+from .._fit_estimator import FitEstimator
+from .._stopping.agreement import StopAgreement
+from .._stopping.interrupts import SignalGuard
+from ..history import History
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "Stage", "check_snapshot",
            "check_positions", "describe_plan", "record_history", "restore_snapshot", "resume_plan", "take_snapshot"]

@@ -7,9 +7,9 @@ import os
 import re
 from typing import Any, Optional
 
-from ..events import EstimatorView
-from ._paths import check_output_dir, path_argument
-from ._tracking import Outcome, Row, TrackingHandler, check_reachable, require
+from ...events import EstimatorView
+from .._paths import check_output_dir, path_argument
+from ._base import Outcome, Row, TrackingHandler, check_reachable, require
 
 __all__ = ["WandbHandler"]
 

@@ -13,14 +13,14 @@ from typing import Any, Callable, Optional
 import torch
 from torch.utils.data import DataLoader, Dataset, IterableDataset, get_worker_info
 
-from .. import distributed, rng
-from .._batches import to_device
-from .._checks import is_int
-from ..checkpoint import is_sharded_module
-from ..data import InferenceData, draws_no_randomness, for_inference, in_step, loader_kwargs
-from ..events import Dispatch, check_handlers, order_handlers
-from ..metrics.base import split_loss_metrics, update_metrics
-from ._fit_estimator import FitEstimator
+from ... import distributed, rng
+from ..._batches import to_device
+from ..._checks import is_int
+from ...checkpoint import is_sharded_module
+from ...data import InferenceData, draws_no_randomness, for_inference, in_step, loader_kwargs
+from ...events import Dispatch, check_handlers, order_handlers
+from ...metrics.base import split_loss_metrics, update_metrics
+from .._fit_estimator import FitEstimator
 
 __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
 

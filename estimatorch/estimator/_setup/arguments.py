@@ -10,9 +10,9 @@ from typing import Any, Optional, Union, cast
 import torch
 from torch import nn
 
-from .. import distributed
-from .._checks import check_bool, check_positive_int, is_int
-from ..events import handler_name
+from ... import distributed
+from ..._checks import check_bool, check_positive_int, is_int
+from ...events import handler_name
 
 __all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
            "check_flags", "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]

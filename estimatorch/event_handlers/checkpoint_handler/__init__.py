@@ -8,15 +8,15 @@ import os
 import weakref
 from typing import Any, Optional, Union
 
-from .. import checkpoint, distributed
-from .._checks import check_positive_int, check_state_keys, is_real, warn_user
-from .._schedule import EventFilter
-from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
-from ..events.monitor import improved, resolve_mode
-from ..metrics.base import metric_name
-from ._checkpoint_arguments import check_arguments
-from ._checkpoint_directory import CheckpointDirectory, absolute
-from ._checkpoint_writes import finish_background_write, submit_background_write
+from ... import checkpoint, distributed
+from ..._checks import check_positive_int, check_state_keys, is_real, warn_user
+from ..._schedule import EventFilter
+from ...events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ...events.monitor import improved, resolve_mode
+from ...metrics.base import metric_name
+from ._arguments import check_arguments
+from ._directory import CheckpointDirectory, absolute
+from ._writes import finish_background_write, submit_background_write
 
 __all__ = ["CheckpointHandler"]
 
