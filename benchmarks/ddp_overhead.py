@@ -182,7 +182,7 @@ BASELINES = ("raw+metrics", "raw")
 def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from estimatorch.estimator._setup import metrics as fit_setup
+    from estimatorch.estimator._setup import handlers as fit_setup
 
     torch.set_num_threads(settings["threads"])
     fit_setup.interactive = lambda: False  # the default set without a progress bar

@@ -15,12 +15,15 @@ from ..events import Dispatch, check_fit, check_handlers, check_metric_reference
 from ..events.monitor import resolve_monitors
 from ..events.timing import StepTimes
 from ._fit_estimator import FitEstimator
-from ._plan.counts import plan_counts, schedule_length
+from ._plan.counts import plan_counts
+from ._plan.schedules import schedule_length
 from ._setup.arguments import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
-from ._setup.metrics import default_handlers, signal_guard, warn_default_optimizer
+from ._setup.handlers import default_handlers
+from ._setup.optimizer import warn_default_optimizer
 from ._state.run import Run, resume_plan
 from ._step.capture import check_capture
 from ._stopping.agreement import agreement_period
+from ._stopping.stop_messages import signal_guard
 
 __all__ = ["start_run"]
 

@@ -17,8 +17,10 @@ from ._inference.evaluation import check_inference_args, evaluate_batches
 from ._inference.predict import run_prediction
 from ._inference.sanity import sanity_pass
 from ._loop import end_run, run_loop
-from ._plan.counts import build_scheduler, check_horizons, planned_steps
+from ._plan.counts import planned_steps
+from ._plan.schedules import build_scheduler, check_horizons
 from ._run_view import RunView
+from ._setup import default_optimizer, metric_lists
 from ._setup.arguments import (
     PRECISIONS,
     check_estimator_arguments,
@@ -28,14 +30,15 @@ from ._setup.arguments import (
     resolve_device,
 )
 from ._setup.logger import default_logger as _default_logger
-from ._setup.metrics import default_optimizer, describe_stop, metric_lists, torch_flags
 from ._start import start_run
 from ._state.payload import check_payload, payload_of, snapshot_to_resume
 from ._state.run import Run, Stage
 from ._step.graphed_step import graphed_step
 from ._step.strategy import check_strategy, train_wrapper, wraps
+from ._step.torch_flags import torch_flags
 from ._stopping.interrupts import stop_exception
 from ._stopping.oom import describe_out_of_memory
+from ._stopping.stop_messages import describe_stop
 from ._stopping.watch import publish_failure, watching
 from .batch_processor import BatchProcessor
 from .history import History

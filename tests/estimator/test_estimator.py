@@ -21,7 +21,7 @@ from estimatorch import (
     StoppingHandler,
     ValidationHandler,
 )
-from estimatorch.estimator._setup import metrics as fit_setup
+from estimatorch.estimator._setup import handlers as fit_setup
 from estimatorch.event_handlers import EVENTS, BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from estimatorch.metrics import Accuracy, Loss, MeanSquaredError
 from tests.conftest import losses_recorder, make_batches, make_estimator

@@ -15,7 +15,7 @@ import pytest
 import torch
 
 from estimatorch import CheckpointHandler, _console, checkpoint
-from estimatorch.estimator._setup import metrics as fit_setup
+from estimatorch.estimator._setup import handlers as fit_setup
 from estimatorch.estimator import estimator as estimator_module
 from estimatorch.estimator._stopping.interrupts import stop_message
 from estimatorch.event_handlers import BatchEnd, EpochEnd

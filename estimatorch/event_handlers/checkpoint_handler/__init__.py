@@ -16,7 +16,7 @@ from ...events.monitor import improved, resolve_mode
 from ...metrics.base import metric_name
 from ._arguments import check_arguments
 from ._directory import CheckpointDirectory, absolute
-from ._writes import finish_background_write, submit_background_write
+from ._writes import finish_background_write, save
 
 __all__ = ["CheckpointHandler"]
 
@@ -427,70 +427,6 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         return improved(value, self.best, self.mode), value
 
     def _save(self, estimator: EstimatorView, background: bool = True) -> None:
-        """Write what is due at the current boundary (with ``async_save``, and ``background``,
-        hand it to the writer thread). A collective: every rank calls it."""
-        pos = estimator.position
-        is_best, value = self._check_best(pos)
-        names = self._layout.due(pos.epoch, pos.step, is_best)
-        if not names:
-            return
-        clash = [name for name in names if name in self._directory.foreign]
-        if clash:  # the same on every rank: nothing is written anywhere
-            raise FileExistsError(
-                f"{os.path.join(self.model_dir, clash[0])!r} was there when this fit started and this handler's "
-                f"state (its best value) did not come back with the resume, so it belongs to another run and is "
-                "left untouched: resume from a checkpoint written with this handler in the fit, move the file "
-                "away, or choose another model_prefix")
-        if is_best and value is not None:
-            self.best = value  # before the payload: the checkpoint holds it
-        if self._layout.resumable:
-            self._saved_step = pos.step
-        best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
-        if self._layout.sharded and not self.save_weights_only:  # every rank writes its part
-            self._save_sharded(estimator, names, step, background)
-            return
-        if self.save_weights_only:  # a sharded net's weights are gathered: a collective
-            sharded = self._layout.sharded
-            state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
-        else:
-            state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-        writer = self._writer if background else None
-        if writer is None:  # a full disk on rank 0 stops every rank, never a hang
-            distributed.run_on_main(lambda: self._write(estimator, state, names, best, step),
-                                    "CheckpointHandler writing a checkpoint")
-        else:  # the previous background write's failure too
-            paths = [os.path.join(self.model_dir, name) for name in names]
-            distributed.run_on_main(lambda: submit_background_write(
-                writer, state, paths, lambda staged, written: self._write(estimator, staged, names, best, step,
-                                                                          written=written)),
-                                    "CheckpointHandler writing a checkpoint")
+        """Write what is due at the current boundary (``_writes.save``). A collective."""
+        save(self, estimator, background)
 
-    def _save_sharded(self, estimator: EstimatorView, names: list[str], step: int, background: bool) -> None:
-        """A sharded net's checkpoint directory, written by every rank (a collective; with
-        ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
-        and retention. A directory of the same name (one the resume skipped as unusable, as a
-        file of that name would be replaced) is removed first."""
-        path = os.path.join(self.model_dir, names[0])
-        distributed.run_on_main(lambda: checkpoint.remove_checkpoint(path), "CheckpointHandler clearing " + path)
-
-        def settle() -> None:
-            distributed.run_on_main(lambda: self._write(estimator, None, names, None, step, written=True),
-                                    "CheckpointHandler moving the pointer")
-
-        checkpoint.save_fit_checkpoint(estimator, path, writer=self._writer if background else None, then=settle)
-
-    def _write(self, estimator: EstimatorView, state: Any, names: list[str], best: Optional[float], step_now: int,
-               written: bool = False) -> None:
-        """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
-        writer process, or for a sharded checkpoint), the periodic one first, then the best one;
-        then the pointer, retention and orphaned temporaries."""
-        paths = [os.path.join(self.model_dir, name) for name in names]
-        for path in paths if not written else ():
-            checkpoint.atomic_save(state, path)
-        removed = self._directory.settle(paths, step_now)
-        estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
-                       removed=[absolute(path) for path in removed])
-        if self.verbose:
-            note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
-            estimator.logger.info("Saved %s %s%s", "weights export" if self.save_weights_only else "checkpoint",
-                                  paths[0], note)
