@@ -5,7 +5,8 @@ decides, :mod:`estimatorch.event_handlers.defaults`), with a progress bar where 
 from __future__ import annotations
 
 import sys
-from typing import Any
+from collections.abc import Iterable
+from typing import Optional
 
 from ... import _console
 from ...event_handlers.defaults import default_handlers as _built_in_defaults
@@ -22,7 +23,8 @@ def interactive() -> bool:
     return bool(stream is not None and hasattr(stream, "isatty") and stream.isatty())
 
 
-def default_handlers(estimator: FitEstimator, user: list[Any], val_data: Any) -> list[Any]:
+def default_handlers(estimator: FitEstimator, user: list[object],
+                     val_data: Optional[Iterable[object]]) -> list[object]:
     """The handlers ``fit`` adds: each default whose type none of ``user`` has (the handler
     package decides which; a progress bar where :func:`interactive`)."""
     return _built_in_defaults(

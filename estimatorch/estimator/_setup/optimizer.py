@@ -4,7 +4,7 @@ when it does.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -19,7 +19,7 @@ __all__ = ['default_optimizer', 'warn_default_optimizer']
 DEFAULT_OPTIMIZER = "torch.optim.SGD(net.parameters(), lr=0.01)"
 
 
-def default_optimizer(net: nn.Module) -> Any:
+def default_optimizer(net: nn.Module) -> Optional[torch.optim.Optimizer]:
     """``Estimator(optimizer=None)``'s optimizer: SGD with lr 0.01 over ``net``'s trainable
     parameters (None without any). Built silently: an estimator only used to evaluate or
     predict never trains with it; ``fit`` warns (:func:`warn_default_optimizer`)."""

@@ -12,7 +12,7 @@ rank, so that its checkpoints are sharded directories that resume on more ranks.
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Optional
 
 import torch
 from torch import nn
@@ -30,7 +30,7 @@ __all__ = ["STRATEGIES", "check_strategy", "train_wrapper", "wraps"]
 STRATEGIES = ("ddp", "fsdp")
 
 
-def check_strategy(strategy: Any, net: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
+def check_strategy(strategy: object, net: nn.Module, optimizer: Optional[torch.optim.Optimizer]) -> Optional[str]:
     """``strategy`` checked against the net and the optimizer it will train."""
     if strategy is None:
         return None

@@ -5,7 +5,7 @@ is (checkpointing or not, a notebook, several ranks), and the one line of a clea
 from __future__ import annotations
 
 import logging
-from typing import Any
+from collections.abc import Sequence
 
 from ... import _console, cluster, distributed
 from ...events import declared
@@ -15,7 +15,7 @@ from .._stopping.interrupts import SignalGuard, install_excepthook, is_clean_sto
 __all__ = ['describe_stop', 'signal_guard']
 
 
-def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
+def signal_guard(handlers: Sequence[object], logger: logging.Logger) -> SignalGuard:
     """Defers SIGINT and SIGTERM (and SLURM's requeue signal under SLURM) to a step boundary, with
     a message that fits where we are, logged on every rank."""
     # only a handler writing resumable checkpoints saves the boundary (exporters do not)
@@ -37,7 +37,7 @@ def signal_guard(handlers: list[Any], logger: logging.Logger) -> SignalGuard:
                        requeue=requeue, resumes=any(declared(h, "resumes_run") for h in savers))
 
 
-def describe_stop(error: BaseException, estimator: FitEstimator, handlers: list[Any]) -> BaseException:
+def describe_stop(error: BaseException, estimator: FitEstimator, handlers: Sequence[object]) -> BaseException:
     """Give the ``KeyboardInterrupt`` of a clean Ctrl-C stop (once ``train_end`` has saved) its
     one line: where it stopped, what was saved, how to resume; returns ``error``."""
     if not is_clean_stop(error):
