@@ -96,7 +96,7 @@ def train_epoch(estimator: FitEstimator, run: Run, epoch: int, marked: frozenset
                     identical = True
                 else:
                     stop = True
-        if multi:  # every rank stops at the same step: see _stop_agreement
+        if multi:  # every rank stops at the same step: see _stopping/agreement.py
             stop, code = agreement.after_batch(pos.step + 1, stop, identical, signals.code)
         else:
             stop = stop or identical

@@ -363,7 +363,7 @@ class Estimator(RunView):
         """Everything needed to resume the current fit, for a checkpoint store to write: the
         training state (``model`` under the plain module's keys whatever wraps it, ``optimizer``,
         ``optimizer_class``, ``lr_scheduler``, ``grad_scaler``), ``world_size`` and ``ranks``,
-        every rank's snapshot (``estimator/_state.py`` declares what one holds). A collective
+        every rank's snapshot (``estimator/_state/run.py`` declares what one holds). A collective
         under torch.distributed: every rank must call it; global rank 0 gets the payload, the
         other ranks None. With ``gather=False`` (a store where every rank writes its own part,
         as for a sharded net) no collective: every rank gets ``rank``, ``world_size``, its own

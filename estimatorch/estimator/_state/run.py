@@ -5,7 +5,7 @@ A snapshot is a dict of tensors and plain python values (what :data:`SNAPSHOT` l
 rank. A checkpoint store moves a list of them, with the model and optimizer states, to and from
 disk through the estimator's seam (``Estimator.state_payload`` / ``check_payload`` /
 ``load_payload``); an elastic resume maps them onto another world size
-(:mod:`estimatorch.estimator._elastic_resume`). The store declares their keys and checks their
+(:mod:`estimatorch.estimator._state.elastic_resume`). The store declares their keys and checks their
 structure (``checkpoint/_run_state.py``: what ``checkpoint.load`` and ``inspect`` check of any
 file); their meaning is read nowhere outside ``estimator/``, except ``handlers`` and ``shared``: a
 store may keep a state the handler declares the same on every rank (``shared_state``) once, and

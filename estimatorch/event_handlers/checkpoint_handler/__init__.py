@@ -94,7 +94,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
     ``batch_size`` and ``world_size x accumulation_steps``: every optimizer step trains the same
     samples.
     The checkpoint must be at an optimizer step (not inside an accumulation window); the saved
-    ranks' states are mapped onto the new ones (:mod:`estimatorch.estimator._elastic_resume`). Without
+    ranks' states are mapped onto the new ones (:mod:`estimatorch.estimator._state.elastic_resume`). Without
     it a different world size is refused, and an elastic file resumes only an elastic fit (and
     the reverse).
 
