@@ -24,7 +24,7 @@ configurations alternate, the first of each round rotating, after one untimed wa
 run starts after a barrier; its time is the slower rank's. The ratios are medians over rounds of
 (fit / baseline in the same round): against ``raw+metrics`` first, then against ``raw``.
 
-With a library that agrees on stops asynchronously (``estimator/_stop_agreement.py``) two more
+With a library that agrees on stops asynchronously (``estimator/_stopping/agreement.py``) two more
 configurations run, as diagnostics: ``fit-every-step`` sets ``Estimator.agree_every = 1`` (the
 ranks exchange their stop flags after every step, as ``fit`` did before the exchange went to
 every 16 steps on gloo), the same run's A/B of what the period saves per step; ``fit-unagreed``
@@ -165,7 +165,7 @@ def _fit_unagreed(steps: int, dataset: Any, hidden: int) -> None:
 
 
 def _with_agreement(after_batch: Any, steps: int, dataset: Any, hidden: int) -> None:
-    from estimatorch.estimator._stop_agreement import StopAgreement
+    from estimatorch.estimator._stopping.agreement import StopAgreement
 
     asynchronous = StopAgreement.after_batch
     StopAgreement.after_batch = after_batch  # type: ignore[method-assign]
@@ -182,7 +182,7 @@ BASELINES = ("raw+metrics", "raw")
 def _worker(settings: dict[str, Any]) -> dict[str, Any]:
     import torch.distributed as dist
 
-    from estimatorch.estimator import _setup as fit_setup
+    from estimatorch.estimator._setup import handlers as fit_setup
 
     torch.set_num_threads(settings["threads"])
     fit_setup.interactive = lambda: False  # the default set without a progress bar
@@ -192,7 +192,7 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
                "raw": lambda: _raw(steps, dataset, hidden),
                "fit": lambda: _fit(steps, dataset, hidden)}
     try:
-        import estimatorch.estimator._stop_agreement  # noqa: F401 - only in versions that have it
+        import estimatorch.estimator._stopping.agreement  # noqa: F401 - only in versions that have it
     except ImportError:
         pass
     else:

@@ -1,6 +1,6 @@
 """Checks of saved state, in words: what a value is, and whether a saved value may take the place
 of the one it replaces. They raise :class:`CheckpointError`, which the checkpoint store
-(:mod:`estimatorch.checkpoint`) and the run's state (``estimator/_state.py``) both report.
+(:mod:`estimatorch.checkpoint`) and the run's state (``estimator/_state/run.py``) both report.
 
 Lowest layer: it imports nothing of the package.
 

@@ -34,6 +34,7 @@ from . import rng
 from .data import open_stream
 from .estimator import default_logger
 from .event_handlers import BatchEnd, CheckpointHandler, ProgressBarHandler
+from .events import EstimatorView
 
 __all__ = ["assert_resumable", "check_stream_adapter"]
 
@@ -51,7 +52,7 @@ class _Trace(BatchEnd):
         self.losses: list[str] = []
         self.digests: list[str] = []
 
-    def batch_end(self, estimator: Any, *, loss: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, *, loss: Any, **kwargs: Any) -> None:
         value = loss.detach().float().mean() if isinstance(loss, torch.Tensor) else loss
         self.losses.append(float(value).hex())
         h = hashlib.blake2b(digest_size=16)
@@ -69,7 +70,7 @@ class CrashAfter(BatchEnd):
         self.step = step
         self.seen = 0
 
-    def batch_end(self, estimator: Any, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.seen += 1
         if self.seen == self.step:
             estimator.at_boundary(self._crash)

@@ -311,7 +311,7 @@ def test_sigterm_under_slurm_stays_a_plain_preemption_and_the_switch_turns_reque
 ])
 def test_the_requeue_message_says_what_is_saved_and_whether_the_job_requeues(monkeypatch, checkpointing, resumes,
                                                                              says):
-    from estimatorch.estimator._interrupts import stop_message
+    from estimatorch.estimator._stopping.interrupts import stop_message
 
     monkeypatch.setenv("SLURM_JOB_ID", "9")
     text = stop_message("SIGUSR1", notebook=False, checkpointing=checkpointing, resumes=resumes, multi=True)
@@ -337,7 +337,7 @@ def test_dataloader_workers_ignore_slurm_requeue_signal(monkeypatch):
     ignores it (as it ignores Ctrl-C and SIGTERM), so the main process can stop at the boundary."""
     import signal as signals
 
-    from estimatorch.estimator._interrupts import IgnoreStopSignals
+    from estimatorch.estimator._stopping.interrupts import IgnoreStopSignals
 
     saved = {sig: signals.getsignal(sig) for sig in (signals.SIGINT, signals.SIGTERM, signals.SIGUSR1)}
     try:

@@ -13,7 +13,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler
 from estimatorch.estimator import _loop
-from estimatorch.estimator._graphed_step import WARMUP_STEPS
+from estimatorch.estimator._step.graphed_step import WARMUP_STEPS
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd, TrainEnd
 from tests.estimator.test_interrupts import default_signals  # noqa: F401 - the fixture, used by name
 

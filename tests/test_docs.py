@@ -4,6 +4,7 @@ the same numbers run after run; nothing points outside the repository."""
 
 from __future__ import annotations
 
+import ast
 import inspect
 import json
 import os
@@ -91,18 +92,55 @@ def test_every_public_name_of_distributed_is_on_its_page():
     assert not missing, f"docs/distributed.md never mentions {missing}"
 
 
-def test_the_module_map_names_every_internal_module():
-    """docs/architecture.md's map of where things are: every module of the estimator and
-    checkpoint packages, every private helper of event_handlers, every top-level module (a new
-    module must be placed on the map; a public handler's module is covered by its row)."""
-    package = ROOT / "estimatorch"
-    modules = [*(package / "estimator").glob("*.py"), *(package / "checkpoint").glob("*.py"),
-               *(package / "event_handlers").glob("_*.py"), package / "event_handlers" / "mixins.py",
-               *package.glob("*.py")]
+def _package_modules(package: pathlib.Path) -> list[pathlib.Path]:
+    """Every module of the package: each ``.py`` file but a package's ``__init__.py`` that
+    defines nothing (a docstring and imports), which its package's own row covers."""
+    found = []
+    for path in sorted(package.rglob("*.py")):
+        if path.name == "__init__.py" and not any(isinstance(node, (ast.FunctionDef, ast.ClassDef))
+                                                  for node in ast.parse(path.read_text()).body):
+            continue
+        found.append(path)
+    return found
+
+
+def test_the_module_map_names_every_module_and_only_modules_that_exist():
+    """docs/architecture.md's map of where things are: every module of the package is named by
+    its path (a package whose ``__init__`` holds code, such as ``checkpoint_handler/``, by its
+    directory), and every path the map names exists (a map that drifted fails)."""
     where = section(read(DOCS / "architecture.md"), "Where things are")
-    missing = [str(m.relative_to(ROOT)) for m in sorted(modules)
-               if m.name != "__init__.py" and f"{m.name}`" not in where]
+    named = set(re.findall(r"`(estimatorch/[\w/.]*)`", where))
+    missing = []
+    for path in _package_modules(ROOT / "estimatorch"):
+        rel = str(path.relative_to(ROOT))
+        if rel not in named and not (path.name == "__init__.py" and rel[:-len("__init__.py")] in named):
+            missing.append(rel)
     assert not missing, f"docs/architecture.md's map lacks {missing}"
+    gone = sorted(p for p in named if not (ROOT / p).exists())
+    assert not gone, f"docs/architecture.md's map names paths that do not exist: {gone}"
+
+
+def test_every_path_the_architecture_guide_names_exists():
+    """Not only the map: any ``estimatorch/...`` or package-relative module path the guide
+    names in backquotes is one the package has."""
+    text = read(DOCS / "architecture.md")
+    gone = []
+    for path in set(re.findall(r"`((?:estimatorch/)?(?:estimator|checkpoint|event_handlers|events|data|samplers|"
+                               r"metrics|statistics)/[\w/]+\.py)`", text)):
+        full = path if path.startswith("estimatorch/") else f"estimatorch/{path}"
+        if not (ROOT / full).exists():
+            gone.append(path)
+    assert not gone, f"docs/architecture.md names paths that do not exist: {sorted(gone)}"
+
+
+def test_the_module_map_check_catches_a_missing_module(tmp_path):
+    (tmp_path / "estimator").mkdir()
+    (tmp_path / "estimator" / "__init__.py").write_text('"""doc"""\nfrom .x import y\n')
+    (tmp_path / "estimator" / "_loop.py").write_text("")
+    (tmp_path / "handler").mkdir()
+    (tmp_path / "handler" / "__init__.py").write_text("class Handler:\n    pass\n")
+    assert [p.relative_to(tmp_path).as_posix() for p in _package_modules(tmp_path)] == [
+        "estimator/_loop.py", "handler/__init__.py"]
 
 
 def test_the_data_page_maps_every_module_of_the_data_layer():
@@ -229,7 +267,7 @@ def test_the_complete_handler_of_the_guide_takes_part_through_public_hooks_only(
     import signal
 
     from estimatorch import CheckpointHandler, LambdaHandler
-    from estimatorch.estimator._elastic_resume import batch_counters
+    from estimatorch.estimator._state.elastic_resume import batch_counters
     from estimatorch.events import subscribes
     from tests.conftest import make_batches, make_estimator
 

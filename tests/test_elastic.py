@@ -13,7 +13,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, StoppingHandler, distributed
 from estimatorch.checkpoint import CheckpointError
-from estimatorch.estimator._elastic_resume import world_size_error
+from estimatorch.estimator._state.elastic_resume import world_size_error
 from estimatorch.event_handlers import BatchEnd
 from estimatorch.metrics import Accuracy
 

@@ -101,7 +101,7 @@ def test_stop_points_outside_the_run_are_refused():
 
 def test_quiet_also_keeps_the_default_progress_bar_off_the_screen(monkeypatch, capsys):
     """In a terminal or notebook fit adds a bar by default; quiet=True must keep it unseen."""
-    from estimatorch.estimator import _setup as fit_setup
+    from estimatorch.estimator._setup import handlers as fit_setup
 
     monkeypatch.setattr(fit_setup, "interactive", lambda: True)
     assert_resumable(make_estimator, make_batches(3), epochs=2, stop_at=[2], quiet=True)

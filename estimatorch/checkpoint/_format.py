@@ -18,6 +18,7 @@ from .._version import __version__
 from . import _store
 from ._files import PathLike
 from ._run_state import check_run_state
+from ._seam import ResumableFit
 
 __all__ = [
     "FORMAT_VERSION",
@@ -65,7 +66,7 @@ def _check_safe(obj: Any, where: str) -> None:
     )
 
 
-def build_payload(estimator: Any) -> Optional[dict[str, Any]]:
+def build_payload(estimator: ResumableFit) -> Optional[dict[str, Any]]:
     """Everything needed to resume ``estimator``'s current fit, as a file of this format holds it.
     A collective under torch.distributed: every rank must call it (each contributes its
     snapshot); global rank 0 gets the payload, the other ranks None.

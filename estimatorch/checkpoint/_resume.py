@@ -16,6 +16,7 @@ from .. import distributed
 from . import _store
 from ._files import PathLike, best_name, list_checkpoints
 from ._format import FORMAT_VERSION, CheckpointError, NewerFormatError, newer_format_error
+from ._seam import ResumableFit
 from ._sharded_run import digest_of, read_checkpoint, version_of
 from ._validate import check_against_fit
 
@@ -79,7 +80,7 @@ def refuse_newer(versions: dict[str, Optional[int]]) -> None:
             raise newer_format_error(repr(path), version)
 
 
-def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple[Optional[Found], list[str]]:
+def choose_checkpoint(estimator: ResumableFit, model_dir: PathLike, prefix: str) -> tuple[Optional[Found], list[str]]:
     """On global rank 0: the newest checkpoint that loads and validates against ``estimator``'s
     current fit, and the newer paths skipped on the way (each reported with a warning).
 
@@ -102,7 +103,7 @@ def choose_checkpoint(estimator: Any, model_dir: PathLike, prefix: str) -> tuple
     return found, list(reasons)
 
 
-def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, rank: int) -> Found:
+def _load_as_rank(estimator: ResumableFit, model_dir: PathLike, name: str, digest: str, rank: int) -> Found:
     """On a rank other than 0: the file rank 0 chose, from this rank's ``model_dir``, checked to
     hold the same bytes and to fit this rank."""
     path = os.path.join(os.fspath(model_dir), name)
@@ -121,7 +122,7 @@ def _load_as_rank(estimator: Any, model_dir: PathLike, name: str, digest: str, r
     return path, check_against_fit(estimator, read_checkpoint(path), rank, repr(path))
 
 
-def agree_on_checkpoint(estimator: Any, model_dir: PathLike, found: Optional[Found],
+def agree_on_checkpoint(estimator: ResumableFit, model_dir: PathLike, found: Optional[Found],
                         accept: Callable[[str, dict[str, Any]], None]) -> Optional[Found]:
     """Every rank: resume from rank 0's choice ``found`` (ignored elsewhere), or from nothing.
 

@@ -7,7 +7,7 @@ This is the estimator-independent part of what a resume checks, run by
 :func:`~estimatorch.checkpoint.load` and ``inspect`` as well: a file they call fine is one whose
 run state a resume reads. What depends on the fit (each handler's and metric's attributes, the
 data stream's keys, the fingerprint against this fit's data) is the estimator's to check
-(``estimator/_state.py``), which declares what a snapshot holds with the names below.
+(``estimator/_state/run.py``), which declares what a snapshot holds with the names below.
 """
 
 from __future__ import annotations
@@ -23,7 +23,7 @@ from .._saved import MISSING, CheckpointError, check_count, check_dict, check_ke
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "check_positions", "check_run_state",
            "check_snapshot_structure"]
 
-#: the boundaries a position can be at (``estimator/_state.py``'s ``Position``).
+#: the boundaries a position can be at (``estimator/_state/run.py``'s ``Position``).
 PHASES = ("start", "batch_end", "epoch_end")
 #: the fields of a saved position.
 POSITION_KEYS = ("epoch", "batch", "step", "phase", "stop")

@@ -42,6 +42,7 @@ from ._format import (
     read_format_version,
     validate,
 )
+from ._seam import ResumableFit
 from ._sharded import (
     _COMMON,
     _absolute,
@@ -62,7 +63,7 @@ __all__ = ["SHARDED", "digest_of", "read_checkpoint", "save_fit_checkpoint", "ve
 SHARDED = "sharded"
 
 
-def save_fit_checkpoint(estimator: Any, path: PathLike, *, writer: Optional[BackgroundWriter] = None,
+def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Optional[BackgroundWriter] = None,
                         then: Optional[Callable[[], None]] = None) -> None:
     """Write the current fit of ``estimator`` (its net sharded) as a sharded checkpoint directory
     at ``path``: a collective, every rank calls it.
@@ -78,6 +79,7 @@ def save_fit_checkpoint(estimator: Any, path: PathLike, *, writer: Optional[Back
         OSError: a write failed on some rank (on every rank); nothing is left at ``path``.
     """
     part = estimator.state_payload(gather=False)
+    assert part is not None, "gather=False gives every rank its own part"
     model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
     header = {"format_version": FORMAT_VERSION, "estimatorch_version": __version__,
               "torch_version": str(torch.__version__)}

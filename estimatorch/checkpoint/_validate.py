@@ -24,6 +24,7 @@ from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_di
 
 from .._saved import MISSING, CheckpointError, check_dict, check_keys, check_like, kind, show
 from ._model import is_sharded_module, load_model_state, model_state, plain_module
+from ._seam import ResumableFit
 from ._sharded import check_sharded, load_sharded, sharded_tensors
 
 __all__ = ["check_against_fit", "check_training_state", "restore_training_state"]
@@ -149,7 +150,7 @@ def _check_sharded_state(net: torch.nn.Module, optimizer: torch.optim.Optimizer,
                                   f"has shape {list(shapes[name])}")
 
 
-def check_training_state(estimator: Any, payload: dict[str, Any]) -> None:
+def check_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> None:
     """Check model, optimizer, LR scheduler and grad scaler states against ``estimator``.
 
     Raises:
@@ -171,7 +172,7 @@ def check_training_state(estimator: Any, payload: dict[str, Any]) -> None:
     _check_optimizer(estimator.optimizer, payload["optimizer"], payload.get("optimizer_class"), same_torch)
 
 
-def check_against_fit(estimator: Any, payload: dict[str, Any], rank: int, source: str) -> dict[str, Any]:
+def check_against_fit(estimator: ResumableFit, payload: dict[str, Any], rank: int, source: str) -> dict[str, Any]:
     """Check everything a resume of ``estimator``'s current fit as rank ``rank`` would read from
     ``payload`` (loaded and migrated by :func:`~estimatorch.checkpoint.load`), without changing
     anything: the run's state through ``estimator.check_payload`` (which maps the payload of an
@@ -212,7 +213,7 @@ def _in_this_mode(saved: dict[str, Any], optimizer: Any) -> dict[str, Any]:
     return {**saved, "param_groups": fitted}
 
 
-def restore_training_state(estimator: Any, payload: dict[str, Any]) -> None:
+def restore_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> None:
     """Load model, optimizer, LR scheduler and grad scaler states into ``estimator``, after
     checking all four (nothing is loaded when one does not fit).
 

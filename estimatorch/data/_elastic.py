@@ -28,7 +28,7 @@ device's), python's ``random`` and :func:`estimatorch.rng.default_numpy_rng` are
 not depend on the process that trains it. Draws between micro-batches (in ``epoch_end`` or
 ``epoch_begin`` handlers) continue from the last reseed.
 
-**What a resume on another world size reproduces** (``estimatorch.estimator._elastic_resume`` maps
+**What a resume on another world size reproduces** (``estimatorch.estimator._state.elastic_resume`` maps
 the checkpoint): the samples and the random draws of every micro-batch, hence the same losses;
 the parameters bit for bit where the gradient sums are added in the same order (2 ranks <-> 1
 rank x 2 accumulation steps: DDP's ``g0 / 2 + g1 / 2`` and the accumulated ``(g0 + g1) / 2`` are

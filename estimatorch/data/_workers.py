@@ -1,6 +1,6 @@
 """What a rebuilt ``DataLoader``'s worker processes run first: :class:`IgnoreStopSignals`, so
 that a stop signal sent to the whole process group is the main process's to act on (see
-``estimatorch.estimator._interrupts``)."""
+``estimatorch.estimator._stopping.interrupts``)."""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The Estimator, its step (BatchProcessor) and what fit returns (History)."""
 
-from ._logging import default_logger as default_logger  # re-exported: testing and the demo use it
-from ._state import Position
+from ._setup.logger import default_logger as default_logger  # re-exported: testing and the demo use it
+from ._state.run import Position
 from .batch_processor import BatchProcessor
 from .estimator import Estimator
 from .history import History

@@ -14,16 +14,17 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from .._batches import batch_mover
-from ._interrupts import stop_exception
-from ._plan import limited
-from ._state import Run, Stage, describe_plan, record_history, restore_snapshot, take_snapshot
-from ._step_clock import StepClock
-from ._stop_agreement import rank_identical_stops
+from ._fit_estimator import FitEstimator
+from ._plan.counts import limited
+from ._state.run import Run, Stage, describe_plan, record_history, restore_snapshot, take_snapshot
+from ._step.clock import StepClock
+from ._stopping.agreement import rank_identical_stops
+from ._stopping.interrupts import stop_exception
 
 __all__ = ["end_run", "run_loop"]
 
 
-def run_loop(estimator: Any, run: Run) -> None:
+def run_loop(estimator: FitEstimator, run: Run) -> None:
     """Train ``run``'s plan (or what a resume leaves of it) with ``estimator``."""
     done, pending = begin(estimator, run)
     if done:
@@ -39,7 +40,7 @@ def run_loop(estimator: Any, run: Run) -> None:
             return
 
 
-def begin(estimator: Any, run: Run) -> tuple[bool, Optional[dict[str, Any]]]:
+def begin(estimator: FitEstimator, run: Run) -> tuple[bool, Optional[dict[str, Any]]]:
     """Apply a resume at an epoch boundary now; keep one from the middle of an epoch for
     :func:`begin_epoch`. Returns whether the plan is done already, and the resume left."""
     pending, run.pending = run.pending, None
@@ -58,7 +59,7 @@ def begin(estimator: Any, run: Run) -> tuple[bool, Optional[dict[str, Any]]]:
     return False, pending
 
 
-def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> None:
+def begin_epoch(estimator: FitEstimator, run: Run, pending: Optional[dict[str, Any]]) -> None:
     """``epoch_begin``, then the state of a mid-epoch resume (after the handlers reset)."""
     if run.stage is Stage.AT_BOUNDARY:  # (still SETTING_UP before a mid-epoch resume)
         run.stage = Stage.STEPPING
@@ -67,7 +68,7 @@ def begin_epoch(estimator: Any, run: Run, pending: Optional[dict[str, Any]]) -> 
         restore_snapshot(estimator, run, pending)
 
 
-def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset[Any]) -> None:
+def train_epoch(estimator: FitEstimator, run: Run, epoch: int, marked: frozenset[Any]) -> None:
     """The epoch's batches from the current position, until the data ends or a stop."""
     pos, signals, agreement = run.pos, run.signals, run.agreement
     processor = run.step or estimator.batch_processor  # run.step: the captured step (cuda_graphs)
@@ -97,7 +98,7 @@ def train_epoch(estimator: Any, run: Run, epoch: int, marked: frozenset[Any]) ->
                     identical = True
                 else:
                     stop = True
-        if multi:  # every rank stops at the same step: see _stop_agreement
+        if multi:  # every rank stops at the same step: see _stopping/agreement.py
             stop, code = agreement.after_batch(pos.step + 1, stop, identical, signals.code)
         else:
             stop = stop or identical
@@ -128,7 +129,7 @@ def epoch_batches(run: Run, epoch: int, clock: Optional[StepClock]) -> Iterator[
     return batches if clock is None else clock.batches(batches)
 
 
-def end_epoch(estimator: Any, run: Run, epoch: int) -> bool:
+def end_epoch(estimator: FitEstimator, run: Run, epoch: int) -> bool:
     """``epoch_end``, the history, the stop agreement and the boundary; True when the loop ends."""
     pos, signals = run.pos, run.signals
     run.stage = Stage.STEPPING
@@ -159,7 +160,7 @@ def run_boundary_actions(run: Run) -> None:
         action()
 
 
-def end_run(estimator: Any, run: Run, failed: bool) -> None:
+def end_run(estimator: FitEstimator, run: Run, failed: bool) -> None:
     """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
     snapshot_error = _final_snapshot(estimator, run, failed)
     try:
@@ -173,17 +174,17 @@ def end_run(estimator: Any, run: Run, failed: bool) -> None:
         raise snapshot_error
 
 
-def _final_snapshot(estimator: Any, run: Run, failed: bool) -> Optional[Exception]:
+def _final_snapshot(estimator: FitEstimator, run: Run, failed: bool) -> Optional[Exception]:
     """Record what ``fit(..., resume=True)`` continues from (unless the fit failed before it
     held any state of its own); return the error if a handler's ``state_dict`` fails, so
     that it neither hides the error that ended the fit nor keeps ``train_end`` from running."""
     if not run.stage.holds_state:
         return None
     try:
-        estimator._last = take_snapshot(estimator, run, partial=run.stage is not Stage.AT_BOUNDARY)
+        run.final_snapshot = take_snapshot(estimator, run, partial=run.stage is not Stage.AT_BOUNDARY)
         return None
     except Exception as err:  # reported after train_end, or logged if another error is on its way
-        estimator._last = None
+        run.final_snapshot = None
         if failed:
             estimator.logger.exception("Could not record the state of the interrupted fit: resume=True is unavailable")
         return err

@@ -5,11 +5,12 @@ stands, whether it validated, stopped for a signal or resumes, and ``at_boundary
 from __future__ import annotations
 
 import dataclasses
+import warnings
 from typing import Any, Callable, Optional
 
 from ..events import Dispatch
 from ..events.timing import StepTimes
-from ._state import Position, Run, resume_plan
+from ._state.run import Position, Run, resume_plan
 
 __all__ = ["RunView"]
 
@@ -19,7 +20,17 @@ class RunView:
 
     _run: Optional[Run]
     _fitting: bool
-    _dispatch: Dispatch
+    #: the current fit's handlers, one list per event, in dispatch order (empty outside ``fit``):
+    #: ``dispatch.forward_begin`` is falsy when no handler listens to ``forward_begin``, so that a
+    #: batch processor fires only what someone hears (see :class:`~estimatorch.events.Dispatch`)
+    dispatch: Dispatch
+
+    @property
+    def _dispatch(self) -> Dispatch:
+        """Deprecated: read :attr:`dispatch`."""
+        warnings.warn("Estimator._dispatch is deprecated: read Estimator.dispatch (the same Dispatch)",
+                      DeprecationWarning, stacklevel=2)
+        return self.dispatch
 
     def at_boundary(self, action: Callable[[], None]) -> None:
         """Run ``action()`` once the current event has reached every handler.
@@ -39,7 +50,7 @@ class RunView:
     @property
     def handlers(self) -> tuple[Any, ...]:
         """The current fit's handlers, in the order events reach them (empty outside fit)."""
-        return tuple(self._dispatch.handlers)
+        return tuple(self.dispatch.handlers)
 
     @property
     def boundary_actions_pending(self) -> bool:

@@ -2,13 +2,53 @@
 
 from __future__ import annotations
 
-from typing import Any, Optional
+import contextlib
+from typing import Any, Callable, Optional, Protocol
+
+import torch
+from torch import nn
 
 from .._batches import call_loss, call_net, split_batch, split_inputs
 from .._checks import check_bool
 from .._model_loss import is_causal_lm, logits_of, model_inputs, own_loss_step
+from ..events import Dispatch
 
-__all__ = ["BatchProcessor"]
+__all__ = ["BatchProcessor", "StepEstimator"]
+
+
+class StepEstimator(Protocol):
+    """What a :class:`BatchProcessor` uses of the estimator (``Estimator`` satisfies it): the nets
+    and losses, mixed precision, the backward pass, and the events of a step with the question
+    of who listens (:attr:`dispatch`)."""
+
+    #: None: the model computes its own loss (``Estimator(model, optimizer=...)``)
+    loss: Optional[Callable[..., torch.Tensor]]
+    val_loss: Optional[Callable[..., torch.Tensor]]
+
+    @property
+    def net(self) -> nn.Module:
+        """The plain module (no DDP or compile wrapper): what a causal LM is recognised on."""
+
+    @property
+    def train_net(self) -> nn.Module:
+        """The module the training step calls."""
+
+    @property
+    def val_net(self) -> nn.Module:
+        """The module evaluation and prediction call."""
+
+    @property
+    def dispatch(self) -> Dispatch:
+        """The current fit's handlers per event: ``dispatch.forward_end`` is falsy when none listens."""
+
+    def autocast(self) -> contextlib.AbstractContextManager[Any]:
+        """The mixed-precision context of the estimator's ``precision``."""
+
+    def backward(self, loss: torch.Tensor) -> None:
+        """``loss.backward()``, scaled under ``"16-mixed"``."""
+
+    def fire(self, event: str, **kwargs: Any) -> bool:
+        """Call the current fit's handlers of ``event``."""
 
 
 class BatchProcessor:
@@ -19,7 +59,8 @@ class BatchProcessor:
     several inputs or a custom loss, without subclassing :class:`~estimatorch.Estimator`. A
     custom ``fit_batch`` fires the forward and backward events with ``estimator.fire(...)`` and
     uses ``estimator.autocast()`` and ``estimator.backward(loss)`` to keep mixed precision
-    working. It does not step the optimizer: ``GradientUpdateHandler`` does, at ``batch_end``.
+    working (and may skip an event nobody listens to: ``if estimator.dispatch.forward_end:``). It
+    does not step the optimizer: ``GradientUpdateHandler`` does, at ``batch_end``.
     A processor that reads batches its own way overrides ``predict_batch`` too (``predict``
     calls it; one without a ``predict_batch`` method gets ``evaluate_batch``'s ``pred``).
 
@@ -55,14 +96,14 @@ class BatchProcessor:
             check_bool(shift_labels, "shift_labels")
         self.shift_labels = shift_labels
 
-    def fit_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
+    def fit_batch(self, estimator: StepEstimator, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
         """Forward, loss and backward for one batch (already on the device).
 
         Returns:
             ``(data, label, pred, loss)``, which ``batch_end`` handlers receive (without a loss:
             the whole batch, the labels and the logits metrics read, the model's loss).
         """
-        listeners = estimator._dispatch  # events nobody listens to are not fired at all
+        listeners = estimator.dispatch  # events nobody listens to are not fired at all
         if listeners.forward_begin:
             estimator.fire("forward_begin", batch=batch)
         with estimator.autocast():
@@ -83,7 +124,7 @@ class BatchProcessor:
             estimator.fire("backward_end", batch=batch)
         return data, label, pred, loss
 
-    def evaluate_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
+    def evaluate_batch(self, estimator: StepEstimator, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
         """The forward of one evaluation batch; ``evaluate`` runs it under ``torch.no_grad()``.
 
         Returns:
@@ -99,7 +140,7 @@ class BatchProcessor:
             loss = call_loss(estimator.val_loss, pred, label, "val_data")
         return data, label, pred, loss
 
-    def predict_batch(self, estimator: Any, batch: Any, batch_axis: int = 0) -> Any:
+    def predict_batch(self, estimator: StepEstimator, batch: Any, batch_axis: int = 0) -> Any:
         """The forward of one prediction batch; ``predict`` runs it under ``torch.no_grad()``
         with ``val_net`` in eval mode.
 

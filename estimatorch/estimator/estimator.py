@@ -13,7 +13,15 @@ from .. import distributed, rng
 from .._rank_watch import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
-from ._checks import (
+from ._inference.evaluation import check_inference_args, evaluate_batches
+from ._inference.predict import run_prediction
+from ._inference.sanity import sanity_pass
+from ._loop import end_run, run_loop
+from ._plan.counts import planned_steps
+from ._plan.schedules import build_scheduler, check_horizons
+from ._run_view import RunView
+from ._setup import default_optimizer, metric_lists
+from ._setup.arguments import (
     PRECISIONS,
     check_estimator_arguments,
     check_flags,
@@ -21,27 +29,17 @@ from ._checks import (
     precision_name,
     resolve_device,
 )
-from ._evaluation import check_inference_args, evaluate_batches
-from ._graphed_step import graphed_step
-from ._interrupts import stop_exception
-from ._logging import default_logger as _default_logger
-from ._loop import end_run, run_loop
-from ._oom import describe_out_of_memory
-from ._payload import check_payload, payload_of, snapshot_to_resume
-from ._plan import build_scheduler, check_horizons, planned_steps
-from ._predict import run_prediction
-from ._run_view import RunView
-from ._sanity import sanity_pass
-from ._setup import (
-    default_optimizer,
-    describe_stop,
-    metric_lists,
-    torch_flags,
-)
+from ._setup.logger import default_logger as _default_logger
 from ._start import start_run
-from ._state import Run, Stage
-from ._strategy import check_strategy, train_wrapper, wraps
-from ._watch import publish_failure, watching
+from ._state.payload import check_payload, payload_of, snapshot_to_resume
+from ._state.run import Run, Stage
+from ._step.graphed_step import graphed_step
+from ._step.strategy import check_strategy, train_wrapper, wraps
+from ._step.torch_flags import torch_flags
+from ._stopping.interrupts import stop_exception
+from ._stopping.oom import describe_out_of_memory
+from ._stopping.stop_messages import describe_stop
+from ._stopping.watch import publish_failure, watching
 from .batch_processor import BatchProcessor
 from .history import History
 
@@ -162,8 +160,8 @@ class Estimator(RunView):
 
         self.train_metrics, self.val_metrics = metric_lists(train_metrics, val_metrics, self.loss, self.device)
 
-        if optimizer is None:  # fit warns when it trains with it
-            optimizer = self._default_optimizer = default_optimizer(net)
+        self._default_optimizer = None if optimizer is not None else default_optimizer(net)  # fit warns
+        optimizer = optimizer if optimizer is not None else self._default_optimizer
         self.optimizer = optimizer
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
@@ -171,15 +169,14 @@ class Estimator(RunView):
         self.lr_scheduler, self.lr_scheduler_factory = check_lr_scheduler(lr_scheduler, optimizer,
                                                                           lr_scheduler_interval)
         self.lr_scheduler_interval = lr_scheduler_interval
-        amp_dtype = PRECISIONS[precision]
-        self._amp_dtype = amp_dtype
+        self._amp_dtype = amp_dtype = PRECISIONS[precision]
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)
 
         self.max_epoch: Optional[int] = None
         self.max_batch: Optional[int] = None
         self.batch_axis = 0
-        self._dispatch, self._fitting = Dispatch([]), False
+        self.dispatch, self._fitting = Dispatch([]), False
         self._run: Optional[Run] = None
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
@@ -228,7 +225,7 @@ class Estimator(RunView):
 
         For custom batch processors (forward/backward events). Outside ``fit`` it does nothing.
         """
-        return self._dispatch.fire(event, self, **kwargs)
+        return self.dispatch.fire(event, self, **kwargs)
 
     # -- fit ---------------------------------------------------------------------------------
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
@@ -310,7 +307,9 @@ class Estimator(RunView):
         error: Optional[Exception] = None
         try:
             run = start_run(self, train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
-                            (batches_per_epoch, val_batches))
+                            (batches_per_epoch, val_batches), last=self._last,
+                            default_optimizer=self._default_optimizer)
+            self._default_optimizer = None  # warned (when still in use): once per estimator
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
         distributed.raise_on_every_rank(error, "fit could not start")
@@ -319,7 +318,7 @@ class Estimator(RunView):
 
     def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
-        self._run, self._dispatch, self._fitting = run, run.dispatch, True
+        self._run, self.dispatch, self._fitting = run, run.dispatch, True
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed, stopping = False, BaseException()
         try:
@@ -352,16 +351,18 @@ class Estimator(RunView):
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
                 return run.history
         finally:
-            self._dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
+            self.dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
             if not run.stage.holds_state:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
+            else:  # what fit(..., resume=True) continues from
+                self._last = run.final_snapshot
 
     # -- the seam a checkpoint store calls ---------------------------------------------------
     def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:
         """Everything needed to resume the current fit, for a checkpoint store to write: the
         training state (``model`` under the plain module's keys whatever wraps it, ``optimizer``,
         ``optimizer_class``, ``lr_scheduler``, ``grad_scaler``), ``world_size`` and ``ranks``,
-        every rank's snapshot (``estimator/_state.py`` declares what one holds). A collective
+        every rank's snapshot (``estimator/_state/run.py`` declares what one holds). A collective
         under torch.distributed: every rank must call it; global rank 0 gets the payload, the
         other ranks None. With ``gather=False`` (a store where every rank writes its own part,
         as for a sharded net) no collective: every rank gets ``rank``, ``world_size``, its own
@@ -423,7 +424,7 @@ class Estimator(RunView):
         Batches need no label (a tensor, ``(x,)``, a dict); a batch's last element (or its
         ``"label"`` key) is dropped as a label (``BatchProcessor.predict_batch``). Tensor outputs
         are concatenated along ``batch_axis``, tuples and dicts of them element-wise, lists
-        joined; other outputs give a list per batch (:func:`~estimatorch.estimator._predict.join_outputs`).
+        joined; other outputs give a list per batch (:func:`~estimatorch.estimator._inference.predict.join_outputs`).
         Events as in ``evaluate``, with ``label=None`` and ``loss=None``. Under
         torch.distributed, a map-style DataLoader is shared out as in ``evaluate`` and every
         rank (each must call it) returns all outputs in one process's order, without padding;

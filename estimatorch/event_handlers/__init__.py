@@ -28,15 +28,15 @@ from .logging_handler import LoggingHandler
 from .lr_scheduler import LRSchedulerHandler
 from .meter import MeterHandler
 from .metric import MetricHandler
-from .mlflow_handler import MLflowHandler
 from .profiler import ProfilerHandler
 from .progress_bar import ProgressBarHandler
 from .speed_monitor import SpeedMonitor
 from .stopping import StoppingHandler
 from .tensorboard import TensorBoardHandler
 from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
+from .trackers.mlflow_handler import MLflowHandler
+from .trackers.wandb_handler import WandbHandler
 from .validation import ValidationHandler
-from .wandb_handler import WandbHandler
 
 __all__ = [
     "EVENTS",

@@ -10,6 +10,7 @@ from torch.optim.lr_scheduler import ReduceLROnPlateau
 from .._checks import check_state_keys
 from ..events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin
 from ..events.monitor import check_monitor
+from ..events.readings import epoch_learning_rates, learning_rate_names, optimizer_rates
 from ..metrics.base import metric_name
 from .gradient_update import GradientUpdateHandler
 
@@ -20,18 +21,8 @@ def _is_plateau(scheduler: Any) -> bool:
     return isinstance(scheduler, ReduceLROnPlateau)
 
 
-def learning_rate_names(groups: int) -> list[str]:
-    """The names learning rates are recorded under: ``lr`` for one param group, else ``lr_group<i>``.
-
-    Example:
-        >>> learning_rate_names(1), learning_rate_names(2)
-        (['lr'], ['lr_group0', 'lr_group1'])
-    """
-    return ["lr"] if groups == 1 else [f"lr_group{i}" for i in range(groups)]
-
-
 def _rates(optimizer: Any) -> list[float]:
-    return [float(group["lr"]) for group in optimizer.param_groups]
+    return optimizer_rates(optimizer)
 
 
 def _rates_of(held: list[Any]) -> list[float]:
@@ -43,30 +34,6 @@ def _held_rates(optimizer: Any) -> list[Any]:
     :func:`epoch_learning_rates` reads it once per epoch)."""
     return [group["lr"].clone() if isinstance(group["lr"], torch.Tensor) else group["lr"]
             for group in optimizer.param_groups]
-
-
-def epoch_learning_rates(estimator: EstimatorView) -> dict[str, float]:
-    """The learning rate of each param group in the epoch that is ending, by
-    :func:`learning_rate_names`: the rate the epoch trained with. For a per-epoch schedule or
-    ``ReduceLROnPlateau`` that is the rate at the end of its batches, before any
-    :class:`LRSchedulerHandler` of this fit stepped at its ``epoch_end`` (as Keras records
-    ``learning_rate``); for a per-batch schedule, the rate of the epoch's last optimizer step
-    (before the scheduler stepped after it: a cosine decayed to 0 shows the last rate a batch
-    trained with, not the 0 no batch used). This is what ``History``, ``LoggingHandler``,
-    ``CSVLoggerHandler`` and ``TensorBoardHandler`` show. (A rate changed at ``epoch_end`` by
-    your own handler shows as changed.)
-
-    Call it from ``epoch_end`` (or after it, before the next epoch begins).
-    """
-    epoch = estimator.position.epoch
-    for handler in estimator.handlers:
-        if isinstance(handler, LRSchedulerHandler) and handler._before_step is not None \
-                and handler._before_step[0] == epoch:
-            rates = _rates_of(handler._before_step[1])  # the first to step: the epoch's rates
-            break
-    else:
-        rates = _rates(estimator.optimizer)
-    return dict(zip(learning_rate_names(len(rates)), rates))
 
 
 def _reset_plateau(scheduler: Any) -> None:
@@ -133,12 +100,24 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
         self._updaters: list[Any] = []
         self.monitor = monitor
         self._scheduler: Any = scheduler
-        #: (epoch index, rates) just before this handler's last epoch step, for epoch_learning_rates
+        #: (epoch index, rates) just before this handler's last epoch step, for epoch_rates
         self._before_step: Optional[tuple[int, list[Any]]] = None
 
     def listens_to(self, event: str) -> bool:
         """Only the events it steps on (per batch: also an epoch's leftover accumulation step)."""
         return event != "batch_end" or self.step_on == "batch"
+
+    def stepped_schedule(self, estimator: EstimatorView) -> Optional[tuple[Any, str]]:
+        """The scheduler it steps (its own, else the estimator's) and ``step_on``."""
+        scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
+        return None if scheduler is None else (scheduler, self.step_on)
+
+    def epoch_rates(self, epoch: int) -> Optional[list[float]]:
+        """The rates epoch ``epoch`` trained with, when this handler stepped at its end (or after
+        its last optimizer step): those just before that step."""
+        if self._before_step is None or self._before_step[0] != epoch:
+            return None
+        return _rates_of(self._before_step[1])
 
     def resolve_monitor(self, metric: Any) -> None:
         """Watch ``metric``, the estimator's metric of the name given (at ``fit`` start)."""

@@ -9,7 +9,7 @@ from typing import Any, Optional
 from ..events import EstimatorView
 from ..events.mixins import EpochEnd
 from ..metrics.base import metric_name
-from ._tracking import require
+from .trackers._base import require
 
 __all__ = ["RayTrainReportHandler"]
 

@@ -24,6 +24,7 @@ from ..events import (
     TrainBegin,
     TrainEnd,
 )
+from ..events.readings import epoch_readings
 from ._peak_flops import matmul_precision, peak_flops
 
 __all__ = ["SpeedMonitor", "SplitReader", "epoch_speed_values", "format_speed", "speed_values"]
@@ -58,15 +59,12 @@ def speed_values(estimator: EstimatorView, split: StepSplit) -> dict[str, float]
 def epoch_speed_values(estimator: EstimatorView) -> dict[str, float]:
     """The epoch that is ending, as the fit's :class:`SpeedMonitor` measured it at its
     ``epoch_end`` (every rank's mean; FLOP/s summed; memory the largest rank's); empty without
-    one. What ``History``, ``LoggingHandler``, ``TensorBoardHandler`` and the trackers show.
+    one. What ``History``, ``LoggingHandler``, ``TensorBoardHandler`` and the trackers show
+    (the handlers' :meth:`~estimatorch.events.Handler.epoch_readings`).
 
     Call it from ``epoch_end`` at a priority above -750 (or after it).
     """
-    epoch = estimator.position.epoch
-    for handler in estimator.handlers:
-        if isinstance(handler, SpeedMonitor) and handler.epoch_values_of == epoch:
-            return dict(handler.epoch_values)
-    return {}
+    return epoch_readings(estimator)
 
 
 def format_speed(values: dict[str, float]) -> str:
@@ -200,6 +198,10 @@ class SpeedMonitor(Handler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchBeg
     def listens_to(self, event: str) -> bool:
         """``batch_begin`` and ``batch_end`` only to count the FLOPs of the first batch."""
         return event not in ("batch_begin", "batch_end") or self.flops_per_batch is None
+
+    def epoch_readings(self, epoch: int) -> dict[str, float]:
+        """The values of epoch ``epoch`` (:attr:`epoch_values`), once its ``epoch_end`` measured them."""
+        return dict(self.epoch_values) if self.epoch_values_of == epoch else {}
 
     # -- events ----------------------------------------------------------------------------
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:

@@ -126,7 +126,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         if self.reason is not None:
             return False
         # a save waiting for this boundary must not write a non-finite state: check first
-        if not self._filter(self.total_batches) and not getattr(estimator, "boundary_actions_pending", False):
+        if not self._filter(self.total_batches) and not estimator.boundary_actions_pending:
             return False
         return self._check(estimator, at_epoch_end=False)
 

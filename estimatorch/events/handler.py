@@ -6,7 +6,8 @@
 (``state_attributes``) and which of those count batches (``elastic_batch_counters``); and its
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
 ``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`, ``capturable_batch_end``
-with :meth:`~Handler.record_batch_end`). :class:`StatefulHandler` adds the
+with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, and what it measured of
+an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`). :class:`StatefulHandler` adds the
 ``state_dict`` / ``load_state_dict`` of the declared state.
 
 A handler that inherits only the mixins works too: every declaration then has its default.
@@ -17,6 +18,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
@@ -163,6 +165,26 @@ class Handler:
         place of the Python that ``batch_end`` ran (a flag it sets, a counter it advances by what
         the recorded batch added). Defaults to a function that does nothing."""
         return _nothing
+
+    def stepped_schedule(self, estimator: EstimatorView) -> Optional[tuple[Any, str]]:
+        """The learning-rate schedule this handler steps in this fit and when (``"batch"``: after
+        each optimizer step; ``"epoch"``: at ``epoch_end``), None when it steps none: ``fit``
+        checks that schedule's horizon against its plan. Defaults to None."""
+        return None
+
+    def epoch_rates(self, epoch: int) -> Optional[Sequence[float]]:
+        """The learning rates (one per param group of the estimator's optimizer) epoch ``epoch``
+        (counted from 0, the one ending) trained with, when this handler changed them at that
+        epoch's end or after its last step (a scheduler), so that the epoch's record shows the
+        rates it trained with; None when it changed none. The first handler in dispatch order
+        that says is the one read. Defaults to None."""
+        return None
+
+    def epoch_readings(self, epoch: int) -> Mapping[str, float]:
+        """What this handler measured of epoch ``epoch`` (counted from 0, the one ending) by its
+        ``epoch_end``, named (``time_step``, ``mfu``...): ``History``, the loggers and trackers
+        record it (:func:`~estimatorch.events.readings.epoch_readings`). Defaults to none."""
+        return {}
 
 
 class StatefulHandler(Handler):

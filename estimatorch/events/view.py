@@ -97,6 +97,11 @@ class EstimatorView(Protocol):
     def resume_step(self) -> Optional[int]:
         """The step the current fit resumes from, while a resume is pending."""
 
+    @property
+    def boundary_actions_pending(self) -> bool:
+        """True while work registered with :meth:`at_boundary` (a checkpoint save, say) waits
+        for the current event to reach every handler; False outside ``fit``."""
+
     def at_boundary(self, action: Callable[[], None]) -> None:
         """Run ``action()`` once the current event has reached every handler."""
 

@@ -12,7 +12,7 @@ from torch import nn
 from estimatorch import Estimator
 from estimatorch.metrics import Loss
 from tests.conftest import OpaqueMetric
-from estimatorch.estimator._capture import (
+from estimatorch.estimator._step.capture import (
     CaptureConfig,
     capture_error,
     capture_refusal,

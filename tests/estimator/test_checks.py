@@ -7,7 +7,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimatorch.estimator._checks import check_optimizer, check_unique_handlers, precision_name, resolve_device
+from estimatorch.estimator._setup.arguments import check_optimizer, check_unique_handlers, precision_name, resolve_device
 from estimatorch.event_handlers import StoppingHandler
 
 

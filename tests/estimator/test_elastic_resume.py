@@ -6,7 +6,7 @@ from __future__ import annotations
 import torch
 
 from estimatorch import event_handlers
-from estimatorch.estimator._elastic_resume import _scaled, batch_counters
+from estimatorch.estimator._state.elastic_resume import _scaled, batch_counters
 from estimatorch.event_handlers.mixins import BATCH_EVENTS
 from estimatorch.metrics import Metric
 from estimatorch.statistics import WeightNorm

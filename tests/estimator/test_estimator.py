@@ -21,7 +21,7 @@ from estimatorch import (
     StoppingHandler,
     ValidationHandler,
 )
-from estimatorch.estimator import _setup as fit_setup
+from estimatorch.estimator._setup import handlers as fit_setup
 from estimatorch.event_handlers import EVENTS, BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from estimatorch.metrics import Accuracy, Loss, MeanSquaredError
 from tests.conftest import losses_recorder, make_batches, make_estimator
@@ -552,7 +552,7 @@ def default_types(est, **fit_kwargs):
 
     class Capture(TrainBegin):
         def train_begin(self, est, **kw):
-            captured["handlers"] = list(est._dispatch.handlers)
+            captured["handlers"] = list(est.dispatch.handlers)
 
     est.fit(make_batches(), event_handlers=[Capture()], **fit_kwargs)
     return [type(h).__name__ for h in captured["handlers"] if not isinstance(h, Capture)]
@@ -600,7 +600,7 @@ def test_a_default_is_not_added_when_the_user_gave_one_of_its_type(monkeypatch):
 
     class Capture(TrainBegin):
         def train_begin(self, est, **kw):
-            captured["handlers"] = list(est._dispatch.handlers)
+            captured["handlers"] = list(est.dispatch.handlers)
 
     est.fit(make_batches(), epochs=3, event_handlers=[mine, Capture()])
     stoppers = [h for h in captured["handlers"] if isinstance(h, StoppingHandler)]
@@ -617,8 +617,8 @@ def test_priority_sort_is_stable_with_user_handlers_before_defaults():
     est.fit(make_batches(n_batches=1), epochs=1, event_handlers=handlers)
     first_train_begin = [t for t, e in log if e == "train_begin"]
     assert first_train_begin == ["u-3000", "u-5", "u-5b", "u0", "u0b", "uinf"]
-    order = [type(h).__name__ if not isinstance(h, Recorder) else h.tag for h in est._dispatch.handlers] \
-        if est._dispatch.handlers else None
+    order = [type(h).__name__ if not isinstance(h, Recorder) else h.tag for h in est.dispatch.handlers] \
+        if est.dispatch.handlers else None
     assert order is None  # the dispatch is cleared after fit
     names = list(est._run.dispatch.by_name)
     # ties: users first (u0, u0b), then StoppingHandler (a default at priority 0); LoggingHandler

@@ -10,7 +10,7 @@ from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from estimatorch import CheckpointHandler, distributed
-from estimatorch.estimator._evaluation import run_batches
+from estimatorch.estimator._inference.evaluation import run_batches
 from estimatorch.event_handlers import BatchEnd, EpochBegin, EpochEnd
 from tests.conftest import CrashAt, make_batches, make_estimator
 

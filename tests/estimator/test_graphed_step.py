@@ -19,8 +19,9 @@ import torch
 from torch import nn
 
 from estimatorch import Estimator
-from estimatorch.estimator import _graphed_step, _start
-from estimatorch.estimator._graphed_step import WARMUP_STEPS, GraphedStep, _make_capturable
+from estimatorch.estimator import _start
+from estimatorch.estimator._step import graphed_step as _graphed_step
+from estimatorch.estimator._step.graphed_step import WARMUP_STEPS, GraphedStep, _make_capturable
 from estimatorch.event_handlers import BatchEnd, GradientUpdateHandler, MetricHandler
 
 

@@ -15,9 +15,9 @@ import pytest
 import torch
 
 from estimatorch import CheckpointHandler, _console, checkpoint
-from estimatorch.estimator import _setup as fit_setup
+from estimatorch.estimator._setup import handlers as fit_setup
 from estimatorch.estimator import estimator as estimator_module
-from estimatorch.estimator._interrupts import stop_message
+from estimatorch.estimator._stopping.interrupts import stop_message
 from estimatorch.event_handlers import BatchEnd, EpochEnd
 from tests.conftest import Count, assert_tree_equal, losses_recorder, make_batches, make_estimator
 

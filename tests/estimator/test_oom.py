@@ -89,7 +89,7 @@ def test_other_errors_pass_unchanged():
 def test_where_cuda_exists_a_snapshot_is_written_and_named(tmp_path, monkeypatch):
     """The snapshot goes to the fit's ProfilerHandler log_dir (CUDA's allocator stood in for by a
     function writing the file: this machine has no GPU; tests/test_cuda.py has none of it yet)."""
-    from estimatorch.estimator import _oom
+    from estimatorch.estimator._stopping import oom as _oom
 
     written = []
 

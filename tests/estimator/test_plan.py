@@ -12,7 +12,8 @@ from torch.optim.lr_scheduler import CosineAnnealingLR, LinearLR, OneCycleLR, Se
 from torch.utils.data import DataLoader, TensorDataset
 
 from estimatorch import Estimator, GradientUpdateHandler, StoppingHandler
-from estimatorch.estimator._plan import count_steps, scheduler_horizon
+from estimatorch.estimator._plan.counts import count_steps
+from estimatorch.estimator._plan.schedules import scheduler_horizon
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin
 from estimatorch.testing import assert_resumable
 

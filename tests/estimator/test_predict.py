@@ -11,7 +11,7 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from estimatorch import BatchProcessor, Estimator, rng
-from estimatorch.estimator._predict import join_outputs
+from estimatorch.estimator._inference.predict import join_outputs
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin, EpochEnd
 from tests.conftest import make_batches, make_estimator
 

@@ -1,9 +1,11 @@
 """The sanity pass at fit start (``num_sanity_val_steps``): val_data's mistakes before the first
-step, named as val_data's, and a run that is bitwise the same with the pass or without it."""
+step, named as val_data's, the user's own exceptions passed through as raised, and a run that is
+bitwise the same with the pass or without it."""
 
 from __future__ import annotations
 
 import signal
+import sys
 
 import pytest
 import torch
@@ -48,11 +50,107 @@ def test_a_val_label_format_the_metrics_cannot_read_is_named():
         est.fit(make_batches(), val_data=val, epochs=1, event_handlers=[Steps()])
 
 
-def test_a_device_or_shape_mistake_in_val_data_is_named():
+def test_a_shape_mistake_in_val_data_reaches_the_caller_as_raised():
+    """A RuntimeError from inside the net is the net's, not a batch rule's: it passes through."""
     est = make_estimator()
     val = [(torch.randn(8, 5), torch.zeros(8, dtype=torch.long))]  # 5 features for a net of 4
-    with pytest.raises(ValueError, match=r"val_data failed the sanity pass .*RuntimeError: .*shapes"):
+    with pytest.raises(RuntimeError, match="shapes") as info:
         est.fit(make_batches(), val_data=val, epochs=1)
+    assert "val_data failed the sanity pass" not in str(info.value)
+
+
+def test_inputs_that_do_not_fit_forward_are_named_as_val_data():
+    est = make_estimator()
+    val = [(torch.randn(8, 4), torch.randn(8, 4), torch.zeros(8, dtype=torch.long))]  # 2 inputs, forward takes 1
+    with pytest.raises(ValueError, match=r"val_data failed the sanity pass .*TypeError: .*cannot take what the batch"):
+        est.fit(make_batches(), val_data=val, epochs=1)
+
+
+class MyError(Exception):
+    """The user's own exception type (module level: it crosses processes in the gloo test)."""
+
+
+class Fails(nn.Module):
+    """A net whose forward raises the user's exception in eval mode (validation), from rank ``rank``
+    on (0: every rank)."""
+
+    def __init__(self, rank=0):
+        super().__init__()
+        self.linear, self.rank = nn.Linear(4, 3), rank
+
+    def forward(self, x):
+        if not self.training and distributed.get_rank() >= self.rank:
+            raise MyError("my forward refuses")
+        return self.linear(x)
+
+
+class FailingMetric:
+    """A duck-typed metric (torchmetrics-like) whose update raises the user's exception."""
+
+    name, higher_is_better = "mine", True
+
+    def update(self, preds, target):
+        raise MyError("my metric refuses")
+
+    def compute(self):
+        return 0.0
+
+    def reset(self):
+        pass
+
+    def state_dict(self):
+        return {}
+
+    def load_state_dict(self, state):
+        pass
+
+
+def _fit_failing(where):
+    net = Fails() if where == "forward" else nn.Linear(4, 3)
+    kwargs = {}
+    if where == "loss":
+        def loss(pred, label):
+            if not torch.is_grad_enabled():
+                raise MyError("my loss refuses")
+            return nn.functional.cross_entropy(pred, label)
+    else:
+        loss = nn.CrossEntropyLoss()
+    if where == "metric":
+        kwargs["val_metrics"] = [FailingMetric()]
+    est = Estimator(net, loss, optimizer=torch.optim.SGD(net.parameters(), lr=0.1), **kwargs)
+    steps = Steps()
+    try:
+        est.fit(make_batches(), val_data=make_batches(1), epochs=1, event_handlers=[steps])
+    except MyError as err:  # as a user writes it: their own type around fit
+        return err, steps.n
+    return None, steps.n
+
+
+@pytest.mark.parametrize("where", ["forward", "loss", "metric"])
+def test_the_users_exception_reaches_their_except_around_fit(where):
+    err, steps = _fit_failing(where)
+    assert type(err) is MyError and str(err) == f"my {where} refuses"
+    assert steps == 0  # still before the first step
+    if sys.version_info >= (3, 11):
+        assert any("fit's sanity pass over val_data" in note and "num_sanity_val_steps=0" in note
+                   for note in err.__notes__)
+
+
+def test_the_users_exception_is_the_object_raised():
+    raised = []
+
+    class Keeps(Fails):
+        def forward(self, x):
+            if not self.training:
+                raised.append(MyError("mine"))
+                raise raised[-1]
+            return self.linear(x)
+
+    net = Keeps()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    with pytest.raises(MyError) as info:
+        est.fit(make_batches(), val_data=make_batches(1), epochs=1)
+    assert info.value is raised[0]
 
 
 def test_zero_turns_it_off():
@@ -148,6 +246,29 @@ def _one_rank_has_bad_val_data():
     except ValueError as err:
         return {"error": str(err), "steps": steps.n}
     return {"error": None, "steps": steps.n}
+
+
+def _one_rank_raises_the_users_error():
+    torch.set_num_threads(1)
+    torch.manual_seed(0)
+    net, steps = Fails(rank=1), Steps()
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+    try:
+        est.fit(make_batches(2), val_data=make_batches(1), epochs=1, event_handlers=[steps])
+    except MyError as err:
+        return {"error": str(err), "type": type(err).__name__, "notes": getattr(err, "__notes__", []),
+                "steps": steps.n}
+    return {"error": None, "steps": steps.n}
+
+
+@pytest.mark.distributed
+def test_the_users_exception_on_one_rank_reaches_every_ranks_except():
+    results = distributed.spawn(_one_rank_raises_the_users_error, 2, backend="gloo")
+    assert [r["steps"] for r in results] == [0, 0]
+    assert [(r["type"], r["error"]) for r in results] == [("MyError", "my forward refuses")] * 2
+    if sys.version_info >= (3, 11):
+        assert all(any("sanity pass" in note for note in r["notes"]) for r in results)
+        assert any("rank 1 failed" in note for note in results[0]["notes"])  # rank 0 raises rank 1's copy
 
 
 @pytest.mark.distributed

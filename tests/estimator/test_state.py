@@ -6,7 +6,7 @@ from __future__ import annotations
 
 import pytest
 
-from estimatorch.estimator._state import Stage
+from estimatorch.estimator._state.run import Stage
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochBegin, EpochEnd, TrainBegin, TrainEnd
 from tests.conftest import make_batches, make_estimator
 

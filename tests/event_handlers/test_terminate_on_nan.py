@@ -73,7 +73,7 @@ def test_between_checks_the_host_never_reads_the_tally(monkeypatch):
     h = TerminateOnNaNHandler(check_every=5)
 
     class Est:
-        logger, val_metrics = logging.getLogger("test"), []
+        logger, val_metrics, boundary_actions_pending = logging.getLogger("test"), [], False
 
     h.train_begin(Est())
     reads = []
@@ -129,7 +129,7 @@ def test_a_non_finite_val_metric_stops_at_the_epoch_end():
 
 def test_the_tally_is_state_and_a_resume_reports_a_bad_batch_from_before_the_save():
     class Est:
-        logger, val_metrics = logging.getLogger("test"), []
+        logger, val_metrics, boundary_actions_pending = logging.getLogger("test"), [], False
 
     h = TerminateOnNaNHandler(check_every=5)
     h.train_begin(Est())

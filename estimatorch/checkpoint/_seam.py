@@ -1,0 +1,42 @@
+"""The estimator as a checkpoint store sees it: :class:`ResumableFit`, the seam through which a
+store takes a fit's state to disk and brings it back, declared at this layer (the store imports
+nothing above it; ``Estimator`` and the handlers' ``EstimatorView`` satisfy it)."""
+
+from __future__ import annotations
+
+from typing import Any, Optional, Protocol
+
+import torch
+from torch import nn
+
+__all__ = ["ResumableFit"]
+
+
+class ResumableFit(Protocol):
+    """The fit in progress, for a store: its training state, and the payload seam
+    (``Estimator.state_payload`` / ``check_payload`` / ``load_payload``)."""
+
+    @property
+    def net(self) -> nn.Module:
+        """The model (its plain module's keys are saved whatever wraps it)."""
+
+    @property
+    def optimizer(self) -> Any:
+        """The optimizer (a torch optimizer, or None)."""
+
+    @property
+    def lr_scheduler(self) -> Any:
+        """The learning-rate scheduler, or None."""
+
+    @property
+    def grad_scaler(self) -> Optional[torch.amp.GradScaler]:
+        """The gradient scaler of ``precision="fp16"``, else None."""
+
+    def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:
+        """Everything needed to resume the current fit (rank 0's; None on the others)."""
+
+    def check_payload(self, payload: dict[str, Any], source: str, *, rank: Optional[int] = None) -> dict[str, Any]:
+        """Check a payload against the current fit without changing anything."""
+
+    def load_payload(self, payload: dict[str, Any], source: str) -> None:
+        """Resume the current fit from a checked payload."""

@@ -1,0 +1,131 @@
+"""How a :class:`~estimatorch.CheckpointHandler` writes: what is due at a boundary (periodic, best,
+a sharded net's directory), the files on rank 0 then the pointer and retention, a save handed to
+its background writer, and its background writes ended at ``train_end`` (which ranks wait for the
+write in flight and where its failure is raised)."""
+
+from __future__ import annotations
+
+import os
+import sys
+from typing import TYPE_CHECKING, Any, Callable, Optional
+
+from ... import checkpoint, distributed
+from ...events import EstimatorView
+from ...metrics.base import metric_name
+from ._directory import absolute
+
+if TYPE_CHECKING:  # the handler these write for; typing only (it imports this module)
+    from . import CheckpointHandler
+
+__all__ = ["finish_background_write", "save", "submit_background_write"]
+
+
+def submit_background_write(writer: checkpoint.BackgroundWriter, state: Any, paths: list[str],
+                            write: Callable[[Any, bool], None]) -> None:
+    """Hand a save of ``state`` to ``paths`` to the background writer: the files to its process,
+    then ``write(None, True)`` on its thread (the pointer, retention); or everything to its
+    thread (``async_save="thread"``): ``write(staged, False)``."""
+    if isinstance(writer, checkpoint.ProcessWriter):
+        writer.submit_files(state, paths, lambda: write(None, True))
+    else:
+        writer.submit(state, lambda staged: write(staged, False))
+
+
+def finish_background_write(writer: Optional[checkpoint.BackgroundWriter], sharded: bool,
+                            estimator: EstimatorView) -> None:
+    """Wait for the background write in flight and raise its failure: on every rank where
+    every rank ends the fit at the same boundary (a signal, or the plan's end or a stop with
+    no error on its way), else (an error, maybe on this rank only: no collective) where it
+    was met. (For a ``sharded`` net every rank has a writer of its own part.)"""
+    if writer is None:
+        return
+    together = estimator.interruption is not None or (estimator.position.stop and sys.exc_info()[1] is None)
+    what = "CheckpointHandler writing a checkpoint in the background"
+    if sharded:
+        error: Optional[BaseException] = None
+        try:
+            writer.wait()
+        except Exception as err:  # noqa: BLE001 - every rank raises it, or this one where ranks part
+            error = err
+        if together:
+            distributed.raise_on_every_rank(error, what)
+        elif error is not None:
+            raise error
+    elif together:
+        distributed.run_on_main(writer.wait, what)
+    elif distributed.is_main_process():
+        writer.wait()
+
+
+# -- a save, for the handler ----------------------------------------------------------------------
+def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool = True) -> None:
+    """Write what is due at the current boundary (with ``async_save``, and ``background``,
+    hand it to the writer thread). A collective: every rank calls it."""
+    pos = estimator.position
+    is_best, value = handler._check_best(pos)
+    names = handler._layout.due(pos.epoch, pos.step, is_best)
+    if not names:
+        return
+    clash = [name for name in names if name in handler._directory.foreign]
+    if clash:  # the same on every rank: nothing is written anywhere
+        raise FileExistsError(
+            f"{os.path.join(handler.model_dir, clash[0])!r} was there when this fit started and this handler's "
+            f"state (its best value) did not come back with the resume, so it belongs to another run and is "
+            "left untouched: resume from a checkpoint written with this handler in the fit, move the file "
+            "away, or choose another model_prefix")
+    if is_best and value is not None:
+        handler.best = value  # before the payload: the checkpoint holds it
+    if handler._layout.resumable:
+        handler._saved_step = pos.step
+    best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
+    if handler._layout.sharded and not handler.save_weights_only:  # every rank writes its part
+        _save_sharded(handler, estimator, names, step, background)
+        return
+    if handler.save_weights_only:  # a sharded net's weights are gathered: a collective
+        sharded = handler._layout.sharded
+        state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
+    else:
+        state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
+    writer = handler._writer if background else None
+    if writer is None:  # a full disk on rank 0 stops every rank, never a hang
+        distributed.run_on_main(lambda: _write(handler, estimator, state, names, best, step),
+                                "CheckpointHandler writing a checkpoint")
+    else:  # the previous background write's failure too
+        paths = [os.path.join(handler.model_dir, name) for name in names]
+        distributed.run_on_main(lambda: submit_background_write(
+            writer, state, paths, lambda staged, written: _write(handler, estimator, staged, names, best, step,
+                                                                      written=written)),
+                                "CheckpointHandler writing a checkpoint")
+
+
+def _save_sharded(handler: CheckpointHandler, estimator: EstimatorView, names: list[str], step: int,
+                  background: bool) -> None:
+    """A sharded net's checkpoint directory, written by every rank (a collective; with
+    ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
+    and retention. A directory of the same name (one the resume skipped as unusable, as a
+    file of that name would be replaced) is removed first."""
+    path = os.path.join(handler.model_dir, names[0])
+    distributed.run_on_main(lambda: checkpoint.remove_checkpoint(path), "CheckpointHandler clearing " + path)
+
+    def settle() -> None:
+        distributed.run_on_main(lambda: _write(handler, estimator, None, names, None, step, written=True),
+                                "CheckpointHandler moving the pointer")
+
+    checkpoint.save_fit_checkpoint(estimator, path, writer=handler._writer if background else None, then=settle)
+
+
+def _write(handler: CheckpointHandler, estimator: EstimatorView, state: Any, names: list[str],
+           best: Optional[float], step_now: int, written: bool = False) -> None:
+    """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
+    writer process, or for a sharded checkpoint), the periodic one first, then the best one;
+    then the pointer, retention and orphaned temporaries."""
+    paths = [os.path.join(handler.model_dir, name) for name in names]
+    for path in paths if not written else ():
+        checkpoint.atomic_save(state, path)
+    removed = handler._directory.settle(paths, step_now)
+    estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
+                   removed=[absolute(path) for path in removed])
+    if handler.verbose:
+        note = f" (best {metric_name(handler.monitor)}: {best:.6g})" if best is not None else ""
+        estimator.logger.info("Saved %s %s%s", "weights export" if handler.save_weights_only else "checkpoint",
+                              paths[0], note)
