@@ -47,7 +47,7 @@ import torch
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
-from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.data._streams import make_train_stream  # noqa: E402
 
 
 class Indexed(torch.utils.data.Dataset):

@@ -8,7 +8,7 @@ start of the positioning to the first batch delivered:
 
 - ``sampler``: ``ResumableRandomSampler.set_start_iter(k)``, then the first 32 indices;
 - ``stream``: the training stream ``fit`` builds around a ``DataLoader(shuffle=True)``
-  (``estimatorch.estimator._streams.make_train_stream``, a private helper), ``epoch_iter(0, k)``,
+  (``estimatorch.data._streams.make_train_stream``, a private helper), ``epoch_iter(0, k)``,
   then the first batch;
 - ``fit``: ``fit(..., event_handlers=[CheckpointHandler(resume_from_checkpoint=True), ...])``
   from a checkpoint saved at batch ``k``, until the first ``batch_begin`` (checkpoint discovery
@@ -53,7 +53,7 @@ import _common as common
 
 from estimatorch import Estimator, checkpoint  # noqa: E402
 from estimatorch import event_handlers as eh  # noqa: E402
-from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.data._streams import make_train_stream  # noqa: E402
 from estimatorch.samplers import ResumableRandomSampler  # noqa: E402
 
 NEAR, FAR = 10, 1_000_000

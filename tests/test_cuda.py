@@ -87,7 +87,7 @@ def test_resume_on_the_gpu_is_bit_identical(tmp_path):
 
 def test_each_micro_batch_of_an_elastic_fit_draws_from_its_place_on_the_gpu(tmp_path):
     """Dropout on the GPU draws from the CUDA generator: elastic mode reseeds it too."""
-    from tests.estimator.test_elastic import draws_follow_the_micro_batch
+    from tests.data.test_elastic import draws_follow_the_micro_batch
 
     for got, wanted in draws_follow_the_micro_batch("cuda", tmp_path):
         assert torch.equal(got, wanted)

@@ -9,6 +9,8 @@ The layers, bottom to top (docs/architecture.md draws them):
 2. ``metrics``;  3. ``samplers``;  4. ``checkpoint`` (storage only);
 5. the handler contract (``events``: mixins, ``Handler``, the estimator's ``Protocol``, dispatch,
    the monitor rule), and the helpers the handlers share (paths, progress bars, event files);
+   the data layer (``data``: every kind of resumable training stream), below the handlers and the
+   estimator;
 6. ``statistics``;  7. the built-in handlers;  8. ``estimator``;
 9. ``testing``, the demo, the package ``__init__`` and ``__main__``.
 """
@@ -36,6 +38,7 @@ LAYERS: dict[str, int] = {
     "estimatorch.samplers": 3,
     "estimatorch.checkpoint": 4,
     "estimatorch.events": 5,
+    "estimatorch.data": 5,
     **{f"estimatorch.event_handlers.{name}": 5 for name in _CORE},
     "estimatorch.statistics": 6,
     "estimatorch.event_handlers": 7,

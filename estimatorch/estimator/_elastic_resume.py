@@ -1,6 +1,6 @@
 """An elastic fit's view of a checkpoint: the per-rank snapshots of a run saved on one world size,
 mapped onto the ranks of a fit on another (``CheckpointHandler(..., elastic=True)``; the layout of
-the samples is in :mod:`estimatorch.estimator._elastic`); ``Estimator.check_payload`` applies it.
+the samples is in :mod:`estimatorch.data._elastic`); ``Estimator.check_payload`` applies it.
 
 Both runs train ``S = world_size x accumulation_steps`` micro-batches of ``batch_size`` samples
 per optimizer step, the same samples in each step (anything else is refused). The mapping:
@@ -38,9 +38,9 @@ from .. import distributed, rng
 from .._checks import is_int, warn_user
 from .._saved import CheckpointError
 from ..checkpoint import rank_snapshot
+from ..data import check_fingerprint, is_elastic
 from ..events import declared
 from ..metrics.base import Metric, metric_name
-from ._elastic import check_fingerprint, is_elastic
 
 __all__ = ["batch_counters", "map_payload", "world_size_error"]
 

@@ -1,6 +1,6 @@
 """The loop ``evaluate`` and ``predict`` share: ``val_net`` in eval mode without gradients, every
 random generator kept, the four epoch/batch events fired, over this rank's share of the data
-(:mod:`._sharding`)."""
+(:mod:`estimatorch.data._sharding`)."""
 
 from __future__ import annotations
 
@@ -17,11 +17,9 @@ from .. import distributed, rng
 from .._batches import to_device
 from .._checks import is_int
 from ..checkpoint import is_sharded_module
+from ..data import InferenceData, draws_no_randomness, for_inference, in_step, loader_kwargs
 from ..events import Dispatch, check_handlers, order_handlers
 from ..metrics.base import split_loss_metrics, update_metrics
-from ._sharding import InferenceData, for_inference, in_step
-from ._stream_base import loader_kwargs
-from ._streams import draws_no_randomness
 
 __all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
 
@@ -130,7 +128,7 @@ def _dispatch(estimator: Any, handlers: list[Any], batches: Iterable[Any]) -> Di
 
 def _own_or_padding(shard: InferenceData, limit: Optional[int], sharded: bool) -> Iterable[tuple[Any, bool]]:
     """``(batch, own)`` pairs: this rank's batches (at most ``limit``), and for a sharded net
-    padding ones, so that every rank runs as many forwards (:mod:`._sharding`)."""
+    padding ones, so that every rank runs as many forwards (:mod:`estimatorch.data._sharding`)."""
     batches = shard.batches if limit is None else itertools.islice(shard.batches, limit)
     if sharded and not shard.split and distributed.is_distributed():
         return in_step(batches)  # lengths unknown: agreed batch by batch
@@ -147,7 +145,7 @@ def run_batches(estimator: Any, data: Iterable[Any], arg: str, handlers: list[An
     For a sharded ``val_net`` (FSDP2: each forward gathers parameters from every rank) every
     rank runs as many forwards: a rank with a batch fewer of a split loader, or that has run out
     of data it holds itself (the ranks agree before each batch: one small all-reduce per batch),
-    runs ``forward`` on a padding batch and discards its result, firing no event (:mod:`._sharding`).
+    runs ``forward`` on a padding batch and discards its result, firing no event (:mod:`estimatorch.data._sharding`).
 
     Args:
         agree_on_empty: with data each rank holds itself, under torch.distributed, raise only

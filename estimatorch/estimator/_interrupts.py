@@ -37,6 +37,7 @@ import threading
 from typing import Any, Callable, Optional
 
 from .. import cluster, distributed
+from ..data import IgnoreStopSignals
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
            "stop_exception", "stop_message", "stopped_at_once"]
@@ -48,31 +49,6 @@ SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
 #: the code of SLURM's requeue signal (whichever it is: :func:`estimatorch.cluster.requeue_signal`)
 REQUEUE_CODE = 3
 _DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
-
-
-class IgnoreStopSignals:
-    """A DataLoader ``worker_init_fn``: the worker ignores SIGINT, SIGTERM and, under SLURM, the
-    requeue signal (SIGUSR1 unless configured), then runs ``fn``.
-
-    A worker that took Ctrl-C as a ``KeyboardInterrupt`` would exit, and the main process, which
-    trains on to the step boundary to checkpoint it, would fail with "DataLoader worker exited
-    unexpectedly". Picklable when ``fn`` is (a spawned worker receives it pickled).
-
-    Args:
-        fn: the loader's own ``worker_init_fn``, called with the worker's id. Defaults to None.
-    """
-
-    def __init__(self, fn: Optional[Callable[[int], Any]] = None):
-        self.fn = fn
-
-    def __call__(self, worker_id: int) -> None:
-        signal.signal(signal.SIGINT, signal.SIG_IGN)
-        signal.signal(signal.SIGTERM, signal.SIG_IGN)
-        requeue = cluster.requeue_signal()  # SLURM's --signal=USR1@N reaches every process of the step
-        if requeue is not None:
-            signal.signal(requeue, signal.SIG_IGN)
-        if self.fn is not None:
-            self.fn(worker_id)
 
 
 def interrupted(message: str) -> KeyboardInterrupt:

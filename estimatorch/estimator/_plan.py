@@ -27,10 +27,9 @@ from torch.optim.lr_scheduler import (
 )
 
 from .._checks import check_positive_int, warn_user
+from ..data import configure_elastic, make_train_stream
 from ..event_handlers import LRSchedulerHandler
 from ..events import accumulation_steps, check_handlers
-from ._elastic import configure_elastic
-from ._streams import make_train_stream
 
 __all__ = ["PlanCounts", "build_scheduler", "check_horizons", "count_epoch_ends", "count_steps", "limited",
            "plan_counts", "planned_steps", "schedule_length", "scheduler_horizon"]

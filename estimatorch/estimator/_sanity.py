@@ -21,9 +21,9 @@ from .. import distributed
 from .._batches import to_device
 from .._checks import check_positive_int
 from ..checkpoint import is_sharded_module
+from ..data import in_step
 from ..metrics.base import Metric, split_loss_metrics, update_metrics
 from ._evaluation import _inference_mode, _seeded
-from ._sharding import in_step
 
 __all__ = ["sanity_pass"]
 

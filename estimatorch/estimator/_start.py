@@ -8,17 +8,16 @@ from typing import Any, Optional
 
 from .. import distributed, rng
 from .._checks import warn_user
+from ..data import configure_elastic, make_train_stream
 from ..events import Dispatch, check_fit, check_handlers, check_metric_references, declared, order_handlers
 from ..events.monitor import resolve_monitors
 from ..events.timing import StepTimes
 from ._capture import check_capture
 from ._checks import check_fit_arguments, check_limits, check_optimizer, check_unique_handlers
-from ._elastic import configure_elastic
 from ._plan import plan_counts, schedule_length
 from ._setup import default_handlers, signal_guard, warn_default_optimizer
 from ._state import Run, resume_plan
 from ._stop_agreement import agreement_period
-from ._streams import make_train_stream
 
 __all__ = ["start_run"]
 

@@ -32,15 +32,14 @@ from ..checkpoint import (
     check_positions,
     check_snapshot_structure,
 )
+from ..data import TrainStream, check_fingerprint
 from ..event_handlers.lr_scheduler import epoch_learning_rates
 from ..event_handlers.speed_monitor import epoch_speed_values
 from ..events import Dispatch, state_attributes
 from ..events.timing import StepTimes
 from ..metrics.base import Metric, metric_name
-from ._elastic import check_fingerprint
 from ._interrupts import SignalGuard
 from ._stop_agreement import StopAgreement
-from ._streams import TrainStream
 from .history import History
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "Stage", "check_snapshot",

@@ -403,7 +403,7 @@ class Estimator(RunView):
         training mode and every random generator afterwards (validating or not never changes
         a training run's random stream). Under torch.distributed, every rank calls it; a
         map-style DataLoader is shared out so that each sample counts once, as in one process;
-        other data is each rank's own (see :mod:`estimatorch.estimator._sharding`).
+        other data is each rank's own (see :mod:`estimatorch.data._sharding`).
 
         Returns:
             ``{metric name: value}`` for every val metric.

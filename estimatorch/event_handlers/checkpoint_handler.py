@@ -173,7 +173,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             (needs ``save_best`` or ``save_best_only``). Defaults to None.
         elastic: lay the training samples out in global optimizer steps, so that the run can
             resume on another world size with the same ``batch_size`` and ``world_size x
-            accumulation_steps`` (see :mod:`estimatorch.estimator._elastic`); set it from the
+            accumulation_steps`` (see :mod:`estimatorch.data._elastic`); set it from the
             run's first fit on, and on every resume. Defaults to False.
         async_save: write checkpoints in the background; the step waits only for a copy of the
             state into reused buffers (see above): True (or ``"process"``) by a writer process

@@ -10,8 +10,8 @@ from torch import nn
 from torch.utils.data import DataLoader, Dataset, TensorDataset
 
 from estimatorch import CheckpointHandler, Estimator
-from estimatorch.estimator._streams import make_train_stream
-from estimatorch.estimator._elastic import ElasticLayout
+from estimatorch.data._streams import make_train_stream
+from estimatorch.data._elastic import ElasticLayout
 from estimatorch.samplers import AUTO_THRESHOLD, ResumableRandomSampler
 from estimatorch.testing import assert_resumable
 from tests.conftest import CrashAt, losses_recorder

@@ -19,11 +19,11 @@ from datasets import Dataset, IterableDataset, load_dataset  # noqa: E402
 from datasets.distributed import split_dataset_by_node  # noqa: E402
 
 from estimatorch import distributed  # noqa: E402
-from estimatorch.estimator._iterable_streams import StatefulIterableStream  # noqa: E402
-from estimatorch.estimator._streams import make_train_stream  # noqa: E402
+from estimatorch.data._iterable_streams import StatefulIterableStream  # noqa: E402
+from estimatorch.data._streams import make_train_stream  # noqa: E402
 from estimatorch.testing import assert_resumable  # noqa: E402
 from tests.conftest import losses_recorder  # noqa: E402
-from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+from tests.data.test_iterable_streams import dropout_estimator  # noqa: E402
 
 N = 16  # samples: batches of 4, 4 per epoch
 STOPS = [2, 4, 6]  # mid-epoch, an epoch's last step, mid second epoch

@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator
-from estimatorch.estimator._streams import make_train_stream
+from estimatorch.data._streams import make_train_stream
 from estimatorch.testing import assert_resumable
 from tests.conftest import Count, losses_recorder
 

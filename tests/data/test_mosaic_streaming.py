@@ -38,7 +38,7 @@ from streaming.base.util import clean_stale_shared_memory  # noqa: E402
 from estimatorch import distributed  # noqa: E402
 from estimatorch.testing import assert_resumable  # noqa: E402
 from tests.conftest import losses_recorder  # noqa: E402
-from tests.estimator.test_iterable_streams import dropout_estimator  # noqa: E402
+from tests.data.test_iterable_streams import dropout_estimator  # noqa: E402
 
 N = 30  # samples: batches of 4, 8 per epoch (the last one partial)
 _LOCALS = itertools.count()

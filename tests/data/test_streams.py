@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator
-from estimatorch.estimator._streams import make_train_stream
+from estimatorch.data._streams import make_train_stream
 from estimatorch.event_handlers import BatchBegin, BatchEnd
 from estimatorch.metrics import Accuracy
 from estimatorch.testing import assert_resumable

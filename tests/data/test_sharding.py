@@ -10,8 +10,8 @@ import torch
 from torch.utils.data import BatchSampler, DataLoader, DistributedSampler, IterableDataset, RandomSampler, TensorDataset
 
 from estimatorch import distributed
-from estimatorch.estimator import _sharding
-from estimatorch.estimator._sharding import for_inference
+from estimatorch.data import _sharding
+from estimatorch.data._sharding import for_inference
 from estimatorch.samplers import DistributedSampler as ComposableDistributedSampler
 from estimatorch.samplers import ResumableDistributedSampler
 

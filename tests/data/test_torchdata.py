@@ -9,12 +9,12 @@ import pytest
 import torch
 from torchdata.stateful_dataloader import StatefulDataLoader
 
-from estimatorch.estimator._streams import make_train_stream
+from estimatorch.data._streams import make_train_stream
 from estimatorch.samplers import ResumableRandomSampler
 from estimatorch.testing import assert_resumable
 from tests.conftest import losses_recorder
-from tests.estimator.test_iterable_streams import StatefulRange, dropout_estimator
-from tests.estimator.test_streams_matrix import Noisy
+from tests.data.test_iterable_streams import StatefulRange, dropout_estimator
+from tests.data.test_streams_matrix import Noisy
 
 STOPS = [2, 4, 6]  # mid-epoch, an epoch's last step, mid second epoch (4 batches per epoch)
 

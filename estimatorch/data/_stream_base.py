@@ -10,7 +10,7 @@ from typing import Any, Callable, Optional
 from torch.utils.data import DataLoader
 
 from .. import distributed
-from ._interrupts import IgnoreStopSignals
+from ._workers import IgnoreStopSignals
 
 __all__ = ["TrainStream", "identity", "length_of", "loader_kwargs"]
 

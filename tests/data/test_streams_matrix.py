@@ -17,7 +17,7 @@ from torch.utils.data import BatchSampler, DataLoader, RandomSampler, Sequential
 from estimatorch import CheckpointHandler, Estimator
 from estimatorch.event_handlers import BatchEnd
 from tests.conftest import CrashAt, losses_recorder
-from tests.estimator.test_iterable_streams import StatefulRange
+from tests.data.test_iterable_streams import StatefulRange
 
 N = 16  # samples; batches of 4: 4 batches per epoch (partial cases: 14 samples)
 

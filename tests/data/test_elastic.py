@@ -9,7 +9,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, rng
 from estimatorch.event_handlers import BatchBegin
-from estimatorch.estimator._elastic import ElasticLayout, slot_positions
+from estimatorch.data._elastic import ElasticLayout, slot_positions
 
 
 @pytest.mark.parametrize("n, drop_last", [(48, False), (45, False), (45, True), (5, False)])
