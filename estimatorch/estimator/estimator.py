@@ -23,7 +23,7 @@ from ._checks import (
 )
 from ._evaluation import check_inference_args, evaluate_batches
 from ._graphed_step import graphed_step
-from ._interrupts import stop_exception
+from ._interrupts import drop_data_frames, stop_exception
 from ._logging import default_logger as _default_logger
 from ._loop import end_run, run_loop
 from ._oom import describe_out_of_memory
@@ -345,6 +345,8 @@ class Estimator(RunView):
                 except BaseException as err:
                     failed, stopping = True, err
                     publish_failure(watch, run, err)  # the other ranks end instead of waiting for this one
+                    if run.signals.stopped is not None:  # a stop at a boundary: see drop_data_frames
+                        raise drop_data_frames(err)  # noqa: B904 - the same error, without its frames
                     raise
                 finally:
                     end_run(self, run, failed)
