@@ -118,7 +118,8 @@ def test_ctrl_c_to_the_group_with_workers_twice_then_resume_ends_bit_identical(t
             break
         assert proc.returncode == -signal.SIGINT, f"{plan}: {proc.stderr[-3000:]}"
         assert "finally ran" in proc.stdout, plan
-        assert stopped["interruption"] == "SIGINT" and last < stopped["step"] <= STEPS, (plan, stopped["step"])
+        # a press before the resumed run's first step stops at the boundary it resumed from
+        assert stopped["interruption"] == "SIGINT" and last <= stopped["step"] <= STEPS, (plan, stopped["step"])
         saved = [name for name in os.listdir(tmp_path / "ckpt") if name.endswith(f"batch{stopped['step']}.pt")]
         assert len(saved) == 1, f"{plan}: {proc.stdout[-2000:]}"  # the stop's step (or a periodic save of it)
         last = stopped["step"]
