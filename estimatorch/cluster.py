@@ -49,8 +49,8 @@ import torch
 import torch.distributed as dist
 from torch.distributed.constants import default_pg_timeout
 
-__all__ = ["Launcher", "REQUEUE_SIGNAL_VAR", "REQUEUE_VAR", "agent_drops", "current", "detect", "expand_nodelist",
-           "init_process_group", "requeue", "requeue_signal", "slurm_port"]
+__all__ = ["Launcher", "REQUEUE_SIGNAL_VAR", "REQUEUE_VAR", "SHARE_STORE_VAR", "agent_drops", "current", "detect",
+           "expand_nodelist", "init_process_group", "requeue", "requeue_signal", "shared_store_restarts", "slurm_port"]
 
 logger = logging.getLogger(__name__)
 
@@ -399,6 +399,42 @@ def requeue_signal(env: Optional[Mapping[str, str]] = None) -> Optional[signal.S
         raise RuntimeError(f"{REQUEUE_SIGNAL_VAR}={env[REQUEUE_SIGNAL_VAR]!r}: SIGINT and SIGTERM already stop "
                            "fit (without a requeue); SIGKILL and SIGSTOP cannot be caught. Use USR1 or USR2")
     return signum
+
+
+#: the variable that gives each generation of torchrun's workers a rendezvous store of its own
+SHARE_STORE_VAR = "TORCH_DISABLE_SHARE_RDZV_TCP_STORE"
+
+
+def shared_store_restarts(env: Optional[Mapping[str, str]] = None) -> Optional[str]:
+    """Why a restart of this torchrun job would likely fail, or None: several agents
+    (``GROUP_WORLD_SIZE`` > 1) that allow restarts (``TORCHELASTIC_MAX_RESTARTS`` > 0) and share
+    the rendezvous store across them (``TORCHELASTIC_USE_AGENT_STORE=True``, which the agent sets
+    unless ``TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1``): a restarted generation of workers finds the
+    dead generation's keys in the store (see docs/clusters.md). Under one agent ``fit`` gives
+    each restart a key space of its own; across agents no restart count names a generation.
+
+    Example:
+        >>> env = {"TORCHELASTIC_RUN_ID": "r", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "3",
+        ...        "TORCHELASTIC_USE_AGENT_STORE": "True"}
+        >>> shared_store_restarts(env).startswith("2 torchrun agents")
+        True
+        >>> shared_store_restarts({**env, "TORCHELASTIC_USE_AGENT_STORE": "False"}) is None
+        True
+    """
+    env = os.environ if env is None else env
+    if "TORCHELASTIC_RUN_ID" not in env:
+        return None
+    try:
+        agents, restarts = int(env.get("GROUP_WORLD_SIZE", "1")), int(env.get("TORCHELASTIC_MAX_RESTARTS", "0"))
+    except ValueError:
+        return None
+    shared = env.get("TORCHELASTIC_USE_AGENT_STORE", str(env.get(SHARE_STORE_VAR, "0") != "1")) == "True"
+    if agents < 2 or restarts < 1 or not shared:
+        return None
+    return (f"{agents} torchrun agents share one rendezvous store across restarts and allow {restarts} "
+            f"(TORCHELASTIC_MAX_RESTARTS): a restarted generation of workers would find the dead one's keys in it and "
+            f"its restart fail (\"Connection refused\" or a hang). Start every agent with {SHARE_STORE_VAR}=1 "
+            "(see docs/clusters.md, several machines).")
 
 
 #: the signals torchrun's agent handles (and passes on to its workers) unless told otherwise

@@ -211,6 +211,46 @@ def test_fit_warns_when_torchruns_agent_would_drop_the_requeue_signal(monkeypatc
     assert "does not handle" not in caplog.text
 
 
+SHARED = {"TORCHELASTIC_RUN_ID": "r1", "GROUP_WORLD_SIZE": "2", "TORCHELASTIC_MAX_RESTARTS": "2",
+          "TORCHELASTIC_USE_AGENT_STORE": "True"}
+
+
+@pytest.mark.parametrize("env, warned", [
+    (SHARED, True),  # several agents, restarts allowed, the store shared: a restart meets the dead keys
+    ({k: v for k, v in SHARED.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}, True),  # read from the agent's env
+    (dict(SHARED, TORCHELASTIC_USE_AGENT_STORE="False"), False),  # TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1
+    ({k: v for k, v in SHARED.items() if k != "TORCHELASTIC_USE_AGENT_STORE"}
+     | {"TORCH_DISABLE_SHARE_RDZV_TCP_STORE": "1"}, False),
+    (dict(SHARED, GROUP_WORLD_SIZE="1"), False),  # one agent: fit gives each restart its own key space
+    (dict(SHARED, TORCHELASTIC_MAX_RESTARTS="0"), False),  # no restart to fail
+    ({k: v for k, v in SHARED.items() if k != "TORCHELASTIC_RUN_ID"}, False),  # no torchrun agent
+])
+def test_several_torchrun_agents_sharing_the_store_across_restarts_are_named(env, warned):
+    said = cluster.shared_store_restarts(env)
+    if not warned:
+        assert said is None
+    else:
+        assert "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in said and "docs/clusters.md" in said and said.startswith("2 ")
+
+
+def test_fit_warns_when_several_agents_share_the_store_across_restarts(monkeypatch, estimatorch_log):
+    from tests.test_distributed import _setup
+
+    for key in {**SLURM, **JOB, **TORCHRUN}:
+        monkeypatch.delenv(key, raising=False)
+    for key, value in SHARED.items():  # the variables only (one process: fit forms no group of them)
+        monkeypatch.setenv(key, value)
+    est, _ = _setup()
+    loader = [(torch.randn(5, 4), torch.tensor([0, 1, 2, 0, 1]))]
+    est.fit(loader, epochs=1)
+    warned = [r.getMessage() for r in estimatorch_log if "TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1" in r.getMessage()]
+    assert len(warned) == 1 and estimatorch_log[0].getMessage() == warned[0]  # before any work
+    monkeypatch.setenv("TORCHELASTIC_USE_AGENT_STORE", "False")
+    estimatorch_log.clear()
+    est.fit(loader, epochs=1)
+    assert not any("TORCH_DISABLE_SHARE_RDZV_TCP_STORE" in r.getMessage() for r in estimatorch_log)
+
+
 def fake_scontrol(directory, status=0):
     """An ``scontrol`` that records its arguments in ``directory/calls`` and exits with ``status``."""
     path = directory / "scontrol"

@@ -222,3 +222,28 @@ def test_two_torchrun_agents_restart_a_killed_worker_and_the_run_ends_bitwise(tm
         _assert_same_model(results[rank]["model"], torchrun_run[rank]["model"])
     # the killed worker's agent counted a restart; the other may have seen a membership change
     assert max(result["restarts"] for result in results) >= 1
+    assert not any(cluster.SHARE_STORE_VAR in log for log in logs)  # set: no warning
+
+
+def test_two_torchrun_agents_sharing_the_store_across_restarts_are_warned_of(tmp_path):
+    """As docs/clusters.md says for several machines, but without TORCH_DISABLE_SHARE_RDZV_TCP_STORE=1:
+    every worker inherits its agent's environment, and fit (rank 0) names the variable before a
+    restart fails on the dead generation's store. (No worker is killed: the run ends.)"""
+    out = tmp_path / "nodes"
+    out.mkdir()
+    script = tmp_path / "train.py"
+    script.write_text(SCRIPT)
+    endpoint = f"127.0.0.1:{_free_port()}"
+    env = _base_env()
+    env.pop(cluster.SHARE_STORE_VAR, None)
+    agents = [subprocess.Popen([sys.executable, "-m", "torch.distributed.run", "--nnodes=2", "--nproc-per-node=1",
+                                "--rdzv-backend=c10d", f"--rdzv-endpoint={endpoint}", "--rdzv-id=shared-store",
+                                "--max-restarts=1", str(script), str(out), str(tmp_path / "model"), "0", "0"],
+                               env=env, stdout=subprocess.PIPE, stderr=subprocess.STDOUT, text=True)
+              for _ in range(2)]
+    logs = [agent.communicate(timeout=240)[0] for agent in agents]
+    for rank in range(2):
+        assert (out / f"rank{rank}.pt").exists(), "\n".join(log[-3000:] for log in logs)
+    warned = [line for log in logs for line in log.splitlines() if f"{cluster.SHARE_STORE_VAR}=1" in line]
+    assert len(warned) == 1, "\n".join(log[-3000:] for log in logs)  # once: rank 0's logger
+    assert "2 torchrun agents share one rendezvous store" in warned[0] and "docs/clusters.md" in warned[0]

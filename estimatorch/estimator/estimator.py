@@ -36,7 +36,7 @@ from ._state.run import Run, Stage
 from ._step.graphed_step import graphed_step
 from ._step.strategy import check_strategy, train_wrapper, wraps
 from ._step.torch_flags import torch_flags
-from ._stopping.interrupts import stop_exception
+from ._stopping.interrupts import drop_data_frames, stop_exception
 from ._stopping.oom import describe_out_of_memory
 from ._stopping.stop_messages import describe_stop
 from ._stopping.watch import publish_failure, watching
@@ -343,6 +343,8 @@ class Estimator(RunView):
                 except BaseException as err:
                     failed, stopping = True, err
                     publish_failure(watch, run, err)  # the other ranks end instead of waiting for this one
+                    if run.signals.stopped is not None:  # a stop at a boundary: see drop_data_frames
+                        raise drop_data_frames(err)  # noqa: B904 - the same error, without its frames
                     raise
                 finally:
                     end_run(self, run, failed)

@@ -7,9 +7,13 @@ the user is."""
 from __future__ import annotations
 
 import collections.abc
+import multiprocessing
 import os
 import signal
+import subprocess
+import sys
 import threading
+import time
 
 import pytest
 import torch
@@ -299,3 +303,60 @@ def test_dataloader_workers_ignore_the_signals_the_main_process_decides_on(conte
     est, count = make_estimator(), Count()
     est.fit(data, epochs=1, event_handlers=[count])
     assert count.batches == 6 and est.interruption is None
+
+
+class SignalsParentWhileFetching(torch.utils.data.Dataset):
+    """In a DataLoader worker, sample ``at`` takes long and sends ``signum`` to the main process
+    meanwhile, which by then waits for that batch (the others are prefetched within milliseconds)."""
+
+    def __init__(self, n, at, signum):
+        self.x, self.at, self.signum = torch.arange(n, dtype=torch.float32).reshape(n, 1).repeat(1, 4), at, signum
+
+    def __len__(self):
+        return len(self.x)
+
+    def __getitem__(self, i):
+        if i == self.at:
+            time.sleep(2.0)
+            os.kill(os.getppid(), self.signum)
+            time.sleep(0.5)
+        return self.x[i], i % 3
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("signum, exc", [(signal.SIGINT, KeyboardInterrupt), (signal.SIGTERM, SystemExit)])
+def test_a_stop_while_waiting_for_a_worker_shuts_the_workers_down_before_fit_raises(signum, exc, default_signals):
+    """The stop raised inside the DataLoader's wait must not keep its iterator, and so its workers
+    (which ignore SIGTERM), alive through the error's traceback: a script that does not catch it
+    would otherwise wait for them at exit forever (multiprocessing joins its children there)."""
+    data = torch.utils.data.DataLoader(SignalsParentWhileFetching(24, at=13, signum=signum), batch_size=4,
+                                       num_workers=1)
+    est = make_estimator()
+    with pytest.raises(exc) as caught:
+        est.fit(data, epochs=1)
+    assert est.interruption == signal.Signals(signum).name and est.position.step == 3  # batch 4 holds sample 13
+    assert caught.value is not None and multiprocessing.active_children() == []
+
+
+EXITS_DESPITE_A_LIVE_WORKER = """
+import torch
+from estimatorch.data import IgnoreStopSignals
+
+loader = torch.utils.data.DataLoader(list(range(64)), batch_size=4, num_workers=2, worker_init_fn=IgnoreStopSignals())
+iterator = iter(loader)  # never shut down: still referenced when the interpreter exits
+print(next(iterator).tolist(), next(iterator).tolist(), flush=True)  # one batch from each worker: both ignore SIGTERM
+"""
+
+
+@pytest.mark.slow
+def test_a_process_whose_loader_was_never_shut_down_still_exits(tmp_path):
+    """Workers that ignore SIGTERM would hang multiprocessing's exit (SIGTERM, then an unbounded
+    join); the exit hook gives them a bounded wait, then SIGKILL, and says so."""
+    script = tmp_path / "exits.py"
+    script.write_text(EXITS_DESPITE_A_LIVE_WORKER)
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
+    proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
+    assert proc.returncode == 0 and proc.stdout.strip() == "[0, 1, 2, 3] [4, 5, 6, 7]", proc.stderr[-2000:]
+    said = proc.stdout + proc.stderr  # the estimatorch logger (stdout) once fit set it up, else stderr
+    assert "2 worker process(es) still ran at exit" in said and "ended with SIGKILL" in said

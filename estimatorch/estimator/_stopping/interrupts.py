@@ -26,6 +26,10 @@ SIGTERM, so ``finally`` blocks run and the process exits with the conventional s
   Workers forked during ``fit`` inherit the handlers; workers started by ``spawn`` or
   ``forkserver`` (macOS's default, or ``multiprocessing_context=``) run
   :class:`IgnoreStopSignals` as their ``worker_init_fn``, which ``fit`` wraps around yours.
+  A stop that lands while the loop waits for a batch leaves the loader's frames out of its
+  traceback (:func:`drop_data_frames`), so the workers are shut down before the stop is saved;
+  and a process whose workers still run at exit ends them in bounded time
+  (``estimatorch.data._workers``): never an exit that waits for them forever.
 """
 
 from __future__ import annotations
@@ -39,8 +43,8 @@ from typing import Any, Callable, Optional
 from ... import cluster, distributed
 from ...data import IgnoreStopSignals
 
-__all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "install_excepthook", "interrupted", "is_clean_stop",
-           "stop_exception", "stop_message", "stopped_at_once"]
+__all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "drop_data_frames", "install_excepthook", "interrupted",
+           "is_clean_stop", "stop_exception", "stop_message", "stopped_at_once"]
 
 #: signal name -> the code ranks exchange; a larger code wins when ranks agree (MAX), so a
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
@@ -49,6 +53,18 @@ SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
 #: the code of SLURM's requeue signal (whichever it is: :func:`estimatorch.cluster.requeue_signal`)
 REQUEUE_CODE = 3
 _DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
+
+
+def drop_data_frames(error: BaseException) -> BaseException:
+    """``error``, a stop at a step boundary, without its traceback.
+
+    A signal that arrives while the loop waits for the next batch stops there, inside the
+    DataLoader's iterator: the traceback's frames would hold that iterator, and so its worker
+    processes (which ignore SIGINT and SIGTERM), for as long as the error lives, usually until
+    the process exits. Without them the iterator is released, and its workers shut down, before
+    the stop is saved. The stop's message says where it stopped; the frames only showed the wait.
+    """
+    return error.with_traceback(None)
 
 
 def interrupted(message: str) -> KeyboardInterrupt:

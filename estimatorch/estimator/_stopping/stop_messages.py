@@ -17,7 +17,8 @@ __all__ = ['describe_stop', 'signal_guard']
 
 def signal_guard(handlers: Sequence[object], logger: logging.Logger) -> SignalGuard:
     """Defers SIGINT and SIGTERM (and SLURM's requeue signal under SLURM) to a step boundary, with
-    a message that fits where we are, logged on every rank."""
+    a message that fits where we are, logged on every rank. Warns (rank 0) where a launcher would lose
+    the signal or a restart would fail: see ``cluster.agent_drops``, ``cluster.shared_store_restarts``."""
     # only a handler writing resumable checkpoints saves the boundary (exporters do not)
     savers = [h for h in handlers if declared(h, "checkpoint_location") is not None]
 
@@ -33,6 +34,9 @@ def signal_guard(handlers: Sequence[object], logger: logging.Logger) -> SignalGu
     dropped = cluster.agent_drops(requeue)  # srun torchrun: the agent must pass the signal on
     if dropped is not None:
         logger.warning(dropped)
+    shared = cluster.shared_store_restarts()  # several torchrun agents: a restart would meet the dead store
+    if shared is not None:
+        logger.warning(shared)
     return SignalGuard(describe, lambda message: logger.warning(message, extra={"all_ranks": True}),
                        requeue=requeue, resumes=any(declared(h, "resumes_run") for h in savers))
 

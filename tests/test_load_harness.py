@@ -1,0 +1,80 @@
+"""tests/load_harness.py counts right: a passing, a failing and a hanging target (written here),
+the hang's stacks shown and its processes ended, also one in a session of its own, and the
+background load started and ended."""
+
+from __future__ import annotations
+
+import os
+
+import pytest
+
+from tests import load_harness
+
+pytestmark = pytest.mark.slow
+
+TARGETS = '''
+import os, subprocess, sys, time
+
+
+def test_passes():
+    assert sum(range(4)) == 6
+
+
+def test_fails():
+    print("the failure's own output")
+    assert sum(range(4)) == 7
+
+
+def test_hangs(tmp_path_factory):
+    """Waits for a child in a session of its own, which sleeps: found by its environment, not its parent."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)"], start_new_session=True)
+    with open(os.environ["PID_FILE"], "a") as f:
+        f.write(f"{child.pid}\\n")
+    child.wait()
+'''
+
+
+def _gone(pid):
+    try:
+        with open(f"/proc/{pid}/stat") as stream:
+            return stream.read().split(")")[-1].split()[0] == "Z"  # a zombie no one reaped yet
+    except FileNotFoundError:
+        return True
+
+
+@pytest.fixture
+def targets(tmp_path, monkeypatch):
+    path = tmp_path / "test_targets.py"
+    path.write_text(TARGETS)
+    monkeypatch.setenv("PID_FILE", str(tmp_path / "pids"))
+    return path
+
+
+def test_passes_and_failures_are_counted_with_the_output_of_each_failure(targets):
+    report = load_harness.run_many(f"{targets}::test_passes", 2, timeout=120)
+    assert [run.outcome for run in report.runs] == ["passed", "passed"]
+    report = load_harness.run_many(f"{targets}::test_fails", 2, timeout=120)
+    assert (report.count("failed"), report.count("passed"), report.count("hung")) == (2, 0, 0)
+    text = load_harness.format_report(report)
+    assert text.count("failed (exit status 1") == 2 and "the failure's own output" in text
+    assert text.endswith("2 runs -> 0 passed, 2 failed, 0 hung (no background load; 0 runs left processes behind)")
+
+
+def test_a_hang_is_counted_with_its_stacks_and_leaves_no_process(targets, tmp_path):
+    report = load_harness.run_many(f"{targets}::test_hangs", 2, timeout=20)
+    assert (report.count("hung"), report.count("passed"), report.count("failed")) == (2, 0, 0)
+    for run in report.runs:
+        assert "in test_hangs" in run.stacks  # the test's own process, stopped in the test
+        assert 'File "<string>", line 1 in <module>' in run.stacks  # the child in a session of its own
+    pids = [int(line) for line in (tmp_path / "pids").read_text().split()]
+    assert len(pids) == 2 and all(_gone(pid) for pid in pids)
+
+
+def test_the_load_runs_one_spinner_per_core_during_the_runs_and_ends_with_them(targets):
+    spinners = load_harness.Load(2, nice=19)
+    with spinners:
+        procs = list(spinners.procs)
+        assert len(procs) == 2 and all(proc.poll() is None for proc in procs)
+    assert all(proc.returncode is not None for proc in procs)
+    report = load_harness.run_many(f"{targets}::test_passes", 1, load=os.cpu_count() or 1, nice=19, timeout=120)
+    assert report.count("passed") == 1 and "spinning processes, nice 19" in report.load
