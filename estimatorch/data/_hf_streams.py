@@ -14,12 +14,18 @@ the order of its shards and its shuffle buffer's draws are then a function of ``
   a function of ``(seed, epoch)`` alone, so a resume replays it from its start and discards the
   batches before the saved one: exact, at the cost of reading (and collating) those batches,
   which ``fit`` says in a warning when it resumes.
+- With a ``.map()`` or ``.filter()`` below a batched map (``.map(batched=True)``, and ``.batch()``,
+  which is one), its ``state_dict()`` resumes the batched map by reading its map batch again from
+  that batch's start, which runs the maps below it again on examples the run already drew for:
+  their draws then come from the generators' state at the checkpoint, not before those examples.
+  The epoch is replayed from its start as with a shuffle buffer: exact, said at the resume.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from torch.utils.data import DataLoader
@@ -30,7 +36,8 @@ from ._adapters import DataSource
 from ._iterable_streams import StatefulIterableStream
 from ._stream_base import TrainStream
 
-__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_in_threads", "shuffle_buffers"]
+__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_below_batched_maps", "maps_in_threads",
+           "shuffle_buffers"]
 
 _REPLAY_SALT = 0x4F1D
 
@@ -69,6 +76,22 @@ def maps_in_threads(dataset: Any) -> bool:
                for node, threaded in _pipeline(dataset))
 
 
+_MAPS = ("MappedExamplesIterable", "FilteredExamplesIterable")
+
+
+def maps_below_batched_maps(dataset: Any) -> list[str]:
+    """The names of the functions of the ``.map()``/``.filter()`` steps that run below a batched
+    map of ``dataset``'s pipeline (``.batch()`` is a batched map): datasets re-runs them when it
+    resumes the batched map from its map batch's start."""
+    below: list[str] = []
+    for node, _ in _pipeline(dataset):
+        if type(node).__name__ in _MAPS and getattr(node, "batched", False):
+            below += [getattr(inner.function, "__name__", repr(inner.function))
+                      for inner, _ in _pipeline(SimpleNamespace(_ex_iterable=node.ex_iterable))
+                      if type(inner).__name__ in _MAPS and inner.function is not None]
+    return list(dict.fromkeys(below))
+
+
 class _EpochReplayStream(TrainStream):
     """A ``datasets.IterableDataset`` with a shuffle buffer: each epoch iterated from its start
     after ``set_epoch(epoch)``; a resume at batch k reads and discards the first k batches."""
@@ -77,18 +100,27 @@ class _EpochReplayStream(TrainStream):
     exact = True
     kind = "a Hugging Face datasets.IterableDataset"
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int]):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, buffers: list[int],
+                 rerun: Optional[list[str]] = None):
         super().__init__(seed)
         self.dataset = dataset
         self.data: Any = loader if loader is not None else dataset
         self.buffers = buffers
+        self.rerun = rerun or []
 
     def fingerprint(self) -> dict[str, Any]:
         return {**super().fingerprint(), "dataset": type(self.dataset).__name__, "shuffle_buffers": self.buffers}
 
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
         self.dataset.set_epoch(epoch)
-        if start:
+        if start and not self.buffers:
+            warn_user(
+                f"resuming a datasets.IterableDataset whose .map()/.filter() {self.rerun} run below a batched "
+                "map (.batch() or .map(batched=True)): its state_dict() resumes a batched map by running the "
+                "maps below it again on examples already drawn for, with other draws, so fit replays epoch "
+                f"{epoch} from its start and discards the {start} batches before the saved position (read, "
+                "not trained). Exact; costs the time to read those batches.")
+        elif start:
             warn_user(
                 f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): its "
                 f"state_dict() does not hold the buffer's content, so fit replays epoch {epoch} from its "
@@ -108,9 +140,9 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
             "datasets runs in prefetch threads, one per input shard: draws there from the global generators "
             "(torch.rand, random, np.random) happen in an order no seed fixes, so a random .map() gives other "
             "values on every run, resumed or not. Put a random .map() after .shuffle().")
-    buffers = shuffle_buffers(dataset)
-    if buffers:
-        return _EpochReplayStream(dataset, loader, seed, buffers)
+    buffers, rerun = shuffle_buffers(dataset), maps_below_batched_maps(dataset)
+    if buffers or rerun:
+        return _EpochReplayStream(dataset, loader, seed, buffers, rerun)
     return StatefulIterableStream(dataset, loader, seed)
 
 

@@ -108,19 +108,25 @@ def _results(workdir: pathlib.Path) -> dict[str, Any]:
             "warnings": (workdir / "warnings.txt").read_text().splitlines()}
 
 
-def sigkill_resume(pipeline: str, argument: Any, num_workers: int, root: pathlib.Path, stops: list[int],
-                   epochs: int = 2) -> dict[str, Any]:
+def sigkill_resume(pipeline: str, argument: Any, num_workers: int, root: pathlib.Path, stops: Any,
+                   epochs: int = 2, beside: bool = True) -> dict[str, Any]:
     """The uninterrupted run and the chain killed after the checkpoint of each of ``stops`` (SIGKILL,
     then run again); data written once into ``root/data``. Returns both runs' steps (one line per
     step: the batch's tensors in hex and the loss), final parameters and the warnings of their
-    last process. The uninterrupted run goes on beside the chain (two processes at a time)."""
+    last process. The uninterrupted run goes on beside the chain (two processes at a time), or
+    before it (``beside=False``: MosaicML streaming's processes share memory by their data);
+    then ``stops`` may be a function of the uninterrupted run's number of steps."""
     data_dir = root / "data"
     data_dir.mkdir(parents=True, exist_ok=True)
     full, resumed = root / "full", root / "resumed"
     full.mkdir()
     resumed.mkdir()
-    kills = list(stops)
     uninterrupted = _start(pipeline, argument, num_workers, str(data_dir), str(full), [], epochs)
+    if not beside:
+        assert _wait(uninterrupted) == 0, "the uninterrupted fit failed"
+    if callable(stops):
+        stops = stops(len((full / "steps.txt").read_text().splitlines()))
+    kills = list(stops)
     try:
         for stop in kills:
             code = _wait(_start(pipeline, argument, num_workers, str(data_dir), str(resumed), kills, epochs))
