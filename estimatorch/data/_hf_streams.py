@@ -134,6 +134,15 @@ class _EpochReplayStream(TrainStream):
 
 def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
+    workers = loader.num_workers if loader is not None else 0
+    if workers and any(type(node).__name__ == "VerticallyConcatenatedMultiSourcesExamplesIterable"
+                       for node, _ in _pipeline(dataset)):
+        raise ValueError(
+            f"train_data's datasets.IterableDataset is a concatenate_datasets() of iterable datasets, in a "
+            f"DataLoader with num_workers={workers}: datasets' own load_state_dict() cannot resume it in a worker "
+            "once an epoch has ended (IndexError in datasets.iterable_dataset, datasets 5.2; torchdata's "
+            "StatefulDataLoader alone fails the same way), so fit could not resume it. Use num_workers=0 "
+            "(exact) or interleave_datasets() of the sources.")
     if maps_in_threads(dataset):
         warn_user(
             "train_data's datasets.IterableDataset has a .map() (or .filter()) before its .shuffle(), which "
