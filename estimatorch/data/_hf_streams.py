@@ -17,12 +17,18 @@ the order of its shards and its shuffle buffer's draws are then a function of ``
   ``.map()``, ...), a resume replays the epoch from its start instead (the epoch is a function
   of ``(seed, epoch)``) and discards the batches before the saved one: exact, at the cost of
   reading those batches, which ``fit`` says, with the reason, when it resumes.
+- With a ``.map()`` or ``.filter()`` below a batched map (``.map(batched=True)``, and ``.batch()``,
+  which is one), its ``state_dict()`` resumes the batched map by reading its map batch again from
+  that batch's start, which runs the maps below it again on examples the run already drew for:
+  their draws then come from the generators' state at the checkpoint, not before those examples.
+  The epoch is replayed from its start as above: exact, said at the resume.
 """
 
 from __future__ import annotations
 
 import itertools
 from collections.abc import Iterator
+from types import SimpleNamespace
 from typing import Any, Optional
 
 from torch.utils.data import DataLoader
@@ -37,7 +43,7 @@ from ._shuffle_buffer import BufferedStream, why_not_resumable
 from ._stream_base import TrainStream
 from ._warnings import warn_threaded_maps
 
-__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "shuffle_buffers"]
+__all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_below_batched_maps", "shuffle_buffers"]
 
 _REPLAY_SALT = 0x4F1D
 
@@ -78,9 +84,27 @@ def shuffle_buffers(dataset: Any) -> list[int]:
             if type(node).__name__ == "BufferShuffledExamplesIterable"]
 
 
+_MAPS = ("MappedExamplesIterable", "FilteredExamplesIterable")
+
+
+def maps_below_batched_maps(dataset: Any) -> list[str]:
+    """The names of the functions of the ``.map()``/``.filter()`` steps that run below a batched
+    map of ``dataset``'s pipeline (``.batch()`` is a batched map): datasets re-runs them when it
+    resumes the batched map from its map batch's start."""
+    below: list[str] = []
+    for node, _ in _pipeline(dataset):
+        if type(node).__name__ in _MAPS and getattr(node, "batched", False):
+            below += [getattr(inner.function, "__name__", repr(inner.function))
+                      for inner, _ in _pipeline(SimpleNamespace(_ex_iterable=node.ex_iterable))
+                      if type(inner).__name__ in _MAPS and inner.function is not None]
+    return list(dict.fromkeys(below))
+
+
 class _EpochReplayStream(TrainStream):
-    """A ``datasets.IterableDataset`` with a shuffle buffer: each epoch iterated from its start
-    after ``set_epoch(epoch)``; a resume at batch k reads and discards the first k batches."""
+    """A ``datasets.IterableDataset`` that its own state would not resume exactly (``why``: a
+    shuffle buffer before a step that does not resume from its state, maps below a batched map):
+    each epoch iterated from its start after ``set_epoch(epoch)``; a resume at batch k reads and
+    discards the first k batches."""
 
     # positioned by a replay that set_epoch makes exact: said at the resume, not as a doubt at fit start
     exact = True
@@ -99,10 +123,11 @@ class _EpochReplayStream(TrainStream):
     def epoch_iter(self, epoch: int, start: int) -> Iterator[Any]:
         self.dataset.set_epoch(epoch)
         if start:
+            buffered = f" with a shuffle buffer (size {self.buffers})" if self.buffers else ""
             warn_user(
-                f"resuming a datasets.IterableDataset with a shuffle buffer (size {self.buffers}): {self.why}, so "
-                f"fit replays epoch {epoch} from its start and discards the {start} batches before the saved "
-                "position (read, not trained). Exact; costs the time to read those batches.")
+                f"resuming a datasets.IterableDataset{buffered}: {self.why}, so fit replays epoch {epoch} from its "
+                f"start and discards the {start} batches before the saved position (read, not trained). Exact; "
+                "costs the time to read those batches.")
         # the draws of .map() functions and of the loader's worker seeds are a function of (seed, epoch)
         order = rng.separate_draws(self.data, rng.derive_seed(self.seed, epoch, _REPLAY_SALT))
         return itertools.islice(order, start, None)
@@ -110,10 +135,24 @@ class _EpochReplayStream(TrainStream):
 
 def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: int) -> TrainStream:
     """The training stream of a ``datasets.IterableDataset``, alone or in ``loader``."""
+    workers = loader.num_workers if loader is not None else 0
+    if workers and any(type(node).__name__ == "VerticallyConcatenatedMultiSourcesExamplesIterable"
+                       for node, _ in _pipeline(dataset)):
+        raise ValueError(
+            f"train_data's datasets.IterableDataset is a concatenate_datasets() of iterable datasets, in a "
+            f"DataLoader with num_workers={workers}: datasets' own load_state_dict() cannot resume it in a worker "
+            "once an epoch has ended (IndexError in datasets.iterable_dataset, datasets 5.2; torchdata's "
+            "StatefulDataLoader alone fails the same way), so fit could not resume it. Use num_workers=0 "
+            "(exact) or interleave_datasets() of the sources.")
     # each threaded step probed on the first examples (_map_probe): one that draws nothing is not named
     warn_threaded_maps("train_data's datasets.IterableDataset", drawing_threaded_maps(_pipeline(dataset)))
     seed_batched_maps(dataset, seed)  # a resume re-runs the map batch it fell inside: the same draws
-    buffers = shuffle_buffers(dataset)
+    buffers, rerun = shuffle_buffers(dataset), maps_below_batched_maps(dataset)
+    if rerun:
+        return _EpochReplayStream(dataset, loader, seed, buffers, (
+            f"its .map()/.filter() {rerun} run below a batched map (.batch() or .map(batched=True)), and its "
+            "state_dict() resumes a batched map by running the maps below it again on examples already drawn "
+            "for, with other draws"))
     if not buffers:
         return StatefulIterableStream(dataset, loader, seed)
     why = why_not_resumable(dataset)

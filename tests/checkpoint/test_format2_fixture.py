@@ -1,6 +1,8 @@
-"""A checkpoint of format 2 written before the run's state moved into the estimator (the committed
-``tests/fixtures/v2`` file, see ``tests/fixtures/make_v2_checkpoint.py``) still loads, validates
-and resumes bit-identically."""
+"""Checkpoints of format 2 already written still load, validate and resume bit-identically: one
+written before the run's state moved into the estimator (the committed ``tests/fixtures/v2`` file,
+see ``tests/fixtures/make_v2_checkpoint.py``) and one written by main after the data path moved into
+``estimatorch/data/`` (``tests/fixtures/v2-data``, see ``tests/fixtures/make_v2_data_checkpoint.py``).
+Both are of the same run, saved at the same step, so they share the uninterrupted reference."""
 
 from __future__ import annotations
 
@@ -15,6 +17,9 @@ from estimatorch.checkpoint import FORMAT_VERSION
 from tests.conftest import LossRecorder, assert_same_training_state, assert_tree_equal
 from tests.fixtures import make_v1_checkpoint as v1
 from tests.fixtures import make_v2_checkpoint as v2
+from tests.fixtures import make_v2_data_checkpoint as v2_data
+
+FIXTURES = pytest.mark.parametrize("fixture", [v2.FIXTURE, v2_data.FIXTURE], ids=["v2", "v2-data"])
 
 
 def fit_fixture_run(directory: Any, **handler_kwargs: Any) -> SimpleNamespace:
@@ -30,8 +35,9 @@ def reference(tmp_path_factory: pytest.TempPathFactory) -> SimpleNamespace:
     return fit_fixture_run(tmp_path_factory.mktemp("reference"))
 
 
-def test_the_v2_fixture_loads_as_format_2_with_every_part_of_the_run():
-    payload = checkpoint.load(v2.FIXTURE)
+@FIXTURES
+def test_the_v2_fixture_loads_as_format_2_with_every_part_of_the_run(fixture):
+    payload = checkpoint.load(fixture)
     assert payload["format_version"] == FORMAT_VERSION == 2
     (snapshot,) = payload["ranks"]
     assert snapshot["position"]["step"] == v2.STEP and snapshot["position"]["phase"] == "batch_end"
@@ -39,8 +45,9 @@ def test_the_v2_fixture_loads_as_format_2_with_every_part_of_the_run():
     assert snapshot["history"]["values"]["val_loss"], "the fixture validated once before it was saved"
 
 
-def test_the_v2_fixture_resumes_bit_identically(reference, tmp_path):
-    shutil.copy(v2.FIXTURE, tmp_path)
+@FIXTURES
+def test_the_v2_fixture_resumes_bit_identically(fixture, reference, tmp_path):
+    shutil.copy(fixture, tmp_path)
     resumed = fit_fixture_run(tmp_path, resume_from_checkpoint=True)
     assert len(reference.losses) == v1.EPOCHS * v1.BATCHES_PER_EPOCH
     assert resumed.losses == reference.losses[v2.STEP:]
