@@ -227,7 +227,7 @@ def test_a_checkpoint_written_while_the_epoch_was_replayed_resumes_its_epoch_as_
 
 
 # -- with workers: the buffer's state sent with one batch in every buffer's worth --------------------
-def buffered_json_loader(directory):
+def buffered_json_loader(directory, persistent=False):
     """64 examples in 4 json shards (2 per worker), buffers of 8, batches of 2: a worker sends
     its state with its batches 1, 5, 9 and 13 of 16 (8 // 2 = 4 batches apart)."""
     files = []
@@ -239,7 +239,8 @@ def buffered_json_loader(directory):
     def data():
         ds = load_dataset("json", data_files=files, split="train", streaming=True)
         ds = ds.shuffle(seed=1, buffer_size=8).map(augment, remove_columns=["i"])
-        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=2, num_workers=2)
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=2, num_workers=2,
+                                           persistent_workers=persistent)
 
     return data
 
@@ -263,3 +264,8 @@ def test_behind_workers_one_batch_in_a_buffers_worth_carries_the_buffer(tmp_path
             next(it)
         assert [w["since"] for w in stream.state_dict()["buffered"]["workers"]] == since, stop
     resumes_exactly(data, stops=[7, 10, 36])
+
+
+def test_behind_persistent_workers_a_resume_between_two_states_continues_into_the_next_epoch(tmp_path):
+    # 7: between two states; 32: the epoch's last batch, whose end record brings the state
+    resumes_exactly(buffered_json_loader(tmp_path, persistent=True), stops=[7, 32, 36])
