@@ -232,6 +232,9 @@ class StatefulIterableStream(TrainStream):
         self._made = [int(w["batches"]) for w in workers]
         self._ended = [bool(w["ended"]) for w in workers]
         self._since = [int(w.get("since", 0)) for w in workers]  # absent (written before snapshots): 0
+        if any(not 0 <= k <= b for k, b in zip(self._since, self._made)):
+            raise ValueError(f"the data state's batches trained since each worker's state, {self._since}, must lie "
+                             f"between 0 and its batches made, {self._made}")
         self._last = int(state["last"])
 
     def close(self) -> None:

@@ -176,3 +176,12 @@ def test_a_worker_state_saved_before_snapshots_resumes():
     fresh = snapshot_stream(1)
     fresh.load_state_dict(state)
     assert all(torch.equal(a, b) for (a, _), b in zip(fresh.epoch_iter(0, 5), full[5:], strict=True))
+
+
+def test_a_worker_state_with_more_batches_since_than_made_is_refused():
+    stream = snapshot_stream(3)
+    state = {"workers": [{"state": None, "batches": 2, "ended": False, "since": 3},
+                         {"state": None, "batches": 2, "ended": False, "since": 1}], "last": 1}
+    with pytest.raises(ValueError, match=r"since each worker's state, \[3, 1\], must lie between 0 and its "
+                                         r"batches made, \[2, 2\]"):
+        stream.load_state_dict(state)
