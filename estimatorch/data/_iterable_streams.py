@@ -7,9 +7,15 @@ samples itself (as the DataLoader would) and sends every batch with what a resum
 needs, the protocol of torchdata's ``StatefulDataLoader``:
 
 - each worker holds its own copy of the dataset (its own share of the samples, its own state):
-  with each batch it sends that copy's ``state_dict()`` taken right after the batch, and the
-  number of batches it has made this epoch; a resume gives every worker its state back, so each
-  continues where the batch the loop trained last left it;
+  with each batch it sends the number of batches it has made this epoch and, with every
+  ``snapshot_every``-th (and its first, and the one its data ends in), that copy's
+  ``state_dict()`` taken right after the batch (a snapshot); the training process keeps each
+  worker's last snapshot and the number of that worker's batches trained since; a resume gives
+  every worker both, and the worker re-makes and discards that many batches from its snapshot
+  (reseeded as below, so they are the ones it made before) before it yields: each continues
+  where the batch the loop trained last left it. A stream whose state is large (a shuffle
+  buffer's content) sets ``snapshot_every`` > 1 so that its state is not copied, pickled and
+  sent with every batch; 1 (the default) sends it with each;
 - the batches are trained in a fixed round-robin over the workers (batches that arrive early are
   held back), so the order after a resume is the order without one;
 - in a worker, the generators are reseeded from ``(seed, epoch, worker, batch)`` before each
@@ -53,21 +59,25 @@ class _StateCapture(IterableDataset[Any]):
     that configures ``get_worker_info().dataset`` reaches the dataset.
     """
 
-    _OWN = ("dataset", "batch_size", "drop_last", "collate_fn", "seed", "capture", "epoch", "pending")
+    _OWN = ("dataset", "batch_size", "drop_last", "collate_fn", "seed", "capture", "snapshot_every", "epoch",
+            "pending")
     dataset: Any
     batch_size: Optional[int]
     drop_last: bool
     collate_fn: Callable[[Any], Any]
     seed: int
     capture: bool
+    #: a worker sends its dataset's state with every this-many batches (and its first and last)
+    snapshot_every: int
     epoch: int
-    #: per worker, what it resumes from (dataset state, batches made, ended); given once
+    #: per worker, what it resumes from (dataset state, batches made, ended, batches made since
+    #: that state); given once
     pending: Optional[list[dict[str, Any]]]
 
     def __init__(self, dataset: Any, batch_size: Optional[int], drop_last: bool,
-                 collate_fn: Callable[[Any], Any], seed: int, capture: bool):
+                 collate_fn: Callable[[Any], Any], seed: int, capture: bool, snapshot_every: int = 1):
         values = dict(dataset=dataset, batch_size=batch_size, drop_last=drop_last, collate_fn=collate_fn,
-                      seed=seed, capture=capture, epoch=0, pending=None)
+                      seed=seed, capture=capture, snapshot_every=snapshot_every, epoch=0, pending=None)
         for name, value in values.items():
             object.__setattr__(self, name, value)
 
@@ -88,7 +98,7 @@ class _StateCapture(IterableDataset[Any]):
         epoch, self.epoch = self.epoch, self.epoch + 1  # a persistent worker's copy counts on
         pending, self.pending = self.pending, None  # given once: to the workers created with it
         resume = pending[worker] if pending is not None else None
-        made = 0
+        made = replay = 0
         if resume is not None:
             if resume["state"] is not None:
                 self.dataset.load_state_dict(resume["state"])
@@ -96,6 +106,9 @@ class _StateCapture(IterableDataset[Any]):
             if resume["ended"]:
                 yield None, self._meta(worker, made, ended=True, end=True)
                 return
+            replay = resume.get("since", 0)  # the batches made after that state: made again, not sent
+            made -= replay
+        since = self.snapshot_every  # batches sent since the last state sent (the first sent carries one)
         # in a worker, draws are a function of (seed, epoch, worker, batch); in the training
         # process they stay yours (saved and restored with the run)
         with rng.sample_seeding(self.seed, epoch, restore=False) as seed_batch:
@@ -120,14 +133,20 @@ class _StateCapture(IterableDataset[Any]):
                     break
                 batch = self.collate_fn(samples) if self.batch_size is not None else self.collate_fn(samples[0])
                 made += 1
-                yield batch, self._meta(worker, made, ended)
+                if replay:  # made (collated too) as before the resume, trained after its state
+                    replay -= 1
+                    continue
+                since += 1
+                snapshot = since >= self.snapshot_every or ended
+                since = 0 if snapshot else since
+                yield batch, self._meta(worker, made, ended, snapshot=snapshot)
                 if ended:
                     break
         yield None, self._meta(worker, made, ended=True, end=True)
 
-    def _meta(self, worker: int, made: int, ended: bool, end: bool = False) -> dict[str, Any]:
+    def _meta(self, worker: int, made: int, ended: bool, end: bool = False, snapshot: bool = True) -> dict[str, Any]:
         meta: dict[str, Any] = {"worker": worker, "batches": made, "ended": ended, "end": end}
-        if self.capture:
+        if self.capture and snapshot:
             meta["state"] = self.dataset.state_dict()
         return meta
 
@@ -145,12 +164,19 @@ def check_num_workers(saved: Optional[int], now: Optional[int], source: str) -> 
 
 class StatefulIterableStream(TrainStream):
     """An ``IterableDataset`` with ``state_dict``/``load_state_dict``, alone or in a DataLoader
-    (any ``num_workers``): every resume continues each copy of the dataset from its own state."""
+    (any ``num_workers``): every resume continues each copy of the dataset from its own state.
+
+    ``snapshot_every``: with workers, each sends its dataset's state with every this-many of its
+    batches (and its first and last); a resume re-makes, in the worker, up to that many batches
+    less one. 1 for a small state; a stream whose state is large sets more.
+    """
 
     kind = "an IterableDataset"
 
-    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int):
+    def __init__(self, dataset: Any, loader: Optional[DataLoader[Any]], seed: int, snapshot_every: int = 1):
         super().__init__(seed)
+        if not isinstance(snapshot_every, int) or snapshot_every < 1:
+            raise ValueError(f"snapshot_every must be an int >= 1, got {snapshot_every!r}")
         self.dataset = dataset
         self.workers = loader.num_workers if loader is not None else 0
         # in the training process a half-made batch advances the dataset's state and your generators
@@ -159,14 +185,16 @@ class StatefulIterableStream(TrainStream):
         batch_size = loader.batch_size if loader is not None else None
         collate = loader.collate_fn if loader is not None else identity
         drop_last = loader.drop_last if loader is not None else False
-        self._capture = _StateCapture(dataset, batch_size, drop_last, collate, seed, capture=self.workers > 0)
+        self._capture = _StateCapture(dataset, batch_size, drop_last, collate, seed, capture=self.workers > 0,
+                                      snapshot_every=snapshot_every)
         self._generator = torch.Generator()
         self.loader: Optional[DataLoader[Any]] = None
         if loader is not None:
             self.loader = DataLoader(self._capture, batch_size=None, collate_fn=identity,
                                      generator=self._generator, **loader_kwargs(loader))
         n = max(self.workers, 1)
-        self._states: list[Any] = [None] * n  # each worker's dataset state after its last trained batch
+        self._states: list[Any] = [None] * n  # each worker's last dataset state sent with a trained batch
+        self._since = [0] * n  # each worker's batches trained after that state
         self._made = [0] * n  # batches each worker made this epoch, up to the last trained one
         self._ended = [False] * n  # whether each worker's data ended (with its last trained batch)
         self._last = -1  # the worker whose batch trained last
@@ -189,8 +217,9 @@ class StatefulIterableStream(TrainStream):
         if not self.workers:
             state = {"dataset": self.dataset.state_dict()}
             return {**state, "ended": True} if self._ended[0] else state
-        return {"workers": [{"state": s, "batches": b, "ended": e}
-                            for s, b, e in zip(self._states, self._made, self._ended)], "last": self._last}
+        return {"workers": [{"state": s, "batches": b, "ended": e, "since": k}
+                            for s, b, e, k in zip(self._states, self._made, self._ended, self._since)],
+                "last": self._last}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         self._resumed = True
@@ -206,6 +235,10 @@ class StatefulIterableStream(TrainStream):
         self._states = [w["state"] for w in workers]
         self._made = [int(w["batches"]) for w in workers]
         self._ended = [bool(w["ended"]) for w in workers]
+        self._since = [int(w.get("since", 0)) for w in workers]  # absent (written before snapshots): 0
+        if any(not 0 <= k <= b for k, b in zip(self._since, self._made)):
+            raise ValueError(f"the data state's batches trained since each worker's state, {self._since}, must lie "
+                             f"between 0 and its batches made, {self._made}")
         self._last = int(state["last"])
 
     def close(self) -> None:
@@ -215,14 +248,14 @@ class StatefulIterableStream(TrainStream):
         resumed, self._resumed = self._resumed, False
         n = max(self.workers, 1)
         if not (resumed and start):  # a new epoch
-            self._made, self._ended, self._last = [0] * n, [False] * n, -1
+            self._made, self._ended, self._since, self._last = [0] * n, [False] * n, [0] * n, -1
             if not self.persistent:  # each epoch's workers copy the dataset afresh
                 self._states = [None] * n
         elif all(self._ended):
             return iter(())  # the checkpoint was at the epoch's last batch
         if self.workers and not self._started or resumed and start:
-            self._capture.pending = [{"state": s, "batches": b, "ended": e}
-                                     for s, b, e in zip(self._states, self._made, self._ended)]
+            self._capture.pending = [{"state": s, "batches": b, "ended": e, "since": k}
+                                     for s, b, e, k in zip(self._states, self._made, self._ended, self._since)]
         self._capture.epoch = epoch
         set_epoch = getattr(self.dataset, "set_epoch", None)
         if callable(set_epoch):  # before its copies reach the workers (a persistent worker's must share it)
@@ -257,7 +290,9 @@ class StatefulIterableStream(TrainStream):
                 held[meta["worker"]].append((batch, meta))
             batch, meta = held[worker].popleft()
             if "state" in meta:
-                self._states[worker] = meta["state"]
+                self._states[worker], self._since[worker] = meta["state"], 0
+            elif not meta["end"]:
+                self._since[worker] += 1
             self._made[worker], self._ended[worker] = meta["batches"], meta["ended"]
             if meta["end"]:
                 continue

@@ -241,7 +241,11 @@ class BufferedStream(TrainStream):
         self.dataset = dataset
         self.buffers = buffers
         self.workers = loader.num_workers if loader is not None else 0
-        self.inner = StatefulIterableStream(resumable_copy(dataset), loader, seed)
+        # with workers, the state (up to a buffer of examples) goes to the training process with
+        # one batch in every buffer's worth, not with each: a resume re-makes O(buffer) examples
+        batch = (loader.batch_size or 1) if loader is not None else 1
+        self.inner = StatefulIterableStream(resumable_copy(dataset), loader, seed,
+                                            snapshot_every=max(1, max(buffers) // batch))
         self.earlier = earlier
         self._iterated = False
         self._resume_earlier = False  # the next resume is from a checkpoint without the buffer's content

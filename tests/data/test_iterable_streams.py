@@ -11,6 +11,7 @@ from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator
 from estimatorch.data import open_stream
+from estimatorch.data._iterable_streams import StatefulIterableStream
 from estimatorch.testing import assert_resumable
 from tests.conftest import Count, losses_recorder
 
@@ -120,3 +121,67 @@ def test_a_stateful_dataset_between_the_training_process_and_workers_is_refused(
                                          rf"num_workers={now}.*Resume with num_workers={saved}"):
         dropout_estimator().fit(loader_of(30, num_workers=now)(), epochs=1, event_handlers=[
             CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
+
+
+# -- a state sent with every N batches (snapshot_every) ---------------------------------------------
+def snapshot_stream(every: int) -> StatefulIterableStream:
+    loader = torch.utils.data.DataLoader(StatefulRange(40, noise=True), batch_size=2, num_workers=2)
+    return StatefulIterableStream(loader.dataset, loader, seed=0, snapshot_every=every)
+
+
+def states_sent(stream: StatefulIterableStream) -> list[int]:
+    """Per worker, the ordinals (1-based) of its batches that carried its dataset's state."""
+    sent: list[list[int]] = [[], []]
+    for _, meta in stream.loader:
+        if not meta["end"] and "state" in meta:
+            sent[meta["worker"]].append(meta["batches"])
+    return sent
+
+
+@pytest.mark.parametrize("every", [1, 3])
+def test_workers_send_their_state_with_their_first_batch_and_every_nth(every):
+    # 20 samples per worker in batches of 2: 10 batches each
+    assert states_sent(snapshot_stream(every)) == [list(range(1, 11, every))] * 2
+
+
+def test_a_resume_between_two_states_remakes_the_batches_since_the_last_one():
+    def epoch(stream, start=0):
+        return [x for x, _ in stream.epoch_iter(0, start)]
+
+    full = epoch(snapshot_stream(3))
+    assert torch.equal(torch.cat(full), torch.cat(epoch(snapshot_stream(1))))  # the same batches
+    # worker 0 made (stop + 1) // 2 of them, worker 1 stop // 2; states sent with batches 1, 4, 7...
+    for stop, since in [(2, [0, 0]), (8, [0, 0]), (7, [0, 2]), (11, [2, 1])]:
+        stream = snapshot_stream(3)
+        it = iter(stream.epoch_iter(0, 0))
+        for _ in range(stop):
+            next(it)
+        state = stream.state_dict()
+        assert [w["since"] for w in state["workers"]] == since, stop
+        fresh = snapshot_stream(3)
+        fresh.load_state_dict(state)
+        rest = epoch(fresh, stop)
+        assert len(rest) == len(full) - stop and all(torch.equal(a, b) for a, b in zip(rest, full[stop:])), stop
+
+
+def test_a_worker_state_saved_before_snapshots_resumes():
+    stream = snapshot_stream(1)
+    it = iter(stream.epoch_iter(0, 0))
+    full = [x for x, _ in snapshot_stream(1).epoch_iter(0, 0)]
+    for _ in range(5):
+        next(it)
+    state = stream.state_dict()
+    for w in state["workers"]:
+        del w["since"]  # written before snapshots: each worker's state is the one after its last batch
+    fresh = snapshot_stream(1)
+    fresh.load_state_dict(state)
+    assert all(torch.equal(a, b) for (a, _), b in zip(fresh.epoch_iter(0, 5), full[5:], strict=True))
+
+
+def test_a_worker_state_with_more_batches_since_than_made_is_refused():
+    stream = snapshot_stream(3)
+    state = {"workers": [{"state": None, "batches": 2, "ended": False, "since": 3},
+                         {"state": None, "batches": 2, "ended": False, "since": 1}], "last": 1}
+    with pytest.raises(ValueError, match=r"since each worker's state, \[3, 1\], must lie between 0 and its "
+                                         r"batches made, \[2, 2\]"):
+        stream.load_state_dict(state)

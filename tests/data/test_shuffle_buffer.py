@@ -224,3 +224,48 @@ def test_a_checkpoint_written_while_the_epoch_was_replayed_resumes_its_epoch_as_
     # the next epoch is the resumable buffer's, whose checkpoints hold the buffer
     saved = torch.load(sorted(ckpt.glob("model-epoch1*.pt"))[-1], weights_only=True)
     assert "buffered" in saved["ranks"][0]["data"]
+
+
+# -- with workers: the buffer's state sent with one batch in every buffer's worth --------------------
+def buffered_json_loader(directory, persistent=False):
+    """64 examples in 4 json shards (2 per worker), buffers of 8, batches of 2: a worker sends
+    its state with its batches 1, 5, 9 and 13 of 16 (8 // 2 = 4 batches apart)."""
+    files = []
+    for s in range(4):
+        path = directory / f"part{s}.jsonl"
+        path.write_text("".join(f'{{"i": {i}}}\n' for i in range(s, 64, 4)))
+        files.append(str(path))
+
+    def data():
+        ds = load_dataset("json", data_files=files, split="train", streaming=True)
+        ds = ds.shuffle(seed=1, buffer_size=8).map(augment, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=2, num_workers=2,
+                                           persistent_workers=persistent)
+
+    return data
+
+
+def test_behind_workers_one_batch_in_a_buffers_worth_carries_the_buffer(tmp_path):
+    data = buffered_json_loader(tmp_path)
+    stream = open_stream(data(), 0)
+    sent = {0: [], 1: []}
+    made = {0: 0, 1: 0}
+    for _, meta in stream.inner.loader:
+        if not meta["end"]:
+            made[meta["worker"]] = meta["batches"]
+            if "state" in meta:
+                sent[meta["worker"]].append(meta["batches"])
+    assert made == {0: 16, 1: 16} and sent == {0: [1, 5, 9, 13], 1: [1, 5, 9, 13]}
+    # worker 0 trained (stop + 1) // 2 batches, worker 1 stop // 2: 10 at a state, 7 and 36 between two
+    for stop, since in [(10, [0, 0]), (7, [3, 2]), (36, [1, 1])]:
+        stream = open_stream(data(), 0)
+        it = (batch for epoch in range(2) for batch in stream.epoch_iter(epoch, 0))
+        for _ in range(stop):
+            next(it)
+        assert [w["since"] for w in stream.state_dict()["buffered"]["workers"]] == since, stop
+    resumes_exactly(data, stops=[7, 10, 36])
+
+
+def test_behind_persistent_workers_a_resume_between_two_states_continues_into_the_next_epoch(tmp_path):
+    # 7: between two states; 32: the epoch's last batch, whose end record brings the state
+    resumes_exactly(buffered_json_loader(tmp_path, persistent=True), stops=[7, 32, 36])
