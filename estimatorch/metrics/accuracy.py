@@ -157,14 +157,18 @@ class Accuracy(Metric):
             return _ratio(states["label_correct"].double(), states["label_count"] - states["ignored"])
         return _ratio(states["correct"].double(), states["count"] - states["ignored"])
 
-    def load_state_dict(self, state: dict[str, Any]) -> None:
+    def upgrade_state(self, state: dict[str, Any]) -> dict[str, Any]:
         # a state saved before targets were checked for normalisation has no such counts; its
-        # updates were read as one class per sample (or binary labels without a class axis)
+        # updates were read as one class per sample (or binary labels without a class axis); one
+        # saved before ignore_index counted no ignored targets
         defaults = {"unnormalised": torch.zeros((), dtype=torch.int64), "ignored": torch.zeros((), dtype=torch.int64)}
         if "label_correct" not in state:
             defaults.update(label_correct=torch.as_tensor(state.get("correct", 0)).clone(),
                             label_count=state.get("count", 0))
-        super().load_state_dict({**defaults, **state})
+        return {**defaults, **state}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        super().load_state_dict(self.upgrade_state(state))
 
 
 class TopKAccuracy(Metric):
@@ -226,8 +230,11 @@ class TopKAccuracy(Metric):
         _refuse_unnormalised(self.name, states["unnormalised"])
         return _ratio(states["correct"].double(), states["count"])
 
+    def upgrade_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        return {"unnormalised": torch.zeros((), dtype=torch.int64), **state}  # saved before targets were checked
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
-        super().load_state_dict({"unnormalised": torch.zeros((), dtype=torch.int64), **state})
+        super().load_state_dict(self.upgrade_state(state))
 
 
 def _class_layout(name: str, preds: torch.Tensor, target: torch.Tensor, *, binary: bool) -> str:

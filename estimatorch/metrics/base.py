@@ -286,6 +286,12 @@ class Metric:
                                   if isinstance(t, torch.Tensor))
 
     # -- saved states across ranks -----------------------------------------------------------
+    def upgrade_state(self, state: dict[str, Any]) -> dict[str, Any]:
+        """``state`` as an earlier release saved it, with the accumulators added since filled in:
+        what :meth:`load_state_dict` and a checkpoint's checks read. The base adds nothing; a
+        metric that declares a new accumulator overrides it, so older checkpoints still resume."""
+        return state
+
     def state_defaults(self) -> dict[str, Any]:
         """The accumulators declared with :meth:`add_state`, each with (a copy of) its default:
         what a :meth:`state_dict` holds besides ``"pending"``."""

@@ -150,3 +150,18 @@ def test_a_pending_view_counts_the_storage_it_keeps_alive():
         logits = torch.randn(8, 512, 1000)
         m.update(logits[:, -1], torch.randint(0, 1000, (8,)))
         assert m._pending == []
+
+
+@pytest.mark.parametrize("cls", [Accuracy, TopKAccuracy])
+def test_a_state_saved_before_the_newer_accumulators_passes_the_checkpoint_check_and_loads(cls):
+    """A checkpoint's Accuracy state from before ``ignored`` (ignore_index) and ``unnormalised``
+    existed: the resume's check fills them from :meth:`upgrade_state` instead of refusing the file."""
+    from estimatorch.estimator._state.run import _check_metrics
+
+    metric = cls()
+    metric.update(torch.tensor([[0.9, 0.1], [0.2, 0.8], [0.7, 0.3]]), torch.tensor([0, 1, 1]))
+    old = {k: v for k, v in metric.state_dict().items() if k not in ("ignored", "unnormalised")}
+    _check_metrics({metric.name: old}, [metric])  # raised "lacks 'ignored'" before
+    fresh = cls()
+    fresh.load_state_dict(old)
+    assert fresh.compute() == metric.compute()

@@ -226,6 +226,7 @@ def _check_metrics(saved: Any, metrics: list[Any]) -> None:
         state = check_dict(saved[name], f"the state of metric {name!r}")
         if not isinstance(metric, Metric):
             continue
+        state = metric.upgrade_state(state)  # accumulators added since it was saved take their defaults
         for attr, default in metric.state_defaults().items():
             if attr not in state:
                 raise CheckpointError(f"the state of metric {name!r} lacks {attr!r}")
