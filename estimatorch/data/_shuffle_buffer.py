@@ -246,6 +246,9 @@ class BufferedStream(TrainStream):
         batch = (loader.batch_size or 1) if loader is not None else 1
         self.inner = StatefulIterableStream(resumable_copy(dataset), loader, seed,
                                             snapshot_every=max(1, max(buffers) // batch))
+        # in the training process (workers 0) a half-made batch advances the buffer: a signal then
+        # stops at the boundary after that batch, as for any stateful iterable
+        self.stops_while_fetching = self.inner.stops_while_fetching
         self.earlier = earlier
         self._iterated = False
         self._resume_earlier = False  # the next resume is from a checkpoint without the buffer's content
