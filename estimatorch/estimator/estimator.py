@@ -20,15 +20,8 @@ from ._loop import end_run, run_loop
 from ._plan.counts import planned_steps
 from ._plan.schedules import build_scheduler, check_horizons
 from ._run_view import RunView
+from ._setup import arguments as checks
 from ._setup import default_optimizer, metric_lists
-from ._setup.arguments import (
-    PRECISIONS,
-    check_estimator_arguments,
-    check_flags,
-    check_lr_scheduler,
-    precision_name,
-    resolve_device,
-)
 from ._setup.logger import default_logger as _default_logger
 from ._start import start_run
 from ._state.payload import check_payload, payload_of, snapshot_to_resume
@@ -139,13 +132,13 @@ class Estimator(RunView):
                  lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
                  deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
                  cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None):
-        check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
-        precision = precision_name(precision)
-        check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs)
+        checks.check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
+        precision = checks.precision_name(precision)
+        checks.check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs)
 
         seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.watchdog = Watchdog.of(watchdog)
-        self.device = resolve_device(device)
+        self.device = checks.resolve_device(device)
         self.net = net.to(self.device)
         self.loss = loss
         self.val_net = val_net.to(self.device) if val_net is not None else self.net
@@ -166,10 +159,10 @@ class Estimator(RunView):
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
         #: then :attr:`lr_scheduler_factory`)
-        self.lr_scheduler, self.lr_scheduler_factory = check_lr_scheduler(lr_scheduler, optimizer,
+        self.lr_scheduler, self.lr_scheduler_factory = checks.check_lr_scheduler(lr_scheduler, optimizer,
                                                                           lr_scheduler_interval)
         self.lr_scheduler_interval = lr_scheduler_interval
-        self._amp_dtype = amp_dtype = PRECISIONS[precision]
+        self._amp_dtype = amp_dtype = checks.PRECISIONS[precision]
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)
 
