@@ -16,7 +16,7 @@ state, so restored with it); the wrapper takes it, and passes it on only if the 
 from __future__ import annotations
 
 import inspect
-from collections.abc import Iterator
+from collections.abc import Collection, Iterator
 from typing import Any
 
 from torch.utils.data import get_worker_info
@@ -61,14 +61,17 @@ def _nodes(root: Any) -> Iterator[Any]:
         todo.extend(getattr(node, "ex_iterables", None) or ())
 
 
-def seed_batched_maps(dataset: Any, seed: int) -> int:
+def seed_batched_maps(dataset: Any, seed: int, threaded: Collection[int] = ()) -> int:
     """Wrap every synchronous ``.map(batched=True)`` function of ``dataset`` (a
-    ``datasets.IterableDataset``) in place (again on a later ``fit``: only the seed changes).
-    Returns how many there are."""
+    ``datasets.IterableDataset``) in place (again on a later ``fit``: only the seed changes),
+    except the steps datasets runs in threads of its own (``threaded``: their ``id``s): seeding the
+    global generators there would race the training thread's own draws (dropout), and their draws
+    are not reproducible anyway (``fit`` names those that draw at its start). Returns how many it
+    wrapped."""
     epoch = getattr(dataset, "_epoch", 0)
     count = 0
     for node in _nodes(getattr(dataset, "_ex_iterable", None)):
-        if type(node).__name__ != "MappedExamplesIterable" or not node.batched:
+        if type(node).__name__ != "MappedExamplesIterable" or not node.batched or id(node) in threaded:
             continue
         function = node.function
         if isinstance(function, _SeededBatchedMap):

@@ -146,7 +146,8 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
             "(exact) or interleave_datasets() of the sources.")
     # each threaded step probed on the first examples (_map_probe): one that draws nothing is not named
     warn_threaded_maps("train_data's datasets.IterableDataset", drawing_threaded_maps(_pipeline(dataset)))
-    seed_batched_maps(dataset, seed)  # a resume re-runs the map batch it fell inside: the same draws
+    # a resume re-runs the map batch it fell inside: the same draws (not in datasets' threads)
+    seed_batched_maps(dataset, seed, threaded={id(node) for node, where in _pipeline(dataset) if where})
     buffers, rerun = shuffle_buffers(dataset), maps_below_batched_maps(dataset)
     if rerun:
         return _EpochReplayStream(dataset, loader, seed, buffers, (

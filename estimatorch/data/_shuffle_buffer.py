@@ -47,9 +47,13 @@ _EXACT_ABOVE = {"MappedExamplesIterable", "FilteredExamplesIterable", "Formatted
                 "RebatchedArrowExamplesIterable"}
 
 
+#: the mark of a datasets ``Key`` in a saved buffer (any other key, a list included, is kept as it is)
+_KEY = "datasets.Key"
+
+
 def _key_out(key: Any) -> Any:
-    """An example's key as a checkpoint holds it (datasets' ``Key`` as a list of its two ints)."""
-    return [key.original_shard_id, key.item_or_batch_id] if type(key).__name__ == "Key" else key
+    """An example's key as a checkpoint holds it (datasets' ``Key`` as ``{_KEY: [its two ints]}``)."""
+    return {_KEY: [key.original_shard_id, key.item_or_batch_id]} if type(key).__name__ == "Key" else key
 
 
 @functools.cache
@@ -145,7 +149,7 @@ class _ResumableBuffer:
         while True:
             while pending:  # popped before it is yielded: the state is the one after it
                 key, example = pending.pop()
-                yield (self._key(*key) if type(key) is list else key), example
+                yield (self._key(*key[_KEY]) if type(key) is dict and _KEY in key else key), example
             if upstream is None:
                 return
             item = next(upstream, None)

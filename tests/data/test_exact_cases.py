@@ -200,3 +200,34 @@ def test_a_batched_map_with_indices_still_gets_them(tmp_path):
         return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
 
     exact(data, stops=[1, 5])
+
+
+def _batched_map_functions(dataset):
+    found, todo = [], [dataset._ex_iterable]
+    while todo:
+        node = todo.pop()
+        if node is None:
+            continue
+        if type(node).__name__ == "MappedExamplesIterable" and node.batched:
+            found.append(node.function)
+        todo.append(getattr(node, "ex_iterable", None))
+        todo.extend(getattr(node, "ex_iterables", None) or ())
+    return found
+
+
+def test_a_batched_map_datasets_runs_in_its_threads_is_left_unseeded(tmp_path):
+    """Seeding the global generators from a map datasets runs in a prefetch thread (before a
+    .shuffle()) raced the training thread's dropout: a tokenizing pipeline with a GPT-2 trained
+    other losses from its first step in every run. Only maps outside those threads are seeded."""
+    from estimatorch.data import open_stream
+    from estimatorch.data._hf_maps import _SeededBatchedMap
+
+    def double(rows):
+        return {"i": [2 * i for i in rows["i"]]}
+
+    before = json_stream(tmp_path, 2).map(double, batched=True).shuffle(seed=1, buffer_size=6)
+    open_stream(torch.utils.data.DataLoader(before, batch_size=4), 0).close()
+    assert [type(f) for f in _batched_map_functions(before)] == [type(double)]
+    after = json_stream(tmp_path, 2).shuffle(seed=1, buffer_size=6).map(double, batched=True)
+    open_stream(torch.utils.data.DataLoader(after, batch_size=4), 0).close()
+    assert [type(f) for f in _batched_map_functions(after)] == [_SeededBatchedMap]
