@@ -274,7 +274,9 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
     saves: list[list[float]] = []  # [start, returned]
     durable: list[float] = []
     rss_at_first_save: list[int] = []
-    real_save, real_write = handler._save, handler._write
+    from estimatorch.event_handlers.checkpoint_handler import _writes  # where a save's files are written
+
+    real_save, real_write = handler._save, _writes._write
 
     def timed_save(estimator: Any, background: bool = True) -> None:
         if not rss_at_first_save:
@@ -287,7 +289,7 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
         real_write(*args, **kwargs)
         durable.append(time.perf_counter())
 
-    handler._save, handler._write = timed_save, timed_write  # type: ignore[method-assign]
+    handler._save, _writes._write = timed_save, timed_write  # type: ignore[method-assign]
     clock = eh.LambdaHandler(batch_begin=lambda e, **_: (sync(), begins.append(time.perf_counter())),
                              priority=-float("inf"))
     with contextlib.redirect_stdout(io.StringIO()):

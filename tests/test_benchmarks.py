@@ -172,10 +172,17 @@ def test_sharded_checkpoint_compares_memory_and_checkpoint_time_with_ddp():
 
 def test_data_positioning_times_every_library_at_both_positions():
     out = _run("data_positioning.py", "--samples", "2000", "--batch-size", "100", "--repeats", "1")
-    rows = {line[:42].strip(): line[42:].split() for line in out.splitlines()[2:]}
+    lines = out.splitlines()
+    end = next(i for i, line in enumerate(lines) if line.startswith("(states captured"))
+    rows = {line[:42].strip(): line[42:].split() for line in lines[2:end]}
     assert list(rows) == ["torchdata map (fit)", "torchdata map (its own load_state_dict)", "hf map",
-                          "hf iterable (its state)", "hf iterable + buffer (replay)", "streaming"]
+                          "hf iterable (its state)", "streaming"]
     assert all(len(v) == 3 and all(_positive(float(x)) for x in v) for v in rows.values())
+    # the shuffle buffer's own table: the time to the first batch resumed at each position, its state's size
+    assert ".shuffle(buffer_size=" in lines[end + 1] and lines[end + 2].split()[:3] == ["resume", "at", "batch"]
+    buffer = [line.split() for line in lines[end + 3:] if line.strip()]
+    assert [int(row[0]) for row in buffer] == [0, 5, 10, 15]
+    assert all(len(row) == 5 and _positive(float(row[1])) and int(row[3]) > 0 for row in buffer)
 
 
 def test_the_gpu_check_script_runs_benchmarks_and_tests_with_options_they_accept(monkeypatch):
