@@ -177,12 +177,13 @@ def test_data_positioning_times_every_library_at_both_positions():
     rows = {line[:42].strip(): line[42:].split() for line in lines[2:end]}
     assert list(rows) == ["torchdata map (fit)", "torchdata map (its own load_state_dict)", "hf map",
                           "hf iterable (its state)", "streaming"]
-    assert all(len(v) == 3 and all(_positive(float(x)) for x in v) for v in rows.values())
+    # seconds printed to the millisecond: a fast positioning (torchdata's own, 2000 samples) may read 0.000
+    assert all(len(v) == 3 and all(math.isfinite(float(x)) and float(x) >= 0 for x in v[:2]) for v in rows.values())
     # the shuffle buffer's own table: the time to the first batch resumed at each position, its state's size
     assert ".shuffle(buffer_size=" in lines[end + 1] and lines[end + 2].split()[:3] == ["resume", "at", "batch"]
     buffer = [line.split() for line in lines[end + 3:] if line.strip()]
     assert [int(row[0]) for row in buffer] == [0, 5, 10, 15]
-    assert all(len(row) == 5 and _positive(float(row[1])) and int(row[3]) > 0 for row in buffer)
+    assert all(len(row) == 5 and float(row[1]) >= 0 and int(row[3]) > 0 for row in buffer), buffer
 
 
 def test_the_gpu_check_script_runs_benchmarks_and_tests_with_options_they_accept(monkeypatch):
