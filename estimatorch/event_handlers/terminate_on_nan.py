@@ -71,6 +71,7 @@ class TerminateOnNaNHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd, E
         >>> import logging, torch
         >>> class Est:  # what the handler reads from an Estimator
         ...     logger, val_metrics = logging.getLogger("example"), []
+        ...     boundary_actions_pending = False
         >>> h = TerminateOnNaNHandler(check_every=2)
         >>> h.train_begin(Est())
         >>> [h.batch_end(Est(), batch=None, pred=None, label=None, loss=torch.tensor(v))
