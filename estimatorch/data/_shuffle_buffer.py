@@ -31,6 +31,7 @@ from typing import Any, Optional
 
 from torch.utils.data import DataLoader
 
+from ._fingerprint import compare_fingerprints
 from ._iterable_streams import StatefulIterableStream, check_num_workers
 from ._stream_base import TrainStream
 
@@ -226,6 +227,10 @@ def resumable_copy(dataset: Any) -> Any:
     return out
 
 
+#: the fingerprint key of a checkpoint holding the buffers' content: the number of workers it ran in
+_WORKERS_KEY = "buffer_workers"
+
+
 class BufferedStream(TrainStream):
     """The training stream of a ``datasets.IterableDataset`` with shuffle buffers that resume
     from their saved content: a :class:`StatefulIterableStream` over :func:`resumable_copy`.
@@ -259,18 +264,36 @@ class BufferedStream(TrainStream):
         self._in_earlier = False  # this epoch is the earlier stream's
 
     def fingerprint(self) -> dict[str, Any]:
-        return {**super().fingerprint(), "dataset": type(self.dataset).__name__, "shuffle_buffers": self.buffers}
+        fp = {**super().fingerprint(), "dataset": type(self.dataset).__name__, "shuffle_buffers": self.buffers}
+        if self._holds_content():  # the buffers' content is per worker: a resume needs as many
+            fp[_WORKERS_KEY] = self.workers
+        return fp
+
+    def check_fingerprint(self, saved: dict[str, Any], source: str) -> None:
+        """The number of workers of a checkpoint holding the buffers' content first (each worker's
+        copy has its own buffer), then the rest; a checkpoint without the content (written while the
+        epoch was replayed) resumes on any number, as the replay does."""
+        rest = dict(saved)
+        if _WORKERS_KEY in rest:
+            check_num_workers(rest.pop(_WORKERS_KEY) or None, self.workers or None, source)
+        now = self.fingerprint()
+        now.pop(_WORKERS_KEY, None)
+        compare_fingerprints(rest, now, source)
+
+    def _holds_content(self) -> bool:
+        """Whether :meth:`state_dict` holds the buffers' content (not before anything was read, nor in
+        an epoch an earlier checkpoint's replay resumed)."""
+        return self._iterated and not self._in_earlier
 
     def state_dict(self) -> dict[str, Any]:
-        if not self._iterated or self._in_earlier:  # nothing read yet, or an earlier checkpoint's epoch
-            return {}
-        return {"buffered": self.inner.state_dict(), "num_workers": self.workers}
+        return {"buffered": self.inner.state_dict()} if self._holds_content() else {}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "buffered" not in state:  # written by the epoch replay: no buffer content to restore
             self._resume_earlier = True
             return
-        check_num_workers(int(state.get("num_workers", 0)) or None, self.workers or None, "the checkpoint")
+        if "num_workers" in state:  # written before the fingerprint carried the number: judged here
+            check_num_workers(int(state["num_workers"]) or None, self.workers or None, "the checkpoint")
         self.inner.load_state_dict(state["buffered"])
 
     def close(self) -> None:

@@ -269,3 +269,42 @@ def test_behind_workers_one_batch_in_a_buffers_worth_carries_the_buffer(tmp_path
 def test_behind_persistent_workers_a_resume_between_two_states_continues_into_the_next_epoch(tmp_path):
     # 7: between two states; 32: the epoch's last batch, whose end record brings the state
     resumes_exactly(buffered_json_loader(tmp_path, persistent=True), stops=[7, 32, 36])
+
+
+# -- the number of workers: judged with the fingerprint, before anything is restored ---------------
+def buffered_json_loader_of(directory, num_workers):
+    data = buffered_json_loader(directory)
+
+    def rebuilt():
+        loader = data()
+        return torch.utils.data.DataLoader(loader.dataset, batch_size=2, num_workers=num_workers)
+
+    return rebuilt
+
+
+@pytest.mark.parametrize("saved, now", [(2, 0), (0, 2)])
+def test_a_checkpoint_holding_the_buffer_refuses_another_num_workers_at_its_fingerprint(tmp_path, saved, now):
+    dropout_estimator().fit(buffered_json_loader_of(tmp_path, saved)(), batches=3,
+                            event_handlers=[CheckpointHandler(tmp_path / "ckpt", batch_period=1, epoch_period=None)])
+    snapshot = torch.load(sorted((tmp_path / "ckpt").glob("*.pt"))[-1], weights_only=True)
+    fingerprint = snapshot["ranks"][0]["fingerprint"]
+    assert fingerprint["buffer_workers"] == saved and "num_workers" not in snapshot["ranks"][0]["data"]
+    stream = open_stream(buffered_json_loader_of(tmp_path, now)(), 0)
+    refusal = rf"ran in {saved} DataLoader worker\(s\) and this DataLoader has num_workers={now}.*" \
+              rf"Resume with num_workers={saved}"
+    with pytest.raises(ValueError, match=refusal):  # the stream's one judge, asked before load_state_dict
+        stream.check_fingerprint(fingerprint, "the checkpoint")
+    open_stream(buffered_json_loader_of(tmp_path, saved)(), 0).check_fingerprint(fingerprint, "the checkpoint")
+    with pytest.raises(ValueError, match=refusal):
+        dropout_estimator().fit(buffered_json_loader_of(tmp_path, now)(), epochs=1, event_handlers=[
+            CheckpointHandler(tmp_path / "ckpt", batch_period=1, epoch_period=None, resume_from_checkpoint=True)])
+
+
+def test_a_checkpoint_of_the_replay_resumes_on_any_num_workers():
+    stream = open_stream(torch.utils.data.DataLoader(
+        IterableDataset.from_generator(lambda: ({"i": i} for i in range(8))).shuffle(seed=1, buffer_size=4),
+        batch_size=2, num_workers=2), 0)
+    assert isinstance(stream, BufferedStream)
+    earlier = stream.earlier.fingerprint()  # what the replay wrote: no number of workers in it
+    assert "buffer_workers" not in earlier
+    stream.check_fingerprint(earlier, "the checkpoint")
