@@ -289,15 +289,32 @@ class StatefulIterableStream(TrainStream):
                     return
                 held[meta["worker"]].append((batch, meta))
             batch, meta = held[worker].popleft()
-            if "state" in meta:
-                self._states[worker], self._since[worker] = meta["state"], 0
-            elif not meta["end"]:
-                self._since[worker] += 1
-            self._made[worker], self._ended[worker] = meta["batches"], meta["ended"]
-            if meta["end"]:
-                continue
+            before = self._record_of(worker)
+            try:
+                self._record(worker, meta)
+            except BaseException:  # a signal's stop raised before the batch is handed out: not trained
+                self._restore(worker, before)
+                raise
+            if not meta["end"]:
+                yield batch  # nothing between the record and here lets a signal handler run
+
+    def _record_of(self, worker: int) -> tuple[Any, int, int, bool, int]:
+        return self._states[worker], self._since[worker], self._made[worker], self._ended[worker], self._last
+
+    def _restore(self, worker: int, record: tuple[Any, int, int, bool, int]) -> None:
+        (self._states[worker], self._since[worker], self._made[worker], self._ended[worker],
+         self._last) = record
+
+    def _record(self, worker: int, meta: dict[str, Any]) -> None:
+        """What a batch of ``worker`` says, recorded as it is handed out to be trained (an end
+        record: the worker's data ended)."""
+        if "state" in meta:
+            self._states[worker], self._since[worker] = meta["state"], 0
+        elif not meta["end"]:
+            self._since[worker] += 1
+        self._made[worker], self._ended[worker] = meta["batches"], meta["ended"]
+        if not meta["end"]:
             self._last = worker
-            yield batch
 
 
 def is_stateful_iterable(dataset: Any) -> bool:

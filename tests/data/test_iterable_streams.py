@@ -185,3 +185,28 @@ def test_a_worker_state_with_more_batches_since_than_made_is_refused():
     with pytest.raises(ValueError, match=r"since each worker's state, \[3, 1\], must lie between 0 and its "
                                          r"batches made, \[2, 2\]"):
         stream.load_state_dict(state)
+
+
+# -- a signal's stop between recording a batch and handing it out ----------------------------------
+@pytest.mark.parametrize("every", [1, 3])
+def test_a_stop_raised_after_a_batch_is_recorded_but_before_it_is_handed_out_leaves_the_state_of_the_boundary(
+        every, monkeypatch):
+    full = [x for x, _ in snapshot_stream(every).epoch_iter(0, 0)]
+    stream = snapshot_stream(every)
+    it = iter(stream.epoch_iter(0, 0))
+    for _ in range(5):
+        next(it)
+    boundary = stream.state_dict()  # after 5 batches trained
+    record = stream._record
+
+    def record_then_signal(worker, meta):
+        record(worker, meta)  # the batch's state is recorded, then the signal's stop is raised
+        raise KeyboardInterrupt
+
+    monkeypatch.setattr(stream, "_record", record_then_signal)
+    with pytest.raises(KeyboardInterrupt):
+        next(it)
+    assert stream.state_dict() == boundary  # the 6th batch was not handed out: not counted
+    fresh = snapshot_stream(every)
+    fresh.load_state_dict(stream.state_dict())
+    assert all(torch.equal(a, b) for (a, _), b in zip(fresh.epoch_iter(0, 5), full[5:], strict=True))
