@@ -36,12 +36,12 @@ from torch.utils.data import DataLoader
 from .. import rng
 from .._checks import warn_user
 from ._adapters import DataSource
-from ._hf_maps import seed_batched_maps
+from ._hf_maps import async_maps, seed_batched_maps
 from ._iterable_streams import StatefulIterableStream
-from ._map_probe import drawing_threaded_maps
+from ._map_probe import drawing_steps, drawing_threaded_maps
 from ._shuffle_buffer import BufferedStream, why_not_resumable
 from ._stream_base import TrainStream
-from ._warnings import warn_threaded_maps
+from ._warnings import warn_async_maps, warn_threaded_maps
 
 __all__ = ["HFIterableAdapter", "hf_iterable_stream", "is_hf_iterable", "maps_below_batched_maps", "shuffle_buffers"]
 
@@ -146,8 +146,12 @@ def hf_iterable_stream(dataset: Any, loader: Optional[DataLoader[Any]], seed: in
             "(exact) or interleave_datasets() of the sources.")
     # each threaded step probed on the first examples (_map_probe): one that draws nothing is not named
     warn_threaded_maps("train_data's datasets.IterableDataset", drawing_threaded_maps(_pipeline(dataset)))
+    threaded = {id(node) for node, where in _pipeline(dataset) if where}
+    # async steps run ahead of the training, concurrently: a random one is named (probed likewise)
+    warn_async_maps("train_data's datasets.IterableDataset",
+                    [what for what, _ in drawing_steps([(node, "") for node in async_maps(dataset, threaded)[::-1]])])
     # a resume re-runs the map batch it fell inside: the same draws (not in datasets' threads)
-    seed_batched_maps(dataset, seed, threaded={id(node) for node, where in _pipeline(dataset) if where})
+    seed_batched_maps(dataset, seed, threaded=threaded)
     buffers, rerun = shuffle_buffers(dataset), maps_below_batched_maps(dataset)
     if rerun:
         return _EpochReplayStream(dataset, loader, seed, buffers, (

@@ -1,6 +1,7 @@
 """Whether the ``.map()`` / ``.filter()`` functions that ``datasets`` runs in its prefetch threads
-draw from the global generators: probed when ``fit`` starts, on the first examples, so that the
-standard tokenize-then-shuffle pipeline (a tokenizer draws nothing) is not warned about.
+(or, ``async``, concurrently in an event loop) draw from the global generators: probed when ``fit``
+starts, on the first examples, so that the standard tokenize-then-shuffle pipeline (a tokenizer
+draws nothing) is not warned about.
 
 datasets 5 feeds a ``.shuffle()`` over several input shards from threads, one per shard, and runs
 what comes before the shuffle in them; draws there from torch's, python's or numpy's global
@@ -22,7 +23,7 @@ import torch
 
 from .. import rng
 
-__all__ = ["drawing_threaded_maps", "threaded_maps"]
+__all__ = ["drawing_steps", "drawing_threaded_maps", "threaded_maps"]
 
 _STEPS = ("MappedExamplesIterable", "FilteredExamplesIterable")
 
@@ -38,9 +39,16 @@ def drawing_threaded_maps(pipeline: Iterator[tuple[Any, Optional[str]]], example
     """The threaded steps (:func:`threaded_maps`) whose probe drew from a global generator, beyond
     what the steps before them drew, as ``(".map(name)", where)``; a step that cannot be probed
     counts as drawing (said in its name)."""
+    return drawing_steps(threaded_maps(pipeline), examples)
+
+
+def drawing_steps(steps: list[tuple[Any, str]], examples: int = 2) -> list[tuple[str, str]]:
+    """Of ``steps`` (``(step, where)``, the first step of the pipeline first), those whose probe
+    drew from a global generator beyond what the steps before them drew, as ``(".map(name)",
+    where)``; a step that cannot be probed counts as drawing (said in its name)."""
     found = []
     below = False
-    for node, where in threaded_maps(pipeline):
+    for node, where in steps:
         try:
             drew = _draws(node, examples)
         except Exception as err:  # noqa: BLE001 - a probe that fails leaves the doubt: named, not hidden
@@ -57,8 +65,17 @@ def _draws(node: Any, examples: int) -> bool:
     probe = copy.deepcopy(node)  # iterating a step moves its own state: never the pipeline's
     with rng.keep_random_state():
         before = _states()
-        for _ in itertools.islice(iter(probe), examples):
-            pass
+        examples_of = iter(probe)
+        try:
+            for _ in itertools.islice(examples_of, examples):
+                pass
+        finally:
+            close = getattr(examples_of, "close", None)
+            if close is not None:
+                close()
+            for loop, _ in getattr(probe, "_owned_loops_and_tasks", ()):  # an async step's event loop
+                if not loop.is_running():
+                    loop.close()
         return _states() != before
 
 
@@ -70,6 +87,7 @@ def _states() -> tuple[Any, ...]:
 
 
 def _name(node: Any) -> str:
-    function = getattr(node, "function", None)
+    # a filter's function is datasets' add_mask around the user's (its mask_function)
+    function = getattr(node, "mask_function", None) or getattr(node, "function", None)
     kind = ".map" if type(node).__name__ == "MappedExamplesIterable" else ".filter"
     return f"{kind}({getattr(function, '__qualname__', repr(function))})"

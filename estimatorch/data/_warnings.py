@@ -7,7 +7,8 @@ functions draw nothing (a tokenizer) can silence it by category::
 
 and :func:`warn_threaded_maps` is the one place that words it, for every library that runs a
 user's functions in threads of its own (a library that knows a function to be deterministic
-leaves it out of what it passes).
+leaves it out of what it passes); :func:`warn_async_maps` words it for ``async`` functions that a
+library runs concurrently, ahead of the training.
 """
 
 from __future__ import annotations
@@ -16,13 +17,13 @@ from collections.abc import Sequence
 
 from .._checks import warn_user
 
-__all__ = ["NondeterministicDataWarning", "warn_threaded_maps"]
+__all__ = ["NondeterministicDataWarning", "warn_async_maps", "warn_threaded_maps"]
 
 
 class NondeterministicDataWarning(UserWarning):
-    """``train_data`` runs functions of yours in threads: their draws from the global generators
-    (``torch.rand``, ``random``, ``np.random``) happen in an order no seed fixes, so a random one
-    gives other values on every run, resumed or not."""
+    """``train_data`` runs functions of yours in threads, or ``async`` ones concurrently: their
+    draws from the global generators (``torch.rand``, ``random``, ``np.random``) happen in an order
+    no seed fixes, so a random one gives other values on every run, or after a resume."""
 
 
 def warn_threaded_maps(owner: str, maps: Sequence[tuple[str, str]]) -> None:
@@ -44,5 +45,21 @@ def warn_threaded_maps(owner: str, maps: Sequence[tuple[str, str]]) -> None:
         "gives other values on every run, resumed or not, and races the model's own draws (dropout). Make "
         "such a function draw nothing (or from a generator seeded from the example), or apply it after "
         "the .shuffle() / interleave_datasets(); if their draws need not be reproducible, silence this with "
+        "warnings.filterwarnings('ignore', category=estimatorch.data.NondeterministicDataWarning).",
+        NondeterministicDataWarning)
+
+
+def warn_async_maps(owner: str, maps: Sequence[str]) -> None:
+    """Warn (once, at fit start) that ``owner``'s ``async`` ``maps`` (``".map(name)"``, those a
+    probe saw draw from a global generator) run concurrently and are not resumed exactly."""
+    if not maps:
+        return
+    warn_user(
+        f"{owner} runs async functions of yours that drew from the global generators on their first examples: "
+        f"{'; '.join(maps)}. The library runs many calls of an async function at once in an event loop, ahead of "
+        "what is trained, and a resume runs those in flight again: their draws (torch.rand, random, np.random) "
+        "interleave in an order no seed fixes, so a resumed run trains on other values than the uninterrupted one. "
+        "Make such a function draw nothing (or from a generator seeded from the example) or make it a plain "
+        "function (seeded by fit, resumed exactly); if their draws need not be reproducible, silence this with "
         "warnings.filterwarnings('ignore', category=estimatorch.data.NondeterministicDataWarning).",
         NondeterministicDataWarning)

@@ -202,6 +202,26 @@ def test_a_batched_map_with_indices_still_gets_them(tmp_path):
     exact(data, stops=[1, 5])
 
 
+def keep_at_random(batch):
+    return (torch.rand(len(batch["i"])) < 0.7).tolist()
+
+
+def to_input(example):
+    i = example["i"]
+    return {"input": [float(i)] * 4, "label": i % 3}
+
+
+@pytest.mark.parametrize("batch_size", [3, 1000])
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_random_batched_filter_resumes_exactly(tmp_path, batch_size, num_workers):
+    def data():
+        ds = json_stream(tmp_path).filter(keep_at_random, batched=True, batch_size=batch_size)
+        ds = ds.map(to_input, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4, num_workers=num_workers)
+
+    exact(data, stops=[1, 2, 4])
+
+
 def _batched_map_functions(dataset):
     found, todo = [], [dataset._ex_iterable]
     while todo:
@@ -231,3 +251,46 @@ def test_a_batched_map_datasets_runs_in_its_threads_is_left_unseeded(tmp_path):
     after = json_stream(tmp_path, 2).shuffle(seed=1, buffer_size=6).map(double, batched=True)
     open_stream(torch.utils.data.DataLoader(after, batch_size=4), 0).close()
     assert [type(f) for f in _batched_map_functions(after)] == [_SeededBatchedMap]
+
+
+# -- async maps: run concurrently, ahead of the training; a random one is named at fit start ---------------
+async def async_augment(example):
+    i = example["i"]
+    return {"input": (torch.full((4,), float(i)) + torch.rand(4)).tolist(), "label": i % 3}
+
+
+async def async_label(example):
+    i = example["i"]
+    return {"input": [float(i)] * 4, "label": i % 3}
+
+
+@pytest.mark.parametrize("how", ["map", "filter"])
+def test_a_random_async_step_is_named_at_fit_start_and_is_why(tmp_path, how):
+    from estimatorch.data import NondeterministicDataWarning
+
+    async def keep_at_random(example):
+        return bool(torch.rand(()) < 0.7)
+
+    def data():
+        ds = json_stream(tmp_path)
+        ds = ds.map(async_augment, remove_columns=["i"]) if how == "map" else \
+            ds.filter(keep_at_random).map(to_input, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
+
+    name = "async_augment" if how == "map" else "keep_at_random"
+    with pytest.warns(NondeterministicDataWarning, match=rf"runs async functions of yours that drew from the global "
+                                                          rf"generators .*\.{how}\(.*{name}\).* a resume runs those in "
+                                                          "flight again"):
+        dropout_estimator().fit(data(), batches=1)
+    # the reason is real: the resume's draws differ (datasets ran the calls in flight again)
+    with pytest.raises(AssertionError, match="resume differs"), warnings.catch_warnings():
+        warnings.simplefilter("ignore", NondeterministicDataWarning)
+        assert_resumable(dropout_estimator, data, epochs=1, stop_at=[2], quiet=True)
+
+
+def test_an_async_map_that_draws_nothing_is_not_named_and_resumes_exactly(tmp_path):
+    def data():
+        ds = json_stream(tmp_path).map(async_label, remove_columns=["i"])
+        return torch.utils.data.DataLoader(ds.with_format("torch"), batch_size=4)
+
+    exact(data, stops=[1, 3])
