@@ -73,6 +73,7 @@ class Run:
     output: str
     stacks: str = ""
     leftovers: int = 0
+    left_behind: tuple[str, ...] = ()  # the processes counted in leftovers: pid, state, command
 
 
 @dataclasses.dataclass
@@ -114,18 +115,31 @@ def _signal_all(pids: list[int], signum: int) -> None:
             pass
 
 
-def _kill_all(token: str) -> int:
+def _describe(pid: int) -> str:
+    """``pid``, its state and its command line, read from /proc (``"pid N (gone)"`` once it ended)."""
+    try:
+        with open(f"/proc/{pid}/cmdline", "rb") as stream:
+            command = stream.read().replace(b"\0", b" ").decode(errors="replace").strip()
+        with open(f"/proc/{pid}/stat") as stream:
+            state = stream.read().rsplit(")", 1)[1].split()[0]
+    except OSError:
+        return f"pid {pid} (gone)"
+    return f"pid {pid} [{state}] {command[:200]}"
+
+
+def _kill_all(token: str) -> list[str]:
     """SIGKILL the run's processes until none is left (one may start while the others are
-    killed; each takes a moment to die); how many there were at first."""
-    first = None
+    killed; each takes a moment to die); those there were at first, described."""
+    first: Optional[list[str]] = None
     for _ in range(100):
         pids = _run_processes(token)
-        first = len(pids) if first is None else first
+        if first is None:
+            first = [_describe(pid) for pid in pids]
         if not pids:
             break
         _signal_all(pids, signal.SIGKILL)
         time.sleep(0.1)
-    return first or 0
+    return first or []
 
 
 def _read_stacks(dumps: str) -> str:
@@ -203,7 +217,8 @@ def run_once(node: str, index: int, *, timeout: float, pytest_args: list[str], h
     shutil.rmtree(dumps, ignore_errors=True)
     if outcome is None:
         outcome = "passed" if returncode == 0 else "failed"
-    return Run(index, outcome, returncode, seconds, output, stacks, leftovers if outcome != "hung" else 0)
+    left = tuple(leftovers) if outcome != "hung" else ()
+    return Run(index, outcome, returncode, seconds, output, stacks, len(left), left)
 
 
 def run_many(node: str, n: int, *, load: int = 0, nice: int = 0, timeout: float = 300.0,
@@ -225,7 +240,8 @@ def run_many(node: str, n: int, *, load: int = 0, nice: int = 0, timeout: float 
                     with open(os.path.join(report_dir, f"run{index:03d}-{run.outcome}.log"), "w") as stream:
                         stream.write(run.output + "\n==== stacks ====\n" + run.stacks)
                 if echo:
-                    extra = f", {run.leftovers} processes left behind" if run.leftovers else ""
+                    extra = f", {run.leftovers} processes left behind: {'; '.join(run.left_behind)}" \
+                        if run.leftovers else ""
                     print(f"run {index + 1}/{n}: {run.outcome} in {run.seconds:.1f} s{extra}", flush=True)
     finally:
         shutil.rmtree(hooks, ignore_errors=True)

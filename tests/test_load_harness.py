@@ -31,6 +31,14 @@ def test_hangs(tmp_path_factory):
     with open(os.environ["PID_FILE"], "a") as f:
         f.write(f"{child.pid}\\n")
     child.wait()
+
+
+def test_leaves_a_process():
+    """Passes, leaving a child behind in a session of its own (as a leaked worker would)."""
+    child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # left behind"],
+                             start_new_session=True)
+    with open(os.environ["PID_FILE"], "a") as f:
+        f.write(f"{child.pid}\\n")
 '''
 
 
@@ -78,3 +86,12 @@ def test_the_load_runs_one_spinner_per_core_during_the_runs_and_ends_with_them(t
     assert all(proc.returncode is not None for proc in procs)
     report = load_harness.run_many(f"{targets}::test_passes", 1, load=os.cpu_count() or 1, nice=19, timeout=120)
     assert report.count("passed") == 1 and "spinning processes, nice 19" in report.load
+
+
+def test_a_process_left_behind_is_counted_named_and_ended(targets, tmp_path):
+    report = load_harness.run_many(f"{targets}::test_leaves_a_process", 1, timeout=120)
+    (run,) = report.runs
+    assert run.outcome == "passed" and run.leftovers == 1
+    (pid,) = [int(line) for line in (tmp_path / "pids").read_text().split()]
+    assert run.left_behind[0].startswith(f"pid {pid} [") and "# left behind" in run.left_behind[0]
+    assert _gone(pid) and report.summary().endswith("1 runs left processes behind)")
