@@ -1,17 +1,19 @@
 """A ``datasets`` ``.map(batched=True)`` or ``.filter(batched=True)`` whose draws are a function
 of its position.
 
-datasets resumes a batched map (a batched filter is one) from the state taken before the map batch the position fell
-inside: it calls the function on that whole batch again and skips the examples already yielded.
-The function's draws from the global generators then come from the generators' state at the
-resume, not from the state they had when it first ran: other values, silently (issue 39).
+datasets resumes a batched map (a batched filter is one) from the state taken before the map
+batch the position fell inside: it calls the function on that whole batch again and skips the
+examples already yielded. The function's draws from the global generators then come from the
+generators' state at the resume, not from the state they had when it first ran: other values,
+silently (issue 39).
 
-:func:`seed_batched_maps` makes each call of every batched ``.map()``/``.filter()`` function in a pipeline draw
-from generators seeded from ``(seed, epoch, map, rank, worker, index of the batch's first
-example)``, the same in the uninterrupted run and in the call a resume repeats; in the training
-process the caller's generators are put back after the call, so the map's draws never shift the
-model's. The index is the one datasets passes with ``with_indices=True`` (counted in the map's own
-state, so restored with it); the wrapper takes it, and passes it on only if the map asked for it.
+:func:`seed_batched_maps` makes each call of every batched ``.map()``/``.filter()`` function in a
+pipeline draw from generators seeded from ``(seed, epoch, map, rank, worker, index of the batch's
+first example)``, the same in the uninterrupted run and in the call a resume repeats; in the
+training process the caller's generators are put back after the call, so the map's draws never
+shift the model's. The index is the one datasets passes with ``with_indices=True`` (counted in the
+map's own state, so restored with it); the wrapper takes it, and passes it on only if the map
+asked for it.
 """
 
 from __future__ import annotations
@@ -65,13 +67,13 @@ def _nodes(root: Any) -> Iterator[Any]:
 
 
 def seed_batched_maps(dataset: Any, seed: int, threaded: Collection[int] = ()) -> int:
-    """Wrap every synchronous ``.map(batched=True)`` and ``.filter(batched=True)`` function of ``dataset`` (a
-    ``datasets.IterableDataset``) in place (again on a later ``fit``: only the seed changes),
-    except the steps datasets runs in threads of its own (``threaded``: their ``id``s): seeding the
-    global generators there would race the training thread's own draws (dropout), and their draws
-    are not reproducible anyway (``fit`` names those that draw at its start), and ``async`` ones (their
-    calls run concurrently, ahead of the training: named at fit start when they draw, see
-    :func:`async_maps`). Returns how many it wrapped."""
+    """Wrap every synchronous ``.map(batched=True)`` and ``.filter(batched=True)`` function of
+    ``dataset`` (a ``datasets.IterableDataset``) in place (again on a later ``fit``: only the seed
+    changes), except the steps datasets runs in threads of its own (``threaded``: their ``id``s):
+    seeding the global generators there would race the training thread's own draws (dropout), and
+    their draws are not reproducible anyway (``fit`` names those that draw at its start); ``async``
+    ones are left as they are too (their calls run concurrently, ahead of the training: named at
+    fit start when they draw, see :func:`async_maps`). Returns how many it wrapped."""
     epoch = getattr(dataset, "_epoch", 0)
     count = 0
     for node in _nodes(getattr(dataset, "_ex_iterable", None)):
