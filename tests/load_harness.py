@@ -15,7 +15,9 @@ a run's processes by a marker in their environment, not by their parent, so proc
 sessions and orphans are found too. When a run passes its timeout it is a *hang*: the harness
 sends SIGQUIT to each of the run's processes (each dumps every thread's stack), then SIGKILL,
 and prints the stacks. A run that ends but leaves processes behind is reported (and they are
-killed) so a leaked worker does not load the next run.
+killed) so a leaked worker does not load the next run; one that ends by itself within
+``GRACE`` seconds of the run (multiprocessing's resource tracker, which exits once its pipe
+closes, or a child busy exiting on a loaded machine) is not counted.
 
 The report (also written to ``--report DIR``: one log per failed or hung run) gives for each
 failure its exit status and the tail of its captured output, and for each hang the stacks.
@@ -127,6 +129,17 @@ def _describe(pid: int) -> str:
     return f"pid {pid} [{state}] {command[:200]}"
 
 
+#: seconds a run's processes get to end by themselves after it, before they count as left behind
+GRACE = 5.0
+
+
+def _wait_gone(token: str, seconds: float) -> None:
+    """Wait up to ``seconds`` for the run's processes to end by themselves."""
+    deadline = time.monotonic() + seconds
+    while _run_processes(token) and time.monotonic() < deadline:
+        time.sleep(0.1)
+
+
 def _kill_all(token: str) -> list[str]:
     """SIGKILL the run's processes until none is left (one may start while the others are
     killed; each takes a moment to die); those there were at first, described."""
@@ -209,6 +222,7 @@ def run_once(node: str, index: int, *, timeout: float, pytest_args: list[str], h
             _kill_all(token)
             raise
         seconds = time.monotonic() - start
+        _wait_gone(token, GRACE)
         leftovers = _kill_all(token)
         proc.kill()
         proc.wait()

@@ -33,6 +33,11 @@ def test_hangs(tmp_path_factory):
     child.wait()
 
 
+def test_leaves_a_process_ending_soon():
+    """Passes, leaving a child that ends by itself a moment later (as multiprocessing's resource tracker)."""
+    subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"], start_new_session=True)
+
+
 def test_leaves_a_process():
     """Passes, leaving a child behind in a session of its own (as a leaked worker would)."""
     child = subprocess.Popen([sys.executable, "-c", "import time; time.sleep(600)  # left behind"],
@@ -95,3 +100,8 @@ def test_a_process_left_behind_is_counted_named_and_ended(targets, tmp_path):
     (pid,) = [int(line) for line in (tmp_path / "pids").read_text().split()]
     assert run.left_behind[0].startswith(f"pid {pid} [") and "# left behind" in run.left_behind[0]
     assert _gone(pid) and report.summary().endswith("1 runs left processes behind)")
+
+
+def test_a_process_ending_by_itself_within_the_grace_is_not_counted(targets):
+    report = load_harness.run_many(f"{targets}::test_leaves_a_process_ending_soon", 1, timeout=120)
+    assert report.runs[0].outcome == "passed" and report.runs[0].leftovers == 0
