@@ -50,6 +50,8 @@ POLL_S = 0.5
 GRACE_S = 5.0
 #: after ``train_end`` began (the training thread left the loop), how long it may still take.
 ENDING_GRACE_S = 30.0
+_SEEN = "seen_failed"  #: store key ``seen_failed/<rank>``: that rank read an announced failure
+
 #: the exit status of a rank ended because another rank failed (or by ``Watchdog(action="raise")``).
 EXIT_CODE = 1
 
@@ -88,7 +90,8 @@ class Watchdog:
             validation or checkpoint, which count as time without a step.
         action: ``"log"`` (report, never stop the run) or ``"raise"`` (report, then end every
             rank's process with the summary, exit status 1: a hung thread cannot be made to
-            raise). Defaults to ``"log"``.
+            raise; rank 0, the store's host, ends once every rank read it, within 30 s).
+            Defaults to ``"log"``.
 
     Example:
         >>> Watchdog(600, action="raise")
@@ -383,6 +386,7 @@ class RankWatch:
             self.peer = self._read_failure()
             if self.peer is None:
                 return
+            self._put(f"{_SEEN}/{self.rank}", "1")  # read: the announcing rank may end (_wait_seen)
             self._seen_at = time.monotonic()
             self.logger.error("%s; rank %d stops", self._describe(self.peer), self.rank, extra={"all_ranks": True})
         assert self._seen_at is not None
@@ -464,7 +468,18 @@ class RankWatch:
         if self.watchdog.action == "raise":
             self._announce("failed", json.dumps({"rank": -1, "watchdog": summary}))
             self.peer = {"rank": -1, "watchdog": summary}
+            # this process hosts the store: ending it before every rank read the announcement would
+            # leave a rank stuck outside a collective (in __getitem__) never told (seen under load)
+            self._wait_seen(time.monotonic() + ENDING_GRACE_S)
             self._seen_at = time.monotonic() - GRACE_S  # end at once: the run is hung
+
+    def _wait_seen(self, deadline: float) -> None:
+        """Until ``deadline``, wait for every other rank to have read the failure announced."""
+        others = [f"{_SEEN}/{r}" for r in range(self.world) if r != self.rank]
+        while others and time.monotonic() < deadline and not self._store_lost:
+            others = [key for key in others if not self._get(key)]
+            if others:
+                time.sleep(POLL_S / 5)
 
 
 def summarize(statuses: dict[int, dict[str, Any]], world: int, timeout: float) -> str:

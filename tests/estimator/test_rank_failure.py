@@ -39,6 +39,9 @@ from estimatorch.event_handlers import BatchEnd
 out, where, keep_alive = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 STEP = int(sys.argv[4])
 rank = int(os.environ["RANK"])
+if os.environ.get("SLOW_WATCH") == str(rank):  # this rank's watching thread polls as on a loaded machine
+    import estimatorch._rank_watch
+    estimatorch._rank_watch.POLL_S = 2.0
 torch.manual_seed(0)
 torch.set_num_threads(1)
 
@@ -97,15 +100,17 @@ os._exit(0 if result["outcome"] == "finished" else 3)
 '''
 
 
-def _launch(tmp_path, where, keep_alive):
-    """Start the two ranks; returns their processes (stdout and stderr in files)."""
+def _launch(tmp_path, where, keep_alive, slow_watch=None):
+    """Start the two ranks; returns their processes (stdout and stderr in files). ``slow_watch``:
+    the rank whose watching thread polls every 2 s (as a loaded machine delays it), else None."""
     script = tmp_path / "train.py"
     script.write_text(SCRIPT)
     port = free_port()  # one nothing listens on (a guess could meet a weed server's or another test's)
     procs = []
     for rank in range(2):
         env = dict(os.environ, RANK=str(rank), LOCAL_RANK=str(rank), WORLD_SIZE="2", MASTER_ADDR="127.0.0.1",
-                   MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
+                   MASTER_PORT=str(port), PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]),
+                   SLOW_WATCH="" if slow_watch is None else str(slow_watch))
         with open(tmp_path / f"out{rank}.txt", "w") as out:
             args = [sys.executable, str(script), str(tmp_path), where, "1" if keep_alive else "0", str(STEP)]
             procs.append(subprocess.Popen(args, env=env, stdout=out, stderr=subprocess.STDOUT))
@@ -196,11 +201,14 @@ def test_the_watchdog_names_the_rank_that_hangs_and_where(tmp_path):
         _end(rank0, rank1)
 
 
-def test_the_watchdog_with_action_raise_ends_every_rank_with_its_summary(tmp_path):
+@pytest.mark.parametrize("slow_watch", [None, 1], ids=["", "rank1-watch-slow"])
+def test_the_watchdog_with_action_raise_ends_every_rank_with_its_summary(tmp_path, slow_watch):
     """action="raise": after the summary, both ranks' processes end (exit status 1), the one frozen
     in __getitem__ too, each printing the summary; nothing waits for the process-group timeout.
-    (The script's keep_alive flag picks action="raise" here: neither rank gets to its own end.)"""
-    rank0, rank1 = _launch(tmp_path, "hang", keep_alive=True)
+    (The script's keep_alive flag picks action="raise" here: neither rank gets to its own end.)
+    With rank 1's watching thread slow (as under load, where 1 of 13 runs hung): rank 0, which
+    hosts the store, ended before rank 1 read the announcement, and frozen rank 1 never ended."""
+    rank0, rank1 = _launch(tmp_path, "hang", keep_alive=True, slow_watch=slow_watch)
     try:
         codes = [proc.wait(timeout=240) for proc in (rank0, rank1)]
         assert codes == [1, 1], (codes, _output(tmp_path, 0)[-3000:], _output(tmp_path, 1)[-3000:])
