@@ -206,7 +206,7 @@ def test_the_watchdog_with_action_raise_ends_every_rank_with_its_summary(tmp_pat
     """action="raise": after the summary, both ranks' processes end (exit status 1), the one frozen
     in __getitem__ too, each printing the summary; nothing waits for the process-group timeout.
     (The script's keep_alive flag picks action="raise" here: neither rank gets to its own end.)
-    With rank 1's watching thread slow (as under load, where 1 of 13 runs hung): rank 0, which
+    With rank 1's watching thread slow (as under load, where 1 of 15 runs hung): rank 0, which
     hosts the store, ended before rank 1 read the announcement, and frozen rank 1 never ended."""
     rank0, rank1 = _launch(tmp_path, "hang", keep_alive=True, slow_watch=slow_watch)
     try:
