@@ -14,7 +14,10 @@ which registers :mod:`faulthandler` on SIGQUIT, writing to a file of its own. Th
 a run's processes by a marker in their environment, not by their parent, so processes in other
 sessions and orphans are found too. When a run passes its timeout it is a *hang*: the harness
 sends SIGQUIT to each of the run's processes (each dumps every thread's stack), then SIGKILL,
-and prints the stacks. A run that ends but leaves processes behind is reported (and they are
+and prints the stacks. A run whose tests had already ended when its timeout came (pytest had
+printed its last line: a slow run, not a hang) gets ``EXIT_GRACE`` seconds more to exit; if it
+does, it counts by its exit status and is reported as ended past the limit; if not, it is a hang
+at exit, and the report says so. A run that ends but leaves processes behind is reported (and they are
 killed) so a leaked worker does not load the next run; one that ends by itself within
 ``GRACE`` seconds of the run (multiprocessing's resource tracker, which exits once its pipe
 closes, or a child busy exiting on a loaded machine) is not counted.
@@ -28,6 +31,7 @@ from __future__ import annotations
 import argparse
 import dataclasses
 import os
+import re
 import shutil
 import signal
 import subprocess
@@ -76,6 +80,7 @@ class Run:
     stacks: str = ""
     leftovers: int = 0
     left_behind: tuple[str, ...] = ()  # the processes counted in leftovers: pid, state, command
+    ended: str = ""  # pytest's last line when the timeout came, if the tests had ended by then
 
 
 @dataclasses.dataclass
@@ -89,8 +94,10 @@ class Report:
 
     def summary(self) -> str:
         leaked = sum(run.leftovers > 0 for run in self.runs)
-        return (f"{self.node}: {len(self.runs)} runs -> {self.count('passed')} passed, {self.count('failed')} failed, "
-                f"{self.count('hung')} hung ({self.load}; {leaked} runs left processes behind)")
+        late = sum(run.outcome != "hung" and bool(run.ended) for run in self.runs)
+        late_text = f" ({late} ended past the limit, their tests done)" if late else ""
+        return (f"{self.node}: {len(self.runs)} runs -> {self.count('passed')} passed, {self.count('failed')} failed"
+                f"{late_text}, {self.count('hung')} hung ({self.load}; {leaked} runs left processes behind)")
 
 
 def _run_processes(token: str) -> list[int]:
@@ -131,6 +138,19 @@ def _describe(pid: int) -> str:
 
 #: seconds a run's processes get to end by themselves after it, before they count as left behind
 GRACE = 5.0
+#: seconds more for a run whose tests had ended when its timeout came, to exit.
+EXIT_GRACE = 30.0
+#: pytest's last line: ``2 passed in 297.43s (0:04:57)``, ``1 failed, 3 passed in 9.1s``.
+_PYTEST_END = re.compile(r"^=*\s*\d+ (passed|failed|errors?|skipped|deselected|xfailed|xpassed)\b.* in \d+(\.\d+)?s\b",
+                         re.MULTILINE)
+
+
+def _tests_ended(fd: int) -> str:
+    """pytest's last line if the log written to ``fd`` holds it (read without moving the offset the
+    run's processes share), else ``""``."""
+    text = os.pread(fd, os.fstat(fd).st_size, 0).decode(errors="replace")
+    lines = [match.group(0) for match in _PYTEST_END.finditer(text)]
+    return lines[-1].strip(" =") if lines else ""
 
 
 def _wait_gone(token: str, seconds: float) -> None:
@@ -198,8 +218,10 @@ class Load:
         self.procs = []
 
 
-def run_once(node: str, index: int, *, timeout: float, pytest_args: list[str], hooks: str) -> Run:
-    """Run ``node`` once in a session of its own; a hang past ``timeout`` is dumped and killed."""
+def run_once(node: str, index: int, *, timeout: float, pytest_args: list[str], hooks: str,
+             exit_grace: float = EXIT_GRACE) -> Run:
+    """Run ``node`` once in a session of its own; a hang past ``timeout`` is dumped and killed
+    (``exit_grace`` seconds later if its tests had ended by then)."""
     token = uuid.uuid4().hex
     dumps = tempfile.mkdtemp(prefix="load-dumps-")
     env = dict(os.environ, **{MARKER: token, DUMPS: dumps})
@@ -210,9 +232,15 @@ def run_once(node: str, index: int, *, timeout: float, pytest_args: list[str], h
         proc = subprocess.Popen([sys.executable, "-m", "pytest", "-q", "-x", "-p", "no:cacheprovider",
                                  *pytest_args, node], stdout=log, stderr=subprocess.STDOUT, env=env,
                                 start_new_session=True)
-        stacks, outcome = "", None
+        stacks, outcome, ended = "", None, ""
         try:
-            returncode: Optional[int] = proc.wait(timeout)
+            try:
+                returncode: Optional[int] = proc.wait(timeout)
+            except subprocess.TimeoutExpired:
+                ended = _tests_ended(log.fileno())
+                if not ended:
+                    raise
+                returncode = proc.wait(exit_grace)  # slow, not hung: its tests are done
         except subprocess.TimeoutExpired:
             outcome, returncode = "hung", None
             _signal_all(_run_processes(token), signal.SIGQUIT)
@@ -232,12 +260,12 @@ def run_once(node: str, index: int, *, timeout: float, pytest_args: list[str], h
     if outcome is None:
         outcome = "passed" if returncode == 0 else "failed"
     left = tuple(leftovers) if outcome != "hung" else ()
-    return Run(index, outcome, returncode, seconds, output, stacks, len(left), left)
+    return Run(index, outcome, returncode, seconds, output, stacks, len(left), left, ended)
 
 
 def run_many(node: str, n: int, *, load: int = 0, nice: int = 0, timeout: float = 300.0,
              pytest_args: Optional[list[str]] = None, report_dir: Optional[str] = None,
-             echo: bool = False) -> Report:
+             echo: bool = False, exit_grace: float = EXIT_GRACE) -> Report:
     """Run ``node`` ``n`` times, one run at a time, beside ``load`` spinning processes."""
     hooks = tempfile.mkdtemp(prefix="load-hooks-")
     with open(os.path.join(hooks, "sitecustomize.py"), "w") as stream:
@@ -247,7 +275,8 @@ def run_many(node: str, n: int, *, load: int = 0, nice: int = 0, timeout: float 
     try:
         with spinners:
             for index in range(n):
-                run = run_once(node, index, timeout=timeout, pytest_args=pytest_args or [], hooks=hooks)
+                run = run_once(node, index, timeout=timeout, pytest_args=pytest_args or [], hooks=hooks,
+                               exit_grace=exit_grace)
                 report.runs.append(run)
                 if report_dir is not None and run.outcome != "passed":
                     os.makedirs(report_dir, exist_ok=True)
@@ -256,7 +285,8 @@ def run_many(node: str, n: int, *, load: int = 0, nice: int = 0, timeout: float 
                 if echo:
                     extra = f", {run.leftovers} processes left behind: {'; '.join(run.left_behind)}" \
                         if run.leftovers else ""
-                    print(f"run {index + 1}/{n}: {run.outcome} in {run.seconds:.1f} s{extra}", flush=True)
+                    late = f" (past the {timeout:g} s limit; its tests had ended: {run.ended})" if run.ended else ""
+                    print(f"run {index + 1}/{n}: {run.outcome} in {run.seconds:.1f} s{late}{extra}", flush=True)
     finally:
         shutil.rmtree(hooks, ignore_errors=True)
     return report
@@ -269,7 +299,8 @@ def format_report(report: Report, tail: int = 3000) -> str:
             lines += [f"---- run {run.index + 1} failed (exit status {run.returncode}, {run.seconds:.1f} s) ----",
                       run.output[-tail:]]
         elif run.outcome == "hung":
-            lines += [f"---- run {run.index + 1} hung (killed after {run.seconds:.1f} s); output ----",
+            at_exit = f"; its tests had ended ({run.ended}) but it did not exit" if run.ended else ""
+            lines += [f"---- run {run.index + 1} hung (killed after {run.seconds:.1f} s{at_exit}); output ----",
                       run.output[-tail:], "---- its stacks ----", run.stacks]
     lines.append(report.summary())
     return "\n".join(lines)

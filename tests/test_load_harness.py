@@ -1,6 +1,7 @@
 """tests/load_harness.py counts right: a passing, a failing and a hanging target (written here),
-the hang's stacks shown and its processes ended, also one in a session of its own, and the
-background load started and ended."""
+the hang's stacks shown and its processes ended, also one in a session of its own, a run whose
+tests ended within its limit but whose exit came after it, and the background load started and
+ended."""
 
 from __future__ import annotations
 
@@ -36,6 +37,12 @@ def test_hangs(tmp_path_factory):
 def test_leaves_a_process_ending_soon():
     """Passes, leaving a child that ends by itself a moment later (as multiprocessing's resource tracker)."""
     subprocess.Popen([sys.executable, "-c", "import time; time.sleep(1)"], start_new_session=True)
+
+
+def test_ends_then_lingers_at_exit():
+    """Passes at once; its process then takes ``LINGER`` seconds to exit (a slow exit, not a hang)."""
+    import atexit
+    atexit.register(time.sleep, float(os.environ["LINGER"]))
 
 
 def test_leaves_a_process():
@@ -105,3 +112,19 @@ def test_a_process_left_behind_is_counted_named_and_ended(targets, tmp_path):
 def test_a_process_ending_by_itself_within_the_grace_is_not_counted(targets):
     report = load_harness.run_many(f"{targets}::test_leaves_a_process_ending_soon", 1, timeout=120)
     assert report.runs[0].outcome == "passed" and report.runs[0].leftovers == 0
+
+
+def test_a_run_past_its_limit_whose_tests_had_ended_is_not_a_hang_unless_it_never_exits(targets, monkeypatch):
+    """The run's tests pass within the limit and its exit takes longer: given EXIT_GRACE more, it
+    counts as passed (said to have ended past the limit); one that does not exit then is a hang at exit."""
+    monkeypatch.setenv("LINGER", "20")
+    report = load_harness.run_many(f"{targets}::test_ends_then_lingers_at_exit", 1, timeout=15, exit_grace=60)
+    (run,) = report.runs
+    assert run.outcome == "passed" and run.seconds > 15 and run.ended.startswith("1 passed in ")
+    assert "0 failed (1 ended past the limit, their tests done), 0 hung" in report.summary()
+    monkeypatch.setenv("LINGER", "600")
+    report = load_harness.run_many(f"{targets}::test_ends_then_lingers_at_exit", 1, timeout=15, exit_grace=1)
+    (run,) = report.runs
+    assert run.outcome == "hung" and "test_ends_then_lingers_at_exit" not in run.stacks
+    assert "its tests had ended (1 passed in " in load_harness.format_report(report)
+    assert "0 failed, 1 hung" in report.summary()
