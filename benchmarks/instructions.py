@@ -22,10 +22,17 @@ Valgrind slows python about 50 times: the default run takes about 10 minutes. Un
 progress bar, which redraws every 0.5 s of wall time, redraws about 50 times more often per step
 than in a real run, so its count is overstated (compare ``default`` and ``default-nobar``).
 
+Every thread is counted by default, also the ones that wake on wall time (TensorBoard's event
+writer, tqdm's monitor): under valgrind they wake about 50 times more often per step, and on a
+loaded machine more still, so a count moves by 10-20 k instructions per step between runs of the
+same code. ``--main-thread`` counts the training thread alone (callgrind's
+``--separate-threads=yes``): the same code then counts the same, to compare two versions.
+
 Usage::
 
     python benchmarks/instructions.py                  # needs valgrind on PATH
     python benchmarks/instructions.py --steps 300 --no-pieces --json
+    python benchmarks/instructions.py --steps 100 --configs default-nobar --no-pieces --main-thread
 """
 
 from __future__ import annotations
@@ -162,6 +169,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--configs", default=",".join(CONFIGS), help=f"comma-separated, from {CONFIGS}")
     parser.add_argument("--no-pieces", action="store_true", help="count only whole fits")
     parser.add_argument("--json", action="store_true", help="print the results as JSON")
+    parser.add_argument("--main-thread", action="store_true",
+                        help="count the training thread alone (threads that wake on wall time left out)")
     parser.add_argument("--child", action="store_true", help=argparse.SUPPRESS)
     args = parser.parse_args(argv)
     configs = [c for c in args.configs.split(",") if c]
@@ -184,6 +193,7 @@ def main(argv: Optional[list[str]] = None) -> int:
     out_dir = tempfile.mkdtemp(prefix="estimatorch-callgrind-")
     try:
         cmd = [valgrind, "--tool=callgrind", "--dump-before=getppid",
+               *(["--separate-threads=yes"] if args.main_thread else []),
                f"--callgrind-out-file={os.path.join(out_dir, 'out')}", sys.executable,
                os.path.abspath(__file__), "--child", "--steps", str(args.steps), "--configs", ",".join(configs)]
         if args.no_pieces:
@@ -193,7 +203,10 @@ def main(argv: Optional[list[str]] = None) -> int:
             sys.stderr.write(proc.stderr[-4000:])
             return proc.returncode
         names = json.loads(proc.stdout.strip().splitlines()[-1])
-        dumps = sorted(glob.glob(os.path.join(out_dir, "out.*")), key=lambda p: int(p.rsplit(".", 1)[1]))
+        # one file per dump, out.N; with --separate-threads one per dump and thread, out.N-TT (01: main)
+        pattern = "out.*-01" if args.main_thread else "out.*"
+        dumps = sorted(glob.glob(os.path.join(out_dir, pattern)),
+                       key=lambda p: int(p.rsplit(".", 1)[1].split("-")[0]))
         if len(dumps) < 2 * len(names):
             print(f"expected {2 * len(names)} callgrind dumps, found {len(dumps)}", file=sys.stderr)
             return 1
@@ -229,8 +242,9 @@ def main(argv: Optional[list[str]] = None) -> int:
                           "fits": fits, "pieces_instructions_per_call": pieces}, indent=2))
         return 0
     common.print_machine(info)
-    print(f"instructions counted by callgrind; fits of {steps} steps and of 1 step; ratio projected to "
-          f"{project} steps per fit")
+    threads = "the training thread" if args.main_thread else "every thread"
+    print(f"instructions counted by callgrind ({threads}); fits of {steps} steps and of 1 step; ratio projected "
+          f"to {project} steps per fit")
     print(common.format_table(["config", "k instr/step", "overhead k instr/step", "fixed overhead M instr/fit",
                                "ratio per step", f"ratio at {project} steps"], rows))
     if pieces:
