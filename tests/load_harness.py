@@ -17,8 +17,8 @@ sends SIGQUIT to each of the run's processes (each dumps every thread's stack), 
 and prints the stacks. A run whose tests had already ended when its timeout came (pytest had
 printed its last line: a slow run, not a hang) gets ``EXIT_GRACE`` seconds more to exit; if it
 does, it counts by its exit status and is reported as ended past the limit; if not, it is a hang
-at exit, and the report says so. A run that ends but leaves processes behind is reported (and they are
-killed) so a leaked worker does not load the next run; one that ends by itself within
+at exit, and the report says so. A run that ends but leaves processes behind is reported (and
+they are killed) so a leaked worker does not load the next run; one that ends by itself within
 ``GRACE`` seconds of the run (multiprocessing's resource tracker, which exits once its pipe
 closes, or a child busy exiting on a loaded machine) is not counted.
 
