@@ -10,8 +10,8 @@ from . import (  # noqa: E402
     samplers,
     statistics,  # noqa: E402
 )
-from ._rank_watch import Watchdog
 from ._version import __version__
+from .distributed import Watchdog
 from .estimator import BatchProcessor, Estimator, History  # noqa: E402
 from .event_handlers import (  # noqa: E402  # noqa: E402  # noqa: E402
     CheckpointHandler,

@@ -128,11 +128,11 @@ def test_the_rank_helpers_answer_one_process_on_inconsistent_variables_and_fit_r
         monkeypatch.delenv(key, raising=False)
     for key, value in env.items():
         monkeypatch.setenv(key, value)
-    with caplog.at_level(logging.WARNING, logger="estimatorch.cluster"):
+    with caplog.at_level(logging.WARNING, logger="estimatorch.distributed.cluster"):
         answers = [(distributed.get_rank(), distributed.get_world_size(), distributed.get_local_rank(),
                     distributed.is_main_process()) for _ in range(3)]
     assert answers == [(0, 1, 0, True)] * 3  # a query outside fit never raises
-    warned = [r.getMessage() for r in caplog.records if r.name == "estimatorch.cluster"]
+    warned = [r.getMessage() for r in caplog.records if r.name == "estimatorch.distributed.cluster"]
     assert len(warned) == 1 and named in warned[0]  # once, naming the variables
     est, loader = _setup()
     steps = []
@@ -263,7 +263,7 @@ def fake_scontrol(directory, status=0):
 def test_requeue_runs_scontrol_once_with_the_job_id(tmp_path, monkeypatch, caplog):
     calls = fake_scontrol(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    with caplog.at_level(logging.WARNING, "estimatorch.cluster"):
+    with caplog.at_level(logging.WARNING, "estimatorch.distributed.cluster"):
         assert cluster.requeue({"SLURM_JOB_ID": "4242"})
     assert calls.read_text() == "requeue 4242\n"
     assert "Requeued SLURM job 4242" in caplog.text
@@ -272,12 +272,12 @@ def test_requeue_runs_scontrol_once_with_the_job_id(tmp_path, monkeypatch, caplo
 def test_a_failed_requeue_is_logged_with_the_commands_output(tmp_path, monkeypatch, caplog):
     fake_scontrol(tmp_path, status=1)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
-    with caplog.at_level(logging.ERROR, "estimatorch.cluster"):
+    with caplog.at_level(logging.ERROR, "estimatorch.distributed.cluster"):
         assert not cluster.requeue({"SLURM_JOB_ID": "4242"})
     assert "exited with status 1: scontrol says hi" in caplog.text
     monkeypatch.setenv("PATH", str(tmp_path / "nowhere"))
     caplog.clear()
-    with caplog.at_level(logging.ERROR, "estimatorch.cluster"):
+    with caplog.at_level(logging.ERROR, "estimatorch.distributed.cluster"):
         assert not cluster.requeue({"SLURM_JOB_ID": "4242"})
     assert "`scontrol requeue 4242` failed" in caplog.text
 

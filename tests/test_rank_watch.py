@@ -14,7 +14,7 @@ import torch
 from torch import nn
 
 from estimatorch import CheckpointHandler, Estimator, Watchdog, distributed
-from estimatorch._rank_watch import RankWatch, _LocalStore, _one_line, mark_agreed
+from estimatorch.distributed._rank_watch import RankWatch, _LocalStore, _one_line, mark_agreed
 from estimatorch.event_handlers import BatchEnd
 
 

@@ -1,5 +1,5 @@
 """Where a thread is, in words, and the watchdog's summary line over the ranks
-(:mod:`estimatorch._rank_where`)."""
+(:mod:`estimatorch.distributed._rank_where`)."""
 
 from __future__ import annotations
 
@@ -9,7 +9,7 @@ import time
 
 import torch
 
-from estimatorch._rank_where import summarize, where_is
+from estimatorch.distributed._rank_where import summarize, where_is
 
 
 def _frame_of(target):

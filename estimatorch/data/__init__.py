@@ -1,6 +1,6 @@
 """The data layer: what turns any training data into a resumable, shardable, positionable stream.
 
-It sits below the estimator and the handlers: it imports ``rng``, ``distributed``, ``cluster``,
+It sits below the estimator and the handlers: it imports ``rng``, ``distributed`` (with its ``cluster``),
 ``samplers`` and the shared checks, never ``estimatorch.estimator``, ``estimatorch.events`` or
 ``estimatorch.event_handlers`` (``tests/test_layers.py`` checks it).
 

@@ -13,7 +13,7 @@ import threading
 import time
 from typing import Any, Callable, Optional
 
-from .. import cluster
+from ..distributed import cluster
 
 __all__ = ["IgnoreStopSignals"]
 

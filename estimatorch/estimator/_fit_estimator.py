@@ -16,7 +16,7 @@ from typing import Callable, Optional, Protocol
 import torch
 from torch import nn
 
-from .._rank_watch import Watchdog
+from ..distributed import Watchdog
 from ..events import EstimatorView
 from .batch_processor import BatchProcessor, StepEstimator
 

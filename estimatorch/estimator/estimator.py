@@ -10,7 +10,7 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
-from .._rank_watch import Watchdog
+from ..distributed import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
 from ._inference.evaluation import check_inference_args, evaluate_batches
@@ -258,7 +258,7 @@ class Estimator(RunView):
         handlers are replaced, and they are restored when ``fit`` ends.
         Under SLURM, SIGUSR1 (``sbatch --signal=USR1@90``) stops the same way, then rank 0
         requeues the job (``scontrol requeue``) and ``fit`` raises ``SystemExit(138)``; see
-        :mod:`estimatorch.cluster`.
+        :mod:`estimatorch.distributed.cluster`.
 
         Under torch.distributed every rank stops at the same step, agreed without a collective
         of its own per step: the ranks exchange their flags every :attr:`agree_every` steps

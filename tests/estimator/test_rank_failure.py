@@ -40,8 +40,8 @@ out, where, keep_alive = sys.argv[1], sys.argv[2], sys.argv[3] == "1"
 STEP = int(sys.argv[4])
 rank = int(os.environ["RANK"])
 if os.environ.get("SLOW_WATCH") == str(rank):  # this rank's watching thread polls as on a loaded machine
-    import estimatorch._rank_watch
-    estimatorch._rank_watch.POLL_S = 2.0
+    import estimatorch.distributed._rank_watch
+    estimatorch.distributed._rank_watch.POLL_S = 2.0
 torch.manual_seed(0)
 torch.set_num_threads(1)
 

@@ -17,7 +17,7 @@ SIGTERM, so ``finally`` blocks run and the process exits with the conventional s
   background) or a handler of your own is left alone. They are restored when ``fit`` ends,
   also when it fails.
 - Under SLURM, the requeue signal (SIGUSR1 unless ``ESTIMATORCH_REQUEUE_SIGNAL`` names another;
-  ``ESTIMATORCH_REQUEUE=0`` turns it off, see :mod:`estimatorch.cluster`) stops like SIGTERM and
+  ``ESTIMATORCH_REQUEUE=0`` turns it off, see :mod:`estimatorch.distributed.cluster`) stops like SIGTERM and
   checkpoints the boundary; then rank 0 runs ``scontrol requeue $SLURM_JOB_ID`` (when a
   ``CheckpointHandler`` resumes from that checkpoint) and ``fit`` raises ``SystemExit(128 +
   signal)`` on every rank. It wins over SIGTERM and Ctrl-C when several arrive.
@@ -40,8 +40,9 @@ import sys
 import threading
 from typing import Any, Callable, Optional
 
-from ... import cluster, distributed
+from ... import distributed
 from ...data import IgnoreStopSignals
+from ...distributed import cluster
 
 __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "drop_data_frames", "install_excepthook", "interrupted",
            "is_clean_stop", "stop_exception", "stop_message", "stopped_at_once"]
@@ -50,7 +51,7 @@ __all__ = ["SIGNAL_CODES", "IgnoreStopSignals", "SignalGuard", "drop_data_frames
 #: SIGTERM on any rank ends every rank with SIGTERM's exit status.
 SIGNAL_CODES = {"SIGINT": 1, "SIGTERM": 2}
 SIGNAL_NAMES = {code: name for name, code in SIGNAL_CODES.items()}
-#: the code of SLURM's requeue signal (whichever it is: :func:`estimatorch.cluster.requeue_signal`)
+#: the code of SLURM's requeue signal (whichever it is: :func:`estimatorch.distributed.cluster.requeue_signal`)
 REQUEUE_CODE = 3
 _DEFAULTS: dict[int, Any] = {signal.SIGINT: signal.default_int_handler, signal.SIGTERM: signal.SIG_DFL}
 

@@ -7,7 +7,8 @@ from __future__ import annotations
 import logging
 from collections.abc import Sequence
 
-from ... import _console, cluster, distributed
+from ... import _console, distributed
+from ...distributed import cluster
 from ...events import declared
 from .._fit_estimator import FitEstimator
 from .._stopping.interrupts import SignalGuard, install_excepthook, is_clean_stop, stop_message

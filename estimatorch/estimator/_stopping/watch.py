@@ -1,4 +1,4 @@
-"""``fit``'s watch over the ranks (:mod:`estimatorch._rank_watch`): started with the loop,
+"""``fit``'s watch over the ranks (:mod:`estimatorch.distributed._rank_watch`): started with the loop,
 stopped when ``fit`` ends. A step that raised on this rank is published to the others (they end
 within seconds instead of waiting in their next collective); an error this rank meets because
 another rank failed first is raised as a :class:`~estimatorch.distributed.RankFailedError`
@@ -12,7 +12,7 @@ from __future__ import annotations
 import contextlib
 from collections.abc import Iterator
 
-from ..._rank_watch import RankWatch
+from ...distributed import RankWatch
 from .._fit_estimator import FitEstimator
 from .._state.run import Run
 from .oom import diagnostics_dir

@@ -1,5 +1,5 @@
-"""Process groups, torchrun detection, a spawn launcher for one machine, and the collectives
-estimatorch needs.
+"""Process groups, torchrun detection, a spawn launcher for one machine, the collectives
+estimatorch needs, and the watch over the ranks: the room of everything distributed.
 
 Every function works without ``torch.distributed`` initialised: a single process is rank 0 of a
 world of size 1, and the collectives return their input.
@@ -8,7 +8,8 @@ Launching:
 
 - ``torchrun --nproc-per-node=N script.py``, ``srun python script.py`` (SLURM) or a
   PyTorchJob: call :func:`init_from_env` (``fit`` does it for you when no process group exists
-  yet); :mod:`estimatorch.cluster` reads the launchers' variables.
+  yet); :mod:`estimatorch.distributed.cluster` reads the launchers' variables
+  (also importable as ``estimatorch.cluster``).
 - :func:`spawn` starts ``nprocs`` processes on this machine and initialises the group in each.
 """
 
@@ -24,14 +25,14 @@ import torch
 import torch.distributed as dist
 
 from . import cluster
-from ._rank_watch import mark_agreed
+from ._rank_watch import RankWatch, Watchdog, mark_agreed
 from ._spawn import RankFailedError, portable_exception, spawn
 
 __all__ = ["REDUCTIONS", "all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum",
            "any_rank", "barrier", "broadcast_object", "collective_device", "gather_objects", "gather_to_main",
            "get_local_rank", "get_rank", "get_world_size", "init_from_env", "is_distributed", "is_main_process",
-           "NullWriter", "on_group", "PendingMax", "RankFailedError", "raise_on_every_rank", "rank_zero_writer",
-           "run_on_main", "share_outcome", "side_group", "spawn", "torchrun_env"]
+           "NullWriter", "on_group", "PendingMax", "RankFailedError", "RankWatch", "raise_on_every_rank",
+           "rank_zero_writer", "run_on_main", "share_outcome", "side_group", "spawn", "torchrun_env", "Watchdog"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
@@ -47,7 +48,7 @@ def _initialized() -> bool:
 
 def get_rank() -> int:
     """The global rank: the process group's; before one exists, the launcher's
-    (:func:`estimatorch.cluster.detect`: torchrun's ``RANK``, SLURM's ``SLURM_PROCID``...; 0
+    (:func:`estimatorch.distributed.cluster.detect`: torchrun's ``RANK``, SLURM's ``SLURM_PROCID``...; 0
     without one, or with variables that contradict each other, which ``fit`` refuses), so that
     "print on rank 0" before ``fit`` (which starts the group) prints once."""
     return dist.get_rank() if _initialized() else cluster.current().rank
@@ -78,7 +79,7 @@ def torchrun_env() -> bool:
 
 def init_from_env(backend: Optional[str] = None) -> bool:
     """Initialise the default process group from the launcher's variables: torchrun's, SLURM's
-    (``srun``), a PyTorchJob's (:func:`estimatorch.cluster.init_process_group`).
+    (``srun``), a PyTorchJob's (:func:`estimatorch.distributed.cluster.init_process_group`).
 
     Args:
         backend: Defaults to ``"nccl"`` when CUDA is available, else ``"gloo"``.
@@ -382,7 +383,7 @@ def share_outcome(error: Optional[BaseException]) -> Optional[tuple[int, BaseExc
         sent = portable_exception(error) or RuntimeError(f"{type(error).__name__}: {error}")
     outcomes = gather_objects(sent)
     for failed, exception in enumerate(outcomes):
-        if exception is not None:  # every rank knows of it: none waits for another (estimatorch._rank_watch)
+        if exception is not None:  # every rank knows of it: none waits for another (distributed/_rank_watch.py)
             return failed, mark_agreed(error if failed == rank and error is not None else exception)
     return None
 

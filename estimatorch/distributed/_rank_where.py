@@ -1,7 +1,7 @@
 """Where a rank is, in words, and the watchdog's one line over every rank: what
-:mod:`estimatorch._rank_watch` tells when a rank hangs or another rank's failure ends it.
+:mod:`estimatorch.distributed._rank_watch` tells when a rank hangs or another rank's failure ends it.
 
-Lowest layer, beside :mod:`estimatorch.distributed`; imports nothing of estimatorch's.
+Part of :mod:`estimatorch.distributed`; imports nothing of estimatorch's.
 """
 
 from __future__ import annotations

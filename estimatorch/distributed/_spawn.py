@@ -2,7 +2,7 @@
 machine, their results handed back before an exit without interpreter teardown, and one rank's
 failure raised in the caller (:class:`RankFailedError`) instead of a hang.
 
-Lowest layer, beside :mod:`estimatorch.distributed` (which re-exports :func:`spawn` and
+Part of :mod:`estimatorch.distributed` (which re-exports :func:`spawn` and
 :class:`RankFailedError`).
 """
 
@@ -24,7 +24,7 @@ import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
 
-from ._checks import is_int
+from .._checks import is_int
 
 __all__ = ["RankFailedError", "portable_exception", "report_failure", "spawn"]
 
@@ -65,7 +65,7 @@ _REPORT: Optional[Callable[[BaseException], None]] = None
 
 def report_failure(error: BaseException) -> None:
     """In a process :func:`spawn` started, hand ``error`` to the parent now (before this process
-    ends without unwinding, see :mod:`estimatorch._rank_watch`); elsewhere nothing."""
+    ends without unwinding, see :mod:`estimatorch.distributed._rank_watch`); elsewhere nothing."""
     if _REPORT is not None:
         _REPORT(error)
 

@@ -17,7 +17,7 @@ collective raises), then logs the failure and ends its process with exit code
 :data:`EXIT_CODE` (a checkpoint being written then is left as a temporary file that the next
 start removes; every complete checkpoint stays valid).
 
-Lowest layer, beside :mod:`estimatorch.distributed`.
+Part of :mod:`estimatorch.distributed`, which exports :class:`Watchdog` and :class:`RankWatch`.
 """
 
 from __future__ import annotations
@@ -36,7 +36,7 @@ from typing import Any, Callable, Optional
 
 import torch.distributed as dist
 
-from ._checks import is_int
+from .._checks import is_int
 from ._rank_where import summarize, where_is
 from ._spawn import RankFailedError, report_failure
 
