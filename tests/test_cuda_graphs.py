@@ -1,6 +1,6 @@
 """CUDA: the captured train step (``Estimator(..., cuda_graphs=True)``) and the side-stream
 batch copies. Skipped cleanly where there is no CUDA device (the decisions and the control flow
-are tested on the CPU in tests/estimator/test_capture.py and test_graphed_step.py)."""
+are tested on the CPU in tests/estimator/step/test_capture.py and test_graphed_step.py)."""
 
 from __future__ import annotations
 
@@ -15,7 +15,7 @@ from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler
 from estimatorch.estimator import _loop
 from estimatorch.estimator._step.graphed_step import WARMUP_STEPS
 from estimatorch.event_handlers import BatchBegin, BatchEnd, EpochEnd, TrainEnd
-from tests.estimator.test_interrupts import default_signals  # noqa: F401 - the fixture, used by name
+from tests.estimator.stopping.test_interrupts import default_signals  # noqa: F401 - the fixture, used by name
 
 pytestmark = [pytest.mark.cuda,
               pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")]
@@ -131,7 +131,7 @@ def test_an_interrupted_captured_run_resumes_bitwise(tmp_path):
 def test_a_captured_run_stopped_by_ctrl_c_and_resumed_in_the_process_is_bitwise_an_uninterrupted_one():
     import signal
 
-    from tests.estimator.test_interrupts import SignalAt
+    from tests.estimator.stopping.test_interrupts import SignalAt
 
     reference = _estimator(True, deterministic=True)
     reference.fit(_loader(), epochs=2)

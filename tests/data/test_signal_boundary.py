@@ -13,7 +13,7 @@ import torch
 
 from estimatorch import CheckpointHandler
 from tests.conftest import assert_tree_equal, losses_recorder
-from tests.estimator.test_interrupts import default_signals  # noqa: F401  (a fixture)
+from tests.estimator.stopping.test_interrupts import default_signals  # noqa: F401  (a fixture)
 from tests.data.test_iterable_streams import StatefulRange, dropout_estimator
 
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")

@@ -196,7 +196,7 @@ def test_in_evaluate_it_measures_nothing():
 
 
 def test_an_out_of_memory_error_still_names_its_phase_with_the_monitor(monkeypatch):
-    from tests.estimator.test_oom import FAIL_AT, Tripwire
+    from tests.estimator.stopping.test_oom import FAIL_AT, Tripwire
 
     net = Tripwire("forward")
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))

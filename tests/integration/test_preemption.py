@@ -4,7 +4,7 @@ the conventional status, and the rerun resumes from the exact step, ending bit-i
 uninterrupted run. With ``async_save=True`` (the writer process) and ``"thread"`` the signal comes
 while the previous checkpoint is being written in the background: both files are durable before
 the process exits. (Two ranks:
-tests/estimator/test_stop_agreement.py.)"""
+tests/estimator/stopping/test_stop_agreement.py.)"""
 
 from __future__ import annotations
 

@@ -1,7 +1,7 @@
 """The rank watch's pieces in one process: the watchdog's arguments, errors every rank raised
 at once (not published), and the watchdog in a fit of one process (it reports and never stops
-the run). Where a thread is and the summary line: tests/test_rank_where.py. The multi-process
-behaviour is in tests/estimator/test_rank_failure.py."""
+the run). Where a thread is and the summary line: tests/distributed/test_rank_where.py. The multi-process
+behaviour is in tests/estimator/stopping/test_rank_failure.py."""
 
 from __future__ import annotations
 

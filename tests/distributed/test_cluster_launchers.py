@@ -17,7 +17,7 @@ import pytest
 import torch
 
 from estimatorch import cluster
-from tests.test_cluster import fake_scontrol
+from tests.distributed.test_cluster import fake_scontrol
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

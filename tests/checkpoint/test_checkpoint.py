@@ -26,7 +26,7 @@ from estimatorch.event_handlers import BatchEnd, StatefulHandler
 from tests.conftest import LossRecorder, assert_same_training_state, assert_tree_equal
 from tests.fixtures import make_v1_checkpoint as v1
 
-REPO = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
+REPO = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
 STEPS = v1.EPOCHS * v1.BATCHES_PER_EPOCH
 
 

@@ -1,5 +1,5 @@
 """Signals during fit (in this process; the subprocess and multi-process versions are in
-tests/integration/test_preemption.py and tests/estimator/test_stop_agreement.py): SIGTERM and a
+tests/integration/test_preemption.py and tests/estimator/stopping/test_stop_agreement.py): SIGTERM and a
 first Ctrl-C stop at a step boundary, CheckpointHandler saves it, the handlers are restored, an
 ignored SIGINT, a handler of the user's and other threads are left alone, the messages fit where
 the user is."""
@@ -354,7 +354,7 @@ def test_a_process_whose_loader_was_never_shut_down_still_exits(tmp_path):
     join); the exit hook gives them a bounded wait, then SIGKILL, and says so."""
     script = tmp_path / "exits.py"
     script.write_text(EXITS_DESPITE_A_LIVE_WORKER)
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([root, os.environ.get("PYTHONPATH", "")]))
     proc = subprocess.run([sys.executable, str(script)], capture_output=True, text=True, env=env, timeout=120)
     assert proc.returncode == 0 and proc.stdout.strip() == "[0, 1, 2, 3] [4, 5, 6, 7]", proc.stderr[-2000:]

@@ -189,7 +189,7 @@ def test_two_ranks_train_in_step_on_disjoint_shards(tmp_path):
 def test_a_stop_decided_on_one_rank_stops_every_rank(tmp_path):
     """A rank-local request of step 3 is agreed without a blocking collective: gloo exchanges
     the flags every 16 steps, so here the epoch's end (step 5) agrees on it and every rank stops
-    there (see Estimator.fit; tests/estimator/test_stop_agreement.py tries other periods)."""
+    there (see Estimator.fit; tests/estimator/stopping/test_stop_agreement.py tries other periods)."""
     r0, r1 = distributed.spawn(_train, 2, str(tmp_path), "stop", backend="gloo")
     assert r0["step"] == r1["step"] == 5
     assert len(r0["losses"]) == len(r1["losses"]) == 5

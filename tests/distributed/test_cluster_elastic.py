@@ -26,8 +26,8 @@ import time
 import pytest
 import torch
 
-from tests.test_cluster import fake_scontrol
-from tests.test_cluster_launchers import _assert_same_model, _base_env, _free_port
+from tests.distributed.test_cluster import fake_scontrol
+from tests.distributed.test_cluster_launchers import _assert_same_model, _base_env, _free_port
 
 pytestmark = [pytest.mark.distributed, pytest.mark.slow]
 

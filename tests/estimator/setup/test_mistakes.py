@@ -187,7 +187,7 @@ def test_a_double_ctrl_c_during_a_save_ends_with_one_line_and_a_clean_directory(
     """The issue's double Ctrl-C: the second landed inside torch.save and printed ~40 lines."""
 
     model_dir = tmp_path / "ckpt"
-    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__))))
+    root = os.path.dirname(os.path.dirname(os.path.dirname(os.path.dirname(os.path.abspath(__file__)))))
     proc = subprocess.run([sys.executable, "-c", DOUBLE_CTRL_C, str(model_dir), when], cwd=root,
                           capture_output=True, text=True, timeout=120,
                           env={**os.environ, "PYTHONPATH": root})

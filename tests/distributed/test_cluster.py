@@ -12,7 +12,8 @@ import stat
 import pytest
 import torch
 
-from estimatorch import cluster, distributed
+from estimatorch import distributed
+from estimatorch.distributed import cluster
 from estimatorch.event_handlers import BatchEnd
 
 SLURM = {"SLURM_PROCID": "1", "SLURM_NTASKS": "4", "SLURM_LOCALID": "1", "SLURM_STEP_ID": "0",
@@ -101,7 +102,7 @@ def test_an_inconsistent_environment_is_an_error_naming_the_variables(env, named
     ({k: v for k, v in SLURM.items() if k != "SLURM_JOB_NODELIST"}, "SLURM_JOB_NODELIST unset"),
 ])
 def test_fit_refuses_several_processes_with_nowhere_to_meet_before_any_step(monkeypatch, env, named):
-    from tests.test_distributed import _setup
+    from tests.distributed.test_distributed import _setup
 
     for key in {**SLURM, **JOB, **TORCHRUN}:
         monkeypatch.delenv(key, raising=False)
@@ -122,7 +123,7 @@ def test_fit_refuses_several_processes_with_nowhere_to_meet_before_any_step(monk
 ])
 def test_the_rank_helpers_answer_one_process_on_inconsistent_variables_and_fit_refuses(monkeypatch, caplog, env,
                                                                                         named):
-    from tests.test_distributed import _setup
+    from tests.distributed.test_distributed import _setup
 
     for key in {**SLURM, **JOB, **TORCHRUN}:
         monkeypatch.delenv(key, raising=False)
@@ -194,7 +195,7 @@ def test_a_torchrun_agent_that_would_not_pass_the_requeue_signal_on_is_named(env
 def test_fit_warns_when_torchruns_agent_would_drop_the_requeue_signal(monkeypatch, estimatorch_log):
     """Read from the estimatorch logger's own records: it does not propagate to the root logger once
     a fit set it up, so caplog saw the warning only when no fit ran before in the session."""
-    from tests.test_distributed import _setup
+    from tests.distributed.test_distributed import _setup
 
     for key in {**SLURM, **JOB, **TORCHRUN}:
         monkeypatch.delenv(key, raising=False)
@@ -235,7 +236,7 @@ def test_several_torchrun_agents_sharing_the_store_across_restarts_are_named(env
 
 
 def test_fit_warns_when_several_agents_share_the_store_across_restarts(monkeypatch, estimatorch_log):
-    from tests.test_distributed import _setup
+    from tests.distributed.test_distributed import _setup
 
     for key in {**SLURM, **JOB, **TORCHRUN}:
         monkeypatch.delenv(key, raising=False)
@@ -296,7 +297,7 @@ class SignalAt:
 
 def _slurm_fit(model_dir, handlers=()):
     from estimatorch import CheckpointHandler
-    from tests.test_distributed import Processor, _setup
+    from tests.distributed.test_distributed import Processor, _setup
 
     est, loader = _setup()
     est.batch_processor = Processor()
@@ -360,7 +361,7 @@ def test_the_requeue_message_says_what_is_saved_and_whether_the_job_requeues(mon
 
 
 def test_without_a_resuming_checkpoint_handler_sigusr1_stops_but_does_not_requeue(tmp_path, monkeypatch):
-    from tests.test_distributed import Processor, _setup
+    from tests.distributed.test_distributed import Processor, _setup
 
     calls = fake_scontrol(tmp_path)
     monkeypatch.setenv("PATH", f"{tmp_path}{os.pathsep}{os.environ['PATH']}")
