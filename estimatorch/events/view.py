@@ -14,6 +14,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from ..distributed import StepItems
 from .timing import StepTimes
 
 __all__ = ["EstimatorView", "PositionView"]
@@ -59,6 +60,11 @@ class EstimatorView(Protocol):
     batch_axis: int
     #: True when ``fit`` records the train step in a CUDA graph (``Estimator(cuda_graphs=True)``)
     cuda_graphs: bool
+
+    @property
+    def step_items(self) -> Optional[StepItems]:
+        """The items of the optimizer step under way (what its summed gradient is divided by),
+        when a step spans several micro-batches; else None."""
 
     @property
     def train_net(self) -> nn.Module:

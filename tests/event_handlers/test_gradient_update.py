@@ -206,7 +206,7 @@ def test_state_between_steps_round_trips():
     est, h = make_estimator(), GradientUpdateHandler()
     est.fit(make_batches(2), epochs=1, event_handlers=[h])
     state = h.state_dict()
-    assert state == {"pending": 0, "grads": None}
+    assert state == {"pending": 0, "grads": None, "items": None}
     fresh = GradientUpdateHandler()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state

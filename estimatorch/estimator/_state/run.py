@@ -124,6 +124,8 @@ class Run:
         self.step_times: Optional[StepTimes] = None
         #: the snapshot ``fit(..., resume=True)`` continues from, taken as the fit ends
         self.final_snapshot: Optional[dict[str, Any]] = None
+        #: the items of each optimizer step, when a step spans several micro-batches (else None)
+        self.items: Optional[distributed.StepItems] = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
