@@ -25,17 +25,20 @@ import torch
 import torch.distributed as dist
 
 from . import cluster
+from ._fsdp_slots import FsdpSlotReduction
+from ._grad_norm import clip_by_rows_
 from ._groups import gloo_group
 from ._rank_watch import RankWatch, Watchdog, mark_agreed
+from ._slot_reduction import SlotReduction, slot_reduction
 from ._spawn import RankFailedError, portable_exception, spawn
 from ._step_items import StepItems
 
 __all__ = ["all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum", "any_rank", "barrier",
-           "broadcast_object", "collective_device", "gather_objects",
+           "broadcast_object", "clip_by_rows_", "collective_device", "FsdpSlotReduction", "gather_objects",
            "gather_to_main", "get_local_rank", "get_rank", "get_world_size", "init_from_env", "is_distributed",
            "is_main_process", "NullWriter", "on_group", "PendingMax", "raise_on_every_rank", "rank_zero_writer",
            "RankFailedError", "RankWatch", "REDUCTIONS", "run_on_main", "share_outcome", "side_group",
-           "spawn", "StepItems", "torchrun_env", "Watchdog"]
+           "slot_reduction", "SlotReduction", "spawn", "StepItems", "torchrun_env", "Watchdog"]
 
 _TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 

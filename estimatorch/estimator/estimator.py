@@ -99,6 +99,15 @@ class Estimator(RunView):
             a :class:`~estimatorch.Watchdog` (``action="raise"`` ends the run). Every rank's
             stacks go to the run's directory and the log, with a one-line summary of where each
             rank is. Defaults to None (off).
+        world_size_invariant: train the same bits for any split of an optimizer step's
+            ``S = world_size x accumulation_steps`` micro-batches of ``b`` samples (the loader's
+            ``batch_size``) over processes and accumulation steps, DDP and FSDP2, and resume
+            bit-identically on any such split: the data is laid out in global steps (as
+            ``CheckpointHandler(elastic=True)`` lays it out), each micro-batch's gradient is
+            computed alone and the step's gradient is their sum in one fixed tree over the
+            micro-batches, whatever process holds which (docs/distributed.md, "The same bits on
+            any number of processes"). Every process must run torch on the same number of
+            threads. Defaults to False.
 
     Example:
         >>> import torch
@@ -131,10 +140,12 @@ class Estimator(RunView):
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
                  lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
                  deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
-                 cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None):
+                 cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None,
+                 world_size_invariant: bool = False):
         checks.check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = checks.precision_name(precision)
-        checks.check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs)
+        checks.check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs,
+                           world_size_invariant=world_size_invariant)
 
         seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.watchdog = Watchdog.of(watchdog)
@@ -148,6 +159,7 @@ class Estimator(RunView):
         self.deterministic = deterministic
         self.cudnn_benchmark = cudnn_benchmark
         self.cuda_graphs = cuda_graphs
+        self.world_size_invariant = world_size_invariant
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
         self.logger = _default_logger()
 

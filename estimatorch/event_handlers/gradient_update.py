@@ -11,6 +11,7 @@ from .. import distributed
 from .._checks import check_positive_int, check_state_keys, is_real
 from ..distributed import StepItems
 from ..events import BatchBegin, BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ._invariant_step import Reduction, invariant_reduction, release
 
 __all__ = ["GradientUpdateHandler"]
 
@@ -46,6 +47,13 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
     as 4 x 2 accumulation and as 2 ranks x 4, padded or not, and an uneven last batch weighs its
     samples. Full batches of samples weigh 1, so their window divides by ``k`` as before.
 
+    **world_size_invariant.** Under ``Estimator(world_size_invariant=True)`` no backward is
+    synchronised: each batch's gradient is computed alone, weighed by its items and folded into
+    the canonical tree over the step's ``S = W x k`` micro-batches; at the window's end the ranks
+    combine their partial sums (:func:`estimatorch.distributed.slot_reduction`), and the clip
+    takes a norm added up by rows (:func:`estimatorch.distributed.clip_by_rows_`): the same bits
+    on any split of the same micro-batches.
+
     Under DDP with ``k > 1`` only the batch that completes a window synchronises gradients
     across ranks (DDP's ``no_sync`` for the forward and backward of the ``k - 1`` others); a
     window cut short (an epoch's leftover, a stop) is averaged across ranks in one all-reduce
@@ -78,6 +86,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         self._ddp: Optional[DistributedDataParallel] = None  # synchronised only at a window's end
         self._items: Optional[StepItems] = None  # the fit's items of a step (several micro-batches)
         self._averaged = False  # gradients arrive averaged over the ranks (DDP, FSDP)
+        self._slots: Optional[Reduction] = None  # world_size_invariant: the canonical sum of the slots
         #: whether the optimizer stepped at the last batch_end (read by handlers that follow
         #: optimizer steps, e.g. a per-batch LR schedule under gradient accumulation)
         self.stepped = False
@@ -98,6 +107,10 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         self._plain_optimizer = estimator.optimizer if plain else None
         net = estimator.train_net
         self._ddp = net if self.accumulation_steps > 1 and isinstance(net, DistributedDataParallel) else None
+        self._slots = None
+        if estimator.world_size_invariant:
+            self._slots = invariant_reduction(estimator, self._params, self.accumulation_steps)
+            self._plain_optimizer, self._ddp, self._averaged = None, None, False
 
     def batch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Under DDP, let only the batch that completes a window synchronise its gradients (DDP
@@ -108,12 +121,22 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
             self._ddp.require_backward_grad_sync = closing
         if self._items is not None:
             self._items.closing = closing
+        if self._slots is not None:
+            self._slots.begin(self.pending, closing)
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._ddp is not None:
             self._ddp.require_backward_grad_sync = True  # DDP's default, for whatever runs next
             self._ddp = None
+        if self._slots is not None:
+            release(estimator)
         self._items = None
+
+    @property
+    def reduction(self) -> Optional[Reduction]:
+        """The canonical sum of the slots of the current (or last) ``world_size_invariant`` fit,
+        with its counts (``bytes_sent``, ``collectives``); None for another fit."""
+        return self._slots
 
     @property
     def capturable_batch_end(self) -> bool:
@@ -139,6 +162,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
             optimizer.zero_grad(set_to_none=True)
             self.stepped = True
             return
+        if self._slots is not None:  # this batch's gradient, alone, into the tree
+            self._slots.fold(self.pending, self._items.weight if self._items is not None else 1.0)
         self.pending += 1
         self.stepped = self.pending >= self.accumulation_steps
         if self.stepped:
@@ -153,6 +178,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         optimizer, scaler = estimator.optimizer, estimator.grad_scaler
         if self._ddp is not None and self.pending < self.accumulation_steps:
             self._synchronise(self._ddp)  # a window cut short: its batches ran under no_sync
+        if self._slots is not None:
+            self._slots.finish(self.pending)  # the step's sum, the same floats on any split
         items = self._items
         if items is not None:  # the items rule: the summed gradient over the step's items
             if items.weighed:
@@ -162,7 +189,10 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
         if self.clip_grad_norm is not None:
             if scaler is not None:
                 scaler.unscale_(optimizer)
-            torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
+            if self._slots is not None:
+                distributed.clip_by_rows_(self._params, self.clip_grad_norm)
+            else:
+                torch.nn.utils.clip_grad_norm_(self._params, self.clip_grad_norm)
         if scaler is not None:
             scaler.step(optimizer)
             scaler.update()
@@ -188,9 +218,11 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
 
     def state_dict(self) -> dict[str, Any]:
         grads = [p.grad.detach().clone() if p.grad is not None else None for p in self._params] \
-            if self.pending else None
+            if self.pending and self._slots is None else None
         items = self._items.state_dict() if self.pending and self._items is not None else None
         state: dict[str, Any] = {"pending": self.pending, "grads": grads, "items": items}
+        if self._slots is not None:  # the window's partial sums (this rank's)
+            state["slots"] = self._slots.state_dict() if self.pending else None
         return state
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
@@ -201,6 +233,8 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
                 self._items.load_state_dict(state["items"])
             else:
                 self._items.reset()
+        if self._slots is not None:
+            self._slots.load_state_dict(state.get("slots"))
         if state["grads"] is not None:
             if len(state["grads"]) != len(self._params):
                 raise ValueError(f"state of {self.name} holds {len(state['grads'])} gradients for "

@@ -60,6 +60,9 @@ class EstimatorView(Protocol):
     batch_axis: int
     #: True when ``fit`` records the train step in a CUDA graph (``Estimator(cuda_graphs=True)``)
     cuda_graphs: bool
+    #: True when a step's bits do not depend on how its micro-batches are split over processes
+    #: and accumulation steps (``Estimator(world_size_invariant=True)``)
+    world_size_invariant: bool
 
     @property
     def step_items(self) -> Optional[StepItems]:

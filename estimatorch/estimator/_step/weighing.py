@@ -23,14 +23,15 @@ __all__ = ["counting_step", "step_items"]
 def step_items(estimator: FitEstimator, handlers: list[Any], stream: TrainStream) -> Optional[distributed.StepItems]:
     """The items of the fit's optimizer steps, or None when a step is one micro-batch."""
     world, k = distributed.get_world_size(), accumulation_steps(handlers)
-    if world * k == 1:
+    invariant = estimator.world_size_invariant
+    if world * k == 1 and not invariant:
         return None
     layout = stream.layout
     unit = layout.batch_size if layout is not None else stream.batch_size
     # a distributed sampler gives every rank as many samples (padded), so every rank's batch i
     # holds as many; an elastic layout knows the samples of each step; anything else is counted
     agree = world == 1 or (layout is None and stream.even_shares)
-    return distributed.StepItems(world, unit, agree, accumulation_steps=k,
+    return distributed.StepItems(world, unit, agree, leaves=invariant, accumulation_steps=k,
                                  step_total=layout.step_samples if layout is not None else None)
 
 

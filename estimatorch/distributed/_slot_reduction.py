@@ -1,0 +1,158 @@
+"""The gradient of an optimizer step as the canonical sum of its slots' gradients (the tree:
+:mod:`._grad_tree`), on one process or over the ranks of DDP (``world_size_invariant``).
+
+Each micro-batch's gradient is computed alone (``.grad`` is None before its backward, and no
+rank synchronises: DDP runs every backward under ``no_sync``), weighed by its items and folded
+into this rank's :class:`~._grad_tree.Frontier` (:meth:`SlotReduction.fold`). At the window's
+end (:meth:`SlotReduction.finish`):
+
+- **one process**: the frontier is combined up the tree, and the parameters' ``.grad`` hold it;
+- **several** (DDP): every rank flattens its frontier nodes (one for a power-of-two
+  ``accumulation_steps`` at an aligned start) into ``W`` equal shards; one ``all_to_all`` hands
+  rank ``j`` shard ``j`` of every rank's nodes; rank ``j`` combines them up the tree (the
+  frontier nodes of all ranks, in slot order, are a cut through the same tree), which is shard
+  ``j`` of the sum; one ``all_gather`` gives every rank the whole sum. Per rank that sends
+  ``(n_r + 1)(W - 1)/W`` times the gradient's bytes, ``n_r`` its frontier nodes: for one node,
+  ``2 (W - 1)/W``, what a ring all-reduce sends. :attr:`SlotReduction.bytes_sent` counts it.
+
+The sum is the same floats on any split of the same ``S`` slots: each element's additions
+follow the same tree, whichever rank adds them.
+"""
+
+from __future__ import annotations
+
+from typing import Any, Callable, Optional, Union
+
+import torch
+import torch.distributed as dist
+from torch.distributed.tensor import DTensor
+
+from ._fsdp_slots import FsdpSlotReduction
+from ._grad_tree import Frontier, Node, blocks, combine
+
+__all__ = ["SlotReduction", "slot_reduction"]
+
+
+class SlotReduction:
+    """This rank's side of the canonical sum of each optimizer step's slot gradients.
+
+    Args:
+        params: the parameters whose gradients are summed (every rank's, in the same order).
+        world_size: the ranks (1: one process, nothing exchanged).
+        rank: this rank: it holds slots ``rank * accumulation_steps`` onwards of every step.
+        accumulation_steps: micro-batches per rank and step.
+        group: the process group of the exchange. Defaults to None (the default group).
+    """
+
+    def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int, accumulation_steps: int,
+                 group: Any = None):
+        self.params, self.world_size, self.rank, self.group = params, world_size, rank, group
+        self.k = accumulation_steps
+        self.slots = world_size * accumulation_steps
+        self.frontier = Frontier()
+        #: bytes this rank has sent to the others in the exchanges, and the collectives they took
+        self.bytes_sent = 0
+        self.collectives = 0
+
+    def begin(self, within: int, closing: bool) -> None:
+        """Micro-batch ``within`` of the window begins: nothing to do (``.grad`` is None)."""
+
+    def fold(self, within: int, weight: Any = 1.0) -> None:
+        """Fold the gradient the backward of this rank's micro-batch ``within`` (of its window)
+        left in ``.grad``, times ``weight``, into the frontier; ``.grad`` is None again."""
+        grads = [local_grad(p) for p in self.params]
+        if isinstance(weight, torch.Tensor) or weight != 1.0:
+            torch._foreach_mul_(grads, weight)
+        self.frontier.push(self.rank * self.k + within, grads)
+        for p in self.params:
+            p.grad = None
+
+    def finish(self, done: int) -> None:
+        """The window's end, after ``done`` micro-batches on every rank: the step's sum in ``.grad``."""
+        if self.world_size == 1:
+            total = combine(self.frontier.nodes, self.slots)
+            self.frontier.clear()
+            if total is not None:
+                for p, g in zip(self.params, total):
+                    set_grad(p, g)
+            return
+        flat = self._exchange(done)
+        offset = 0
+        for p in self.params:
+            n = p.numel()
+            p.grad = flat[offset:offset + n].view_as(p)
+            offset += n
+
+    def _exchange(self, done: int) -> torch.Tensor:
+        """Shard ``j`` of every rank's frontier to rank ``j``, combined there; every shard to every rank."""
+        world, k = self.world_size, self.k
+        nodes, ref = self.frontier.nodes, self.params[0]
+        total = sum(p.numel() for p in self.params)
+        shard = -(-total // world)
+        mine = len(nodes)
+        send = torch.zeros(mine, world * shard, dtype=ref.dtype, device=ref.device)
+        for i, node in enumerate(nodes):
+            torch.cat([g.reshape(-1) for g in node.tensors], out=send[i, :total])
+        self.frontier.clear()
+        send = send.view(mine, world, shard).transpose(0, 1).contiguous() if mine > 1 else send
+        counts = [len(blocks(r * k, r * k + done)) for r in range(world)]
+        recv = torch.empty(sum(counts) * shard, dtype=ref.dtype, device=ref.device)
+        dist.all_to_all_single(recv, send.view(-1), [c * shard for c in counts], [mine * shard] * world,
+                               group=self.group)
+        received: list[Node] = []
+        offset = 0
+        for r in range(world):
+            for start, size in blocks(r * k, r * k + done):
+                received.append(Node(start, size, [recv[offset:offset + shard]]))
+                offset += shard
+        summed = combine(received, self.slots)
+        assert summed is not None, "every rank folds at least one micro-batch before a step"
+        full = torch.empty(world * shard, dtype=ref.dtype, device=ref.device)
+        dist.all_gather_single(full, summed[0], group=self.group)
+        size = ref.element_size()
+        self.bytes_sent += (world - 1) * (mine + 1) * shard * size
+        self.collectives += 2
+        return full
+
+    # -- state -----------------------------------------------------------------------------------------
+    def state_dict(self) -> list[dict[str, Any]]:
+        """The frontier of a window under way (this rank's partial sums)."""
+        return [{"start": n.start, "size": n.size, "tensors": [t.clone() for t in n.tensors]}
+                for n in self.frontier.nodes]
+
+    def load_state_dict(self, state: Optional[list[dict[str, Any]]]) -> None:
+        device = self.params[0].device if self.params else None
+        self.frontier.nodes = [Node(n["start"], n["size"], [t.to(device).clone() for t in n["tensors"]])
+                               for n in state or []]
+
+
+def set_grad(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
+    """``p.grad = grad``; for a parameter sharded over one rank (FSDP2 in a group of one) as the
+    DTensor of that one shard."""
+    if isinstance(p, DTensor):
+        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.size(),
+                                    stride=p.stride())
+    else:
+        p.grad = grad
+
+
+def local_grad(p: torch.nn.Parameter) -> torch.Tensor:
+    """The gradient a backward left in ``p.grad`` (a sharded one's local shard), zeros where
+    the parameter took no part (every rank's slots hold the same shapes)."""
+    grad = p.grad
+    if grad is None:
+        data = p.to_local() if isinstance(p, DTensor) else p
+        return torch.zeros_like(data, memory_format=torch.contiguous_format)
+    return grad.to_local() if isinstance(grad, DTensor) else grad
+
+
+def slot_reduction(net: torch.nn.Module, params: list[torch.nn.Parameter], accumulation_steps: int,
+                   weight: Callable[[], Any]) -> Union[SlotReduction, FsdpSlotReduction]:
+    """The canonical sum of each step's slots for ``net`` (the module the step trains: DDP's
+    wrapper, a sharded net, a plain one) in this process group: FSDP2's hook for a net sharded
+    over several ranks, else the fold and exchange of :class:`SlotReduction`. ``weight()`` is
+    the weight of the micro-batch under way (the hook weighs during the backward)."""
+    world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
+    if world > 1 and any(isinstance(p, DTensor) for p in params):
+        return FsdpSlotReduction(net, params, world, accumulation_steps, weight)
+    return SlotReduction(params, world, dist.get_rank() if world > 1 else 0, accumulation_steps)
