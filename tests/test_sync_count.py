@@ -109,10 +109,11 @@ class _CountedWork:
         return self._work.is_completed()
 
 
-def _count_collectives_per_step(every):
+def _count_collectives_per_step(every, tokens=False):
     """Count every torch.distributed collective a 2-rank fit makes (a blocking call, an async
     start, a wait on its work) and return the counts between consecutive batch_begins of one
-    epoch: what one step costs, its epoch's end excluded."""
+    epoch: what one step costs, its epoch's end excluded. ``tokens``: a per-token loss whose
+    labels are partly -100 (each rank's items differ: the items rule sums them)."""
     import torch.distributed as dist
     from torch import nn
 
@@ -151,12 +152,39 @@ def _count_collectives_per_step(every):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    if tokens:  # (N, T, 4) -> per-token logits (N, 3, T), labels (N, T) with padding
+        net = nn.Sequential(net, _ClassesFirst())
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     est.agree_every = every
     data = torch.utils.data.TensorDataset(torch.randn(80, 4), torch.arange(80) % 3)
+    if tokens:
+        labels = (torch.arange(80 * 5) % 3).view(80, 5).masked_fill(torch.arange(80 * 5).view(80, 5) % 7 == 0, -100)
+        data = torch.utils.data.TensorDataset(torch.randn(80, 5, 4), labels)
     probe = Probe()
     est.fit(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), epochs=3, event_handlers=[probe])
     return {"steps": probe.steps, "total": dict(counts)}
+
+
+class _ClassesFirst(torch.nn.Module):
+    def forward(self, x):
+        return x.movedim(-1, 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_token_loss_sums_its_items_in_one_collective_per_step_started_before_the_backward():
+    """The items rule's cost under DDP: one all-reduce of one integer per optimizer step, started
+    asynchronously (before the step's backward, on a gloo group of its own) and waited for at the
+    step; no blocking collective per step, and no host-device sync is needed for it."""
+    from estimatorch import distributed
+
+    for result in distributed.spawn(_count_collectives_per_step, 2, None, True, backend="gloo"):
+        steps = result["steps"]
+        assert [step.get("all_reduce started", 0) for step in steps] == \
+            [1 + int((epoch * 10 + i) % 16 == 0) for epoch in range(3) for i in range(1, 10)]
+        assert all(not k.endswith("blocking") for step in steps for k in step)
+        assert [step.get("waits", 0) for step in steps] == \
+            [1 + int(i > 1 and (epoch * 10 + i - 1) % 16 == 0) for epoch in range(3) for i in range(1, 10)]
 
 
 @pytest.mark.distributed

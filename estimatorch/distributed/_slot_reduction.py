@@ -7,13 +7,17 @@ into this rank's :class:`~._grad_tree.Frontier` (:meth:`SlotReduction.fold`). At
 end (:meth:`SlotReduction.finish`):
 
 - **one process**: the frontier is combined up the tree, and the parameters' ``.grad`` hold it;
-- **several** (DDP): every rank flattens its frontier nodes (one for a power-of-two
+- **several** (DDP), by shards: every rank flattens its frontier nodes (one for a power-of-two
   ``accumulation_steps`` at an aligned start) into ``W`` equal shards; one ``all_to_all`` hands
   rank ``j`` shard ``j`` of every rank's nodes; rank ``j`` combines them up the tree (the
   frontier nodes of all ranks, in slot order, are a cut through the same tree), which is shard
   ``j`` of the sum; one ``all_gather`` gives every rank the whole sum. Per rank that sends
-  ``(n_r + 1)(W - 1)/W`` times the gradient's bytes, ``n_r`` its frontier nodes: for one node,
-  ``2 (W - 1)/W``, what a ring all-reduce sends. :attr:`SlotReduction.bytes_sent` counts it.
+  ``(n + 1)(W - 1)/W`` times the gradient's bytes, ``n`` the most frontier nodes a rank holds:
+  for one node, ``2 (W - 1)/W``, what a ring all-reduce sends;
+- **several**, whole: where that sends no fewer bytes (``W = 2`` with one node: ``(W - 1) n``
+  gradients, the same) or under :attr:`SlotReduction.gather_below` bytes (latency, not bytes,
+  is then the cost), one ``all_gather`` of every rank's frontier and each rank combines the
+  whole tree: one collective instead of two. :attr:`SlotReduction.bytes_sent` counts either.
 
 The sum is the same floats on any split of the same ``S`` slots: each element's additions
 follow the same tree, whichever rank adds them.
@@ -50,9 +54,14 @@ class SlotReduction:
         self.k = accumulation_steps
         self.slots = world_size * accumulation_steps
         self.frontier = Frontier()
+        self._sharded = any(isinstance(p, DTensor) for p in params)  # (FSDP2 over one rank)
         #: bytes this rank has sent to the others in the exchanges, and the collectives they took
         self.bytes_sent = 0
         self.collectives = 0
+
+    #: below these bytes per rank the frontiers travel whole (one all_gather, each rank combines
+    #: the whole tree): a small gradient's exchange costs the latency of its collectives, not its bytes
+    gather_below = 1 << 16
 
     def begin(self, within: int, closing: bool) -> None:
         """Micro-batch ``within`` of the window begins: nothing to do (``.grad`` is None)."""
@@ -60,7 +69,8 @@ class SlotReduction:
     def fold(self, within: int, weight: Any = 1.0) -> None:
         """Fold the gradient the backward of this rank's micro-batch ``within`` (of its window)
         left in ``.grad``, times ``weight``, into the frontier; ``.grad`` is None again."""
-        grads = [local_grad(p) for p in self.params]
+        grads = [local_grad(p) for p in self.params] if self._sharded else \
+            [p.grad if p.grad is not None else local_grad(p) for p in self.params]
         if isinstance(weight, torch.Tensor) or weight != 1.0:
             torch._foreach_mul_(grads, weight)
         self.frontier.push(self.rank * self.k + within, grads)
@@ -74,7 +84,10 @@ class SlotReduction:
             self.frontier.clear()
             if total is not None:
                 for p, g in zip(self.params, total):
-                    set_grad(p, g)
+                    if self._sharded:
+                        set_grad(p, g)
+                    else:
+                        p.grad = g
             return
         flat = self._exchange(done)
         offset = 0
@@ -84,10 +97,41 @@ class SlotReduction:
             offset += n
 
     def _exchange(self, done: int) -> torch.Tensor:
+        """The step's sum on every rank, from every rank's frontier after ``done`` micro-batches:
+        whole, or by shards (see the module notes)."""
+        world, k = self.world_size, self.k
+        total = sum(p.numel() for p in self.params)
+        counts = [len(blocks(r * k, r * k + done)) for r in range(world)]  # every rank's, known to all
+        size = self.params[0].element_size()
+        whole = (world - 1) * max(counts) * total * size
+        by_shards = (world - 1) * (max(counts) + 1) * -(-total // world) * size
+        if whole <= max(by_shards, self.gather_below):
+            return self._gather_whole(total, counts, done)
+        return self._by_shards(total, counts, done)
+
+    def _gather_whole(self, total: int, counts: list[int], done: int) -> torch.Tensor:
+        """Every rank's frontier, whole, to every rank (one all_gather), combined on each."""
+        world, k, ref = self.world_size, self.k, self.params[0]
+        most = max(counts)
+        send = torch.zeros(most, total, dtype=ref.dtype, device=ref.device)
+        for i, node in enumerate(self.frontier.nodes):
+            torch.cat([g.reshape(-1) for g in node.tensors], out=send[i])
+        self.frontier.clear()
+        every = torch.empty(world * most * total, dtype=ref.dtype, device=ref.device)
+        dist.all_gather_single(every, send.view(-1), group=self.group)
+        rows = every.view(world, most, total)
+        received = [Node(start, size, [rows[r, i]]) for r in range(world)
+                    for i, (start, size) in enumerate(blocks(r * k, r * k + done))]
+        summed = combine(received, self.slots)
+        assert summed is not None, "every rank folds at least one micro-batch before a step"
+        self.bytes_sent += (world - 1) * most * total * ref.element_size()
+        self.collectives += 1
+        return summed[0]
+
+    def _by_shards(self, total: int, counts: list[int], done: int) -> torch.Tensor:
         """Shard ``j`` of every rank's frontier to rank ``j``, combined there; every shard to every rank."""
         world, k = self.world_size, self.k
         nodes, ref = self.frontier.nodes, self.params[0]
-        total = sum(p.numel() for p in self.params)
         shard = -(-total // world)
         mine = len(nodes)
         send = torch.zeros(mine, world * shard, dtype=ref.dtype, device=ref.device)
@@ -95,7 +139,6 @@ class SlotReduction:
             torch.cat([g.reshape(-1) for g in node.tensors], out=send[i, :total])
         self.frontier.clear()
         send = send.view(mine, world, shard).transpose(0, 1).contiguous() if mine > 1 else send
-        counts = [len(blocks(r * k, r * k + done)) for r in range(world)]
         recv = torch.empty(sum(counts) * shard, dtype=ref.dtype, device=ref.device)
         dist.all_to_all_single(recv, send.view(-1), [c * shard for c in counts], [mine * shard] * world,
                                group=self.group)

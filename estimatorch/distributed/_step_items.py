@@ -123,6 +123,12 @@ class StepItems:
         value = total / unit if unit != 1 else total
         return value / self.world_size if averaged else value
 
+    @property
+    def wants_step(self) -> bool:
+        """Whether :meth:`divisor` needs the optimizer step of the epoch (a layout that knows
+        each step's items, on several ranks)."""
+        return self.step_total is not None and self.world_size > 1 and not self.ranks_agree
+
     def reset(self) -> None:
         """A new window: nothing counted."""
         self.local, self.weight, self._work, self._summed, self.weighed = 0, 1.0, None, None, False

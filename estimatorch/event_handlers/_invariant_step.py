@@ -34,7 +34,8 @@ def invariant_reduction(estimator: EstimatorView, params: list[torch.nn.Paramete
         warn_user(f"world_size_invariant=True, but the processes run torch on {threads} threads (by rank): a CPU "
                   "kernel's sums depend on its thread count, so the same micro-batch gives other gradient bits "
                   "on another rank; give every process the same torch.set_num_threads(n)")
-    return distributed.slot_reduction(net, params, accumulation_steps, lambda: items.weight)
+    trained = [p for p in params if p.requires_grad]  # a frozen parameter keeps no gradient (as under DDP)
+    return distributed.slot_reduction(net, trained, accumulation_steps, lambda: items.weight)
 
 
 def release(estimator: EstimatorView) -> None:

@@ -203,7 +203,7 @@ class GradientUpdateHandler(StatefulHandler, TrainBegin, BatchBegin, BatchEnd, E
 
     def _divide(self, estimator: EstimatorView, items: StepItems) -> None:
         """Divide the step's summed gradient by its items (over the ranks); a new window."""
-        step = estimator.position.batch // self.accumulation_steps if items.step_total is not None else None
+        step = estimator.position.batch // self.accumulation_steps if items.wants_step else None
         divide_(self._params, items.divisor(self._averaged, step))
         items.reset()
 

@@ -61,8 +61,10 @@ def full_state(est) -> dict[str, Any]:
 
 def fit(ckpt_dir: str, strategy: str, options: dict[str, Any]) -> dict[str, Any]:
     """One rank's fit; ``options``: resume, kill_at, steps (optimizer steps in all), clip, period
-    (batches between checkpoints: ``k``, one per optimizer step, by default), and accumulation and
-    batch in place of the split's (another S, another b)."""
+    (batches between checkpoints: ``k``, one per optimizer step, by default), accumulation and
+    batch in place of the split's (another S, another b), and shards (DDP's exchange by shards,
+    all_to_all and all_gather, also for this small gradient that travels whole by default)."""
+    distributed.SlotReduction.gather_below = 0 if options.get("shards") else 1 << 16
     torch.manual_seed(0)
     torch.set_num_threads(1)  # the same bits on every rank need the same thread count
     net = nn.Sequential(nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))

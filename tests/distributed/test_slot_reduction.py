@@ -46,7 +46,7 @@ def runs(tmp_path_factory):
     results.mkdir()
     out = {"one": _in_process(str(root / "one"), "ddp", {})}  # 1 x 4 (a plain net: both strategies)
     with pytest.raises(RankFailedError):  # uninterrupted on 4, then a job killed after step KILL's checkpoint
-        distributed.spawn(several, 4, str(root), [("four-ddp", "ddp", {}), ("four-fsdp", "fsdp", {}),
+        distributed.spawn(several, 4, str(root), [("four-ddp", "ddp", {"shards": True}), ("four-fsdp", "fsdp", {}),
                                                   ("four-killed", "fsdp", {"kill_at": KILL})], str(results),
                           backend="gloo")
     for strategy in STRATEGIES:
@@ -131,21 +131,22 @@ def _params() -> list[tuple[int, int]]:
 @pytest.mark.distributed
 @pytest.mark.slow
 def test_each_rank_sends_the_bytes_of_a_ring_all_reduce(runs):
-    """Counted, not timed. DDP: per step one all_to_all of this rank's one frontier node (S and k
-    powers of two) and one all_gather of the summed shard: 2 (W - 1) shards of ceil(P / W)
-    floats, a ring all-reduce's 2 (W - 1)/W P up to the padding. FSDP2: one all_to_all per
-    micro-batch of each module's padded flat gradient, as its reduce-scatter of every
-    micro-batch sends."""
+    """Counted, not timed; P = 139 floats, a ring all-reduce sends 2 (W - 1)/W P of them. DDP on
+    4 by shards: one all_to_all of this rank's one frontier node (S and k powers of two) and one
+    all_gather of the summed shard, 2 (W - 1) shards of ceil(P / W) floats: the ring's bytes up to
+    the padding. DDP on 2 (and any small gradient): the frontier whole in one all_gather, on 2
+    ranks (W - 1) P, the ring's bytes exactly. FSDP2: one all_to_all per micro-batch of each
+    module's padded flat gradient, as its reduce-scatter of every micro-batch sends."""
     total = sum(rows * size for rows, size in _params())
-    for world in (2, 4):
-        k, shard = SLOTS // world, -(-total // world)
-        ddp = runs["two-ddp"][0] if world == 2 else runs["four-ddp"]
-        ring = 2 * (world - 1) / world * total * 4
-        assert ddp["bytes"] == STEPS * 2 * (world - 1) * shard * 4
-        assert ddp["bytes"] / STEPS <= ring * (world * shard / total)
+    ring = {world: 2 * (world - 1) / world * total * 4 for world in (2, 4)}
+    four, two = runs["four-ddp"], runs["two-ddp"][0]
+    assert four["bytes"] == STEPS * 2 * 3 * -(-total // 4) * 4 and four["collectives"] == 2 * STEPS
+    assert four["bytes"] / STEPS <= ring[4] * (4 * -(-total // 4) / total)  # the ring's, but the padding
+    assert two["bytes"] == STEPS * ring[2] and two["collectives"] == STEPS  # one collective per step
+    assert runs["four-from-two-ddp"][0]["collectives"] == runs["four-from-two-ddp"][0]["step"] - KILL  # whole
+    for world, fsdp in ((2, runs["two-fsdp"][0]), (4, runs["four-fsdp"])):
         padded = sum(-(-rows // world) * world * size for rows, size in _params())
-        fsdp = runs["two-fsdp"][0] if world == 2 else runs["four-fsdp"]
-        assert fsdp["bytes"] == STEPS * k * (world - 1) * (padded // world) * 4
+        assert fsdp["bytes"] == STEPS * (SLOTS // world) * (world - 1) * (padded // world) * 4
 
 
 def test_a_split_that_cannot_keep_s_and_b_is_refused_naming_both(tmp_path):
