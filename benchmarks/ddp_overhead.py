@@ -236,22 +236,24 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
         configs["fit-invariant"] = lambda: _fit(steps, dataset, hidden, layout="invariant")
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     metric_reads: list[int] = []
     sent: list[int] = []
     for round_ in range(settings["repeats"] + 1):  # round 0 warms up
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             done = configs[name]()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
             if round_:
                 times[name].append(elapsed)
+                cpu[name].append(cpu_elapsed)
                 if name == "raw+metrics":
                     metric_reads.append(done)
                 if name == "fit-invariant":
                     sent.append(done)
-    return {"rank": distributed.get_rank(), "times": times, "metric_reads": metric_reads,
+    return {"rank": distributed.get_rank(), "times": times, "cpu": cpu, "metric_reads": metric_reads,
             "machine": common.machine_info(), "invariant_bytes": sent}
 
 
@@ -274,7 +276,11 @@ def _invariant(per_run: dict[str, list[float]], ranks: list[dict[str, Any]], ste
     world = len(ranks)
     ring = 2 * (world - 1) / world * params * 4
     per_step = [max(b) / steps for b in zip(*(r["invariant_bytes"] for r in ranks))]
+    cpu = {name: [max(r["cpu"][name][i] for r in ranks) for i in range(len(per_run[name]))]
+           for name in ("fit", "fit-elastic", "fit-invariant")}
     return {"against_fit": _against(per_run["fit-invariant"], per_run["fit"], steps),
+            "cpu_against_fit": _against(cpu["fit-invariant"], cpu["fit"], steps),
+            "cpu_us_per_step": {name: statistics.median(v) / steps * 1e6 for name, v in cpu.items()},
             "against_elastic": _against(per_run["fit-invariant"], per_run["fit-elastic"], steps),
             "elastic_against_fit": _against(per_run["fit-elastic"], per_run["fit"], steps),
             "bytes_per_step": statistics.median(per_step), "ring_bytes_per_step": ring,
@@ -337,6 +343,9 @@ def table(out: dict[str, Any]) -> str:
         lines.append(f"fit-invariant / fit, median of per-round ratios: {inv['against_fit']['ratio']:.3f} "
                      f"({inv['against_fit']['added_us_per_step']:.1f} µs/step); fit-invariant / fit-elastic: "
                      f"{inv['against_elastic']['ratio']:.3f}; fit-elastic / fit: {inv['elastic_against_fit']['ratio']:.3f}")
+        lines.append(f"process CPU time (every thread, the busier rank): fit-invariant / fit "
+                     f"{inv['cpu_against_fit']['ratio']:.3f} ({inv['cpu_against_fit']['added_us_per_step']:.1f} µs/step; "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in inv["cpu_us_per_step"].items()) + " µs/step)")
         lines.append(f"fit-invariant: {inv['bytes_per_step']:.0f} bytes sent per rank and step; a ring all-reduce of the "
                      f"{inv['gradient_floats']} floats: {inv['ring_bytes_per_step']:.0f}")
     cal = out["calibration"]

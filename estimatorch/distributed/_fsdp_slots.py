@@ -27,7 +27,6 @@ from typing import Any, Callable, Optional, cast
 import torch
 import torch.distributed as dist
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
 
 from ._grad_tree import Frontier, Node, combine
 
@@ -53,6 +52,8 @@ class FsdpSlotReduction:
         self.bytes_sent = 0
         self.collectives = 0
         self.hooks: list[_SlotReduceScatter] = []
+        from torch.distributed.fsdp import FSDPModule  # heavy: imported where a net is sharded (it is by now)
+
         for module in net.modules():
             if isinstance(module, FSDPModule):
                 hook = _SlotReduceScatter(self)

@@ -17,7 +17,8 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
+
+from ._slot_reduction import is_dtensor
 
 __all__ = ["clip_by_rows_"]
 
@@ -41,9 +42,9 @@ def clip_by_rows_(params: list[torch.nn.Parameter], max_norm: float, group: Any 
     for p in with_grad:
         grad = p.grad
         assert grad is not None, "kept: a gradient"
-        grads.append(grad.to_local() if isinstance(grad, DTensor) else grad)
+        grads.append(grad.to_local() if is_dtensor(grad) else grad)
     rows = [_rows(g) for g in grads]
-    if any(isinstance(p.grad, DTensor) for p in with_grad) and dist.is_initialized() \
+    if any(is_dtensor(p.grad) for p in with_grad) and dist.is_initialized() \
             and dist.get_world_size(group) > 1:
         rows = _gathered(with_grad, rows, group)
     norm = torch.stack([r.sum() for r in rows]).sum().sqrt()

@@ -27,14 +27,15 @@ from __future__ import annotations
 
 from typing import Any, Callable, Optional, Union
 
+import sys
+
 import torch
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ._fsdp_slots import FsdpSlotReduction
 from ._grad_tree import Frontier, Node, blocks, combine
 
-__all__ = ["SlotReduction", "slot_reduction"]
+__all__ = ["SlotReduction", "is_dtensor", "slot_reduction"]
 
 
 class SlotReduction:
@@ -54,7 +55,7 @@ class SlotReduction:
         self.k = accumulation_steps
         self.slots = world_size * accumulation_steps
         self.frontier = Frontier()
-        self._sharded = any(isinstance(p, DTensor) for p in params)  # (FSDP2 over one rank)
+        self._sharded = any(is_dtensor(p) for p in params)  # (FSDP2 over one rank)
         #: bytes this rank has sent to the others in the exchanges, and the collectives they took
         self.bytes_sent = 0
         self.collectives = 0
@@ -169,11 +170,19 @@ class SlotReduction:
                                for n in state or []]
 
 
+def is_dtensor(t: object) -> bool:
+    """``t`` is a ``DTensor`` (a sharded parameter or gradient): asked only once
+    ``torch.distributed.tensor`` was imported (a heavy import: no DTensor exists before it ran)."""
+    tensors = sys.modules.get("torch.distributed.tensor")
+    return tensors is not None and isinstance(t, tensors.DTensor)
+
+
 def set_grad(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """``p.grad = grad``; for a parameter sharded over one rank (FSDP2 in a group of one) as the
     DTensor of that one shard."""
-    if isinstance(p, DTensor):
-        p.grad = DTensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.size(),
+    if is_dtensor(p):
+        dtensor = sys.modules["torch.distributed.tensor"].DTensor
+        p.grad = dtensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.size(),
                                     stride=p.stride())
     else:
         p.grad = grad
@@ -184,9 +193,9 @@ def local_grad(p: torch.nn.Parameter) -> torch.Tensor:
     the parameter took no part (every rank's slots hold the same shapes)."""
     grad = p.grad
     if grad is None:
-        data = p.to_local() if isinstance(p, DTensor) else p
+        data = p.to_local() if is_dtensor(p) else p
         return torch.zeros_like(data, memory_format=torch.contiguous_format)
-    return grad.to_local() if isinstance(grad, DTensor) else grad
+    return grad.to_local() if is_dtensor(grad) else grad
 
 
 def slot_reduction(net: torch.nn.Module, params: list[torch.nn.Parameter], accumulation_steps: int,
@@ -196,6 +205,6 @@ def slot_reduction(net: torch.nn.Module, params: list[torch.nn.Parameter], accum
     over several ranks, else the fold and exchange of :class:`SlotReduction`. ``weight()`` is
     the weight of the micro-batch under way (the hook weighs during the backward)."""
     world = dist.get_world_size() if dist.is_available() and dist.is_initialized() else 1
-    if world > 1 and any(isinstance(p, DTensor) for p in params):
+    if world > 1 and any(is_dtensor(p) for p in params):
         return FsdpSlotReduction(net, params, world, accumulation_steps, weight)
     return SlotReduction(params, world, dist.get_rank() if world > 1 else 0, accumulation_steps)

@@ -77,9 +77,9 @@ def fit(ckpt_dir: str, strategy: str, options: dict[str, Any]) -> dict[str, Any]
     handlers = [record, update, CheckpointHandler(ckpt_dir, batch_period=options.get("period", k), epoch_period=None,
                                                   max_checkpoints=None, resume_from_checkpoint=options.get("resume", False))]
     loader = torch.utils.data.DataLoader(Augmented(), batch_size=options.get("batch", BATCH), shuffle=True)
-    est.fit(loader, batches=options.get("steps", STEPS) * k, event_handlers=handlers)
+    history = est.fit(loader, batches=options.get("steps", STEPS) * k, event_handlers=handlers)
     reduction = update.reduction
-    return {"losses": record.losses, "step": est.position.step // k, **full_state(est),
+    return {"losses": record.losses, "step": est.position.step // k, **full_state(est), "history": history.to_dict(),
             "bytes": reduction.bytes_sent if reduction is not None else 0,
             "collectives": reduction.collectives if reduction is not None else 0,
             "items_sums": record.items.collectives}

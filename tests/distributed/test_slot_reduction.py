@@ -98,6 +98,10 @@ def test_every_split_trains_the_same_bits_ddp_and_fsdp(runs):
         for rank in runs[f"two-{strategy}"]:
             _same_bits(rank, one, f"2 x 2 {strategy}")
         assert _slots([r["losses"] for r in runs[f"two-{strategy}"]], 2) == one["losses"]  # every micro-batch
+        for run in [runs[f"four-{strategy}"], *runs[f"two-{strategy}"]]:  # the History: counts exact,
+            assert run["history"]["train_accuracy"] == one["history"]["train_accuracy"]  # sums to rounding
+            torch.testing.assert_close(torch.tensor(run["history"]["train_loss"]),
+                                       torch.tensor(one["history"]["train_loss"]), rtol=1e-6, atol=0)
     assert runs["four-ddp"]["items_sums"] == runs["one"]["items_sums"] == 0  # samples: the layout knows N
 
 
