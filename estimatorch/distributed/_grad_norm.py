@@ -40,7 +40,7 @@ def clip_by_rows_(params: list[torch.nn.Parameter], max_norm: float, group: Any 
         return torch.zeros(())
     grads: list[torch.Tensor] = []
     for p in with_grad:
-        grad = p.grad
+        grad: Any = p.grad
         assert grad is not None, "kept: a gradient"
         grads.append(grad.to_local() if is_dtensor(grad) else grad)
     rows = [_rows(g) for g in grads]

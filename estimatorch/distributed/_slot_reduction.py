@@ -25,9 +25,8 @@ follow the same tree, whichever rank adds them.
 
 from __future__ import annotations
 
-from typing import Any, Callable, Optional, Union
-
 import sys
+from typing import Any, Callable, Optional, Union
 
 import torch
 import torch.distributed as dist
@@ -181,9 +180,10 @@ def set_grad(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
     """``p.grad = grad``; for a parameter sharded over one rank (FSDP2 in a group of one) as the
     DTensor of that one shard."""
     if is_dtensor(p):
+        sharded: Any = p  # a DTensor
         dtensor = sys.modules["torch.distributed.tensor"].DTensor
-        p.grad = dtensor.from_local(grad, p.device_mesh, p.placements, run_check=False, shape=p.size(),
-                                    stride=p.stride())
+        p.grad = dtensor.from_local(grad, sharded.device_mesh, sharded.placements, run_check=False,
+                                    shape=p.size(), stride=p.stride())
     else:
         p.grad = grad
 
@@ -191,10 +191,10 @@ def set_grad(p: torch.nn.Parameter, grad: torch.Tensor) -> None:
 def local_grad(p: torch.nn.Parameter) -> torch.Tensor:
     """The gradient a backward left in ``p.grad`` (a sharded one's local shard), zeros where
     the parameter took no part (every rank's slots hold the same shapes)."""
-    grad = p.grad
+    grad: Any = p.grad
     if grad is None:
-        data = p.to_local() if is_dtensor(p) else p
-        return torch.zeros_like(data, memory_format=torch.contiguous_format)
+        param: Any = p
+        return torch.zeros_like(param.to_local() if is_dtensor(p) else p, memory_format=torch.contiguous_format)
     return grad.to_local() if is_dtensor(grad) else grad
 
 
