@@ -229,7 +229,6 @@ def restore_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> 
     else:
         load_model_state(estimator.net, payload["model"])
         estimator.optimizer.load_state_dict(_in_this_mode(payload["optimizer"], estimator.optimizer))
-    for attr in ("lr_scheduler", "grad_scaler"):
-        target = getattr(estimator, attr)
+    for key, target in (("lr_scheduler", estimator.lr_scheduler), ("grad_scaler", estimator.grad_scaler)):
         if target is not None:
-            target.load_state_dict(payload[attr])
+            target.load_state_dict(payload[key])
