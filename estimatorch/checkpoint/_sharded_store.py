@@ -42,7 +42,7 @@ class _Buffer(io.BytesIO):
     """What DCP writes a file into: DCP closes its stream inside its own ``with``; the upload
     reads the buffer after that, so closing waits for :meth:`discard`."""
 
-    def close(self) -> None:  # noqa: D401 - see the class
+    def close(self) -> None:  # see the class
         return
 
     def discard(self) -> None:
