@@ -34,7 +34,14 @@ def _rows(grad: torch.Tensor) -> torch.Tensor:
 def clip_by_rows_(params: list[torch.nn.Parameter], max_norm: float, group: Any = None) -> torch.Tensor:
     """Clip the gradients of ``params`` (sharded ones: their local shards) in place to a total
     2-norm of ``max_norm``; returns the norm (a device tensor). ``group``: the ranks a sharded
-    net's gradients are spread over. Defaults to None (the default group, when sharded)."""
+    net's gradients are spread over. Defaults to None (the default group, when sharded).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2, 2))
+        >>> w.grad = torch.full((2, 2), 2.0)
+        >>> float(clip_by_rows_([w], 1.0)), round(float(w.grad.norm()), 4)
+        (4.0, 1.0)
+    """
     with_grad = [p for p in params if p.grad is not None]
     if not with_grad:
         return torch.zeros(())

@@ -46,6 +46,16 @@ class SlotReduction:
         rank: this rank: it holds slots ``rank * accumulation_steps`` onwards of every step.
         accumulation_steps: micro-batches per rank and step.
         group: the process group of the exchange. Defaults to None (the default group).
+
+    Example:
+        >>> w = torch.nn.Parameter(torch.zeros(2))
+        >>> tree = SlotReduction([w], world_size=1, rank=0, accumulation_steps=2)
+        >>> for slot, g in enumerate([torch.ones(2), torch.full((2,), 2.0)]):
+        ...     w.grad = g  # what slot's backward left
+        ...     tree.fold(slot)
+        >>> tree.finish(2)
+        >>> w.grad
+        tensor([3., 3.])
     """
 
     def __init__(self, params: list[torch.nn.Parameter], world_size: int, rank: int, accumulation_steps: int,

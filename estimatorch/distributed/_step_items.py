@@ -47,7 +47,7 @@ class StepItems:
             over every rank, where the data's layout knows it. Defaults to None.
 
     Example:
-        >>> items = StepItems(world_size=1, unit=4, ranks_agree=True)
+        >>> items = StepItems(world_size=1, unit=4, ranks_agree=True, accumulation_steps=2)
         >>> loss = items.weigh(torch.tensor(2.0), 4)   # a full micro-batch: weighs 1
         >>> loss = items.weigh(torch.tensor(2.0), 2)   # a half one: weighs 0.5
         >>> items.divisor(averaged=False), float(loss)

@@ -246,6 +246,13 @@ class Estimator(RunView):
                 ``fit_batch`` (``BatchProcessor`` passes the count of :mod:`estimatorch._items`).
             mean: ``loss`` is the mean over its items; False: their sum (``reduction="sum"``),
                 which the step divides by its items too. Defaults to True.
+
+        Example:
+            >>> net = nn.Linear(2, 1)
+            >>> est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> est.backward(nn.functional.mse_loss(net(torch.ones(4, 2)), torch.zeros(4, 1)), items=4)
+            >>> net.weight.grad.shape
+            torch.Size([1, 2])
         """
         if loss.dim() > 0:
             loss = loss.mean()
