@@ -82,7 +82,7 @@ from ._model import is_sharded_module, load_model_state, model_state, plain_key,
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
 from ._run_state import PHASES, PLAN_KEYS, POSITION_KEYS, SNAPSHOT, check_positions, check_snapshot_structure
 from ._sharded_run import read_checkpoint, save_fit_checkpoint
-from ._store import check_reachable, is_url
+from ._store import check_reachable, exists, is_url
 from ._store import configure as configure_store
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
@@ -116,6 +116,7 @@ __all__ = [
     "check_against_fit",
     "check_reachable",
     "configure_store",
+    "exists",
     "is_url",
     "checkpoint_name",
     "find_latest",

@@ -58,12 +58,13 @@ def finish_background_write(writer: Optional[checkpoint.BackgroundWriter], shard
 
 
 # -- a save, for the handler ----------------------------------------------------------------------
-def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool = True) -> None:
+def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool = True, periodic: bool = True) -> None:
     """Write what is due at the current boundary (with ``async_save``, and ``background``,
-    hand it to the writer thread). A collective: every rank calls it."""
+    hand it to the writer thread): the periodic file when ``periodic``, the best one when the
+    monitor improved. A collective: every rank calls it."""
     pos = estimator.position
     is_best, value = handler._check_best(pos)
-    names = handler._layout.due(pos.epoch, pos.step, is_best)
+    names = handler._layout.due(pos.epoch, pos.step, is_best, periodic=periodic)
     if not names:
         return
     clash = [name for name in names if name in handler._directory.foreign]
@@ -75,11 +76,11 @@ def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool 
             "away, or choose another model_prefix")
     if is_best and value is not None:
         handler.best = value  # before the payload: the checkpoint holds it
-    if handler._layout.resumable:
+    if handler._layout.resumable and periodic:
         handler._saved_step = pos.step
     best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
     if handler._layout.sharded and not handler.save_weights_only:  # every rank writes its part
-        _save_sharded(handler, estimator, names, step, background)
+        _save_sharded(handler, estimator, names, step, background)  # (no best file: refused when sharded)
         return
     if handler.save_weights_only:  # a sharded net's weights are gathered: a collective
         sharded = handler._layout.sharded
@@ -88,13 +89,13 @@ def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool 
         state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
     writer = handler._writer if background else None
     if writer is None:  # a full disk on rank 0 stops every rank, never a hang
-        distributed.run_on_main(lambda: _write(handler, estimator, state, names, best, step),
+        distributed.run_on_main(lambda: _write(handler, estimator, state, names, best, step, periodic=periodic),
                                 "CheckpointHandler writing a checkpoint")
     else:  # the previous background write's failure too
         paths = [os.path.join(handler.model_dir, name) for name in names]
         distributed.run_on_main(lambda: submit_background_write(
             writer, state, paths, lambda staged, written: _write(handler, estimator, staged, names, best, step,
-                                                                      written=written)),
+                                                                      written=written, periodic=periodic)),
                                 "CheckpointHandler writing a checkpoint")
 
 
@@ -115,14 +116,14 @@ def _save_sharded(handler: CheckpointHandler, estimator: EstimatorView, names: l
 
 
 def _write(handler: CheckpointHandler, estimator: EstimatorView, state: Any, names: list[str],
-           best: Optional[float], step_now: int, written: bool = False) -> None:
+           best: Optional[float], step_now: int, written: bool = False, periodic: bool = True) -> None:
     """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
-    writer process, or for a sharded checkpoint), the periodic one first, then the best one;
-    then the pointer, retention and orphaned temporaries."""
+    writer process, or for a sharded checkpoint), the periodic one first (when ``periodic``),
+    then the best one; then the pointer, retention and orphaned temporaries."""
     paths = [os.path.join(handler.model_dir, name) for name in names]
     for path in paths if not written else ():
         checkpoint.atomic_save(state, path)
-    removed = handler._directory.settle(paths, step_now)
+    removed = handler._directory.settle(paths, step_now, periodic=periodic)
     estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
                    removed=[absolute(path) for path in removed])
     if handler.verbose:

@@ -1,0 +1,170 @@
+"""What a ``transformers.Trainer`` user expects, on a tiny BERT classifier from a config:
+step-level evaluation (logged, kept in ``History`` with its step), the best checkpoint holding the
+weights that were evaluated (eval and save periods that differ, per-epoch validation with batch
+saves), the best restored at the end, early stopping counted in validations."""
+
+from __future__ import annotations
+
+import copy
+import math
+import re
+
+import pytest
+import torch
+
+from estimatorch import CheckpointHandler, EarlyStoppingHandler, Estimator, ValidationHandler
+from estimatorch.checkpoint import load, load_model_state, load_weights
+from tests.conftest import assert_tree_equal, ctrl_c_at
+from tests.hf_models import classification_batches, tiny_bert
+
+VOCAB = 40
+TRAIN = classification_batches(VOCAB, n=9, size=4, seed=0)  # 9 steps an epoch
+VAL = classification_batches(VOCAB, n=2, size=8, seed=1)
+
+
+def bert_estimator(lr: float = 5e-3) -> Estimator:
+    model = tiny_bert(VOCAB)
+    return Estimator(model, optimizer=torch.optim.AdamW(model.parameters(), lr=lr))
+
+
+def evaluated(weights: dict) -> float:
+    """``val_loss`` of a fresh model holding ``weights``."""
+    est = bert_estimator()
+    load_model_state(est.net, weights)
+    return est.evaluate(VAL)["val_loss"]
+
+
+class WeightsAtValidations:
+    """The weights at every validation (as the notice hears it): what each one measured."""
+
+    def __init__(self):
+        self.weights = {}
+
+    def validation_end(self, estimator, *, step, **kwargs):
+        self.weights[step] = copy.deepcopy(estimator.net.state_dict())
+
+
+def notice_recorder():
+    from estimatorch.events import Handler, ValidationEnd
+
+    class Recorder(WeightsAtValidations, Handler, ValidationEnd):
+        pass
+
+    return Recorder()
+
+
+@pytest.fixture(scope="module")
+def step_validated(tmp_path_factory):
+    """One fit of 2 epochs validated every 3 steps, saving every 2 with the best file."""
+    directory = tmp_path_factory.mktemp("every3save2")
+    est = bert_estimator()
+    recorder = notice_recorder()
+    records = []
+
+    import logging
+
+    class Collect(logging.Handler):
+        def emit(self, record):
+            records.append(record.getMessage())
+
+    logger = logging.getLogger("estimatorch")
+    collect = Collect()
+    logger.addHandler(collect)
+    threads = torch.get_num_threads()
+    torch.set_num_threads(1)  # as every test runs (the autouse fixture comes after a module's)
+    try:
+        history = est.fit(TRAIN, epochs=2, event_handlers=[
+            ValidationHandler(VAL, est.evaluate, epoch_period=None, batch_period=3),
+            CheckpointHandler(directory, batch_period=2, epoch_period=None, save_best=True, monitor="val_loss",
+                              max_checkpoints=None),
+            recorder])
+    finally:
+        logger.removeHandler(collect)
+        torch.set_num_threads(threads)
+    return est, history, recorder, records, directory
+
+
+def test_six_step_level_validations_in_two_epochs_are_logged_and_kept(step_validated):
+    est, history, recorder, records, _ = step_validated
+    validations = history.validations
+    assert validations.steps == [3, 6, 9, 12, 15, 18]
+    assert validations.epochs == [1, 1, 1, 2, 2, 2]
+    lines = [line for line in records if "Validation:" in line]
+    assert len(lines) == 6
+    for line, step, epoch, loss in zip(lines, validations.steps, validations.epochs, validations["val_loss"]):
+        assert line.startswith(f"[Epoch {epoch}/2][Step {step}] Validation: val_loss: {loss:.4f}")
+    # each recorded value is what the weights of that step evaluate to
+    for step, loss in zip(validations.steps, validations["val_loss"]):
+        assert evaluated(recorder.weights[step]) == loss
+    # the epoch rows keep the epoch's last validation, as before
+    assert history["val_loss"] == [validations["val_loss"][2], validations["val_loss"][5]]
+
+
+def test_the_best_file_holds_the_weights_that_were_evaluated(step_validated):
+    """Validation every 3 steps, saves every 2: the best file is written at its validation."""
+    _, history, _, _, directory = step_validated
+    losses = history.validations["val_loss"]
+    best = min(losses)
+    best_step = history.validations.steps[losses.index(best)]
+    payload = load(directory / "model-best.pt")
+    state = payload["ranks"][0]["handlers"]["CheckpointHandler"]
+    assert (state["best"], state["best_step"]) == (best, best_step)
+    assert payload["ranks"][0]["position"]["step"] == best_step
+    assert evaluated(load_weights(directory / "model-best.pt")) == best
+
+
+def test_per_epoch_validation_with_batch_saves_writes_the_best_at_its_validation(tmp_path):
+    """The reported case: save_best at batch saves every 5 steps, validation per epoch."""
+    est = bert_estimator()
+    history = est.fit(TRAIN, VAL, epochs=3, event_handlers=[
+        CheckpointHandler(tmp_path, batch_period=5, epoch_period=None, save_best=True, monitor="val_loss")])
+    best = min(history["val_loss"])
+    state = load(tmp_path / "model-best.pt")["ranks"][0]["handlers"]["CheckpointHandler"]
+    assert state["best"] == best
+    assert state["best_step"] == 9 * (history["val_loss"].index(best) + 1)  # the end of the best epoch
+    assert evaluated(load_weights(tmp_path / "model-best.pt")) == best
+
+
+def test_restore_best_loads_the_best_files_weights_at_the_end(tmp_path):
+    est = bert_estimator()
+    history = est.fit(TRAIN, epochs=2, event_handlers=[
+        ValidationHandler(VAL, est.evaluate, epoch_period=None, batch_period=3),
+        CheckpointHandler(tmp_path, batch_period=4, epoch_period=None, save_best=True, monitor="val_loss",
+                          restore_best=True)])
+    assert_tree_equal(est.net.state_dict(), load_weights(tmp_path / "model-best.pt"))
+    assert est.evaluate(VAL)["val_loss"] == min(history.validations["val_loss"])
+
+
+def test_restore_best_needs_a_best_file():
+    with pytest.raises(ValueError, match="restore_best=True .* save_best=True"):
+        CheckpointHandler("unused", restore_best=True)
+
+
+def test_early_stopping_counts_step_level_validations():
+    """patience in validations: the stop comes at the boundary of the first validation that
+    did not improve (patience=1), mid-epoch, and restore_best_weights gives the weights the
+    best validation measured."""
+    est = bert_estimator(lr=1.5e-2)  # a rate at which the validation loss goes up and down
+    recorder = notice_recorder()
+    stopper = EarlyStoppingHandler("val_loss", patience=1, restore_best_weights=True)
+    history = est.fit(TRAIN, epochs=2, event_handlers=[
+        ValidationHandler(VAL, est.evaluate, epoch_period=None, batch_period=3), stopper, recorder])
+    losses = history.validations["val_loss"]
+    assert all(later < earlier for earlier, later in zip(losses[:-2], losses[1:-1]))  # improving until
+    assert not losses[-1] < min(losses[:-1])  # the last did not improve: it stopped there
+    assert len(losses) < 6 and est.position.step == 3 * len(losses) == history.validations.steps[-1]
+    assert stopper.best_step == 3 * (len(losses) - 1)
+    assert_tree_equal(est.net.state_dict(), recorder.weights[stopper.best_step])
+
+
+def test_step_level_validations_survive_a_resume(step_validated):
+    """Ctrl-C at step 10, then fit(resume=True): the same validations, values and steps."""
+    est = bert_estimator()
+    handlers = [ValidationHandler(VAL, est.evaluate, epoch_period=None, batch_period=3)]
+    with pytest.raises(KeyboardInterrupt):
+        est.fit(TRAIN, epochs=2, event_handlers=[*handlers, ctrl_c_at(10)])
+    history = est.fit(TRAIN, epochs=2, event_handlers=handlers, resume=True)
+    reference = step_validated[1].validations
+    assert history.validations.to_dict() == reference.to_dict()
+    assert not any(math.isnan(v) for v in history.validations["val_loss"])
+    assert re.fullmatch(r"Validations\(steps=\[3, .*18\], metrics=\['val_loss'\]\)", repr(history.validations))
