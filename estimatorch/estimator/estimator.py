@@ -63,11 +63,16 @@ class Estimator(RunView):
         batch_processor: the step (see :class:`BatchProcessor`). Defaults to ``BatchProcessor()``.
         lr_scheduler: a torch LR scheduler of ``optimizer``, or a callable ``(optimizer,
             total_steps) -> scheduler`` that the first ``fit`` calls at its start with the steps
-            the scheduler will take (optimizer steps for ``lr_scheduler_interval="batch"``, see
-            :meth:`planned_steps`; epochs for ``"epoch"``). A default ``LRSchedulerHandler``
-            steps it. Defaults to None.
+            the scheduler will take: optimizer steps (see :meth:`planned_steps`), or epochs with
+            ``lr_scheduler_interval="epoch"``. ``transformers``' ``get_*_schedule_with_warmup``
+            factories thus reach their peak after their warm-up steps with no other argument. A
+            default ``LRSchedulerHandler`` steps it. Defaults to None.
         lr_scheduler_interval: ``"epoch"`` (step ``lr_scheduler`` after every epoch, after
-            validation) or ``"batch"`` (after every optimizer step). Defaults to ``"epoch"``.
+            validation) or ``"batch"`` (after every optimizer step). Defaults to None: ``"batch"``
+            for a callable ``lr_scheduler`` (sized and stepped in optimizer steps), ``"epoch"``
+            for a scheduler object (PyTorch's convention). ``est.lr_scheduler_interval`` holds
+            the one chosen. (Before this default a callable was stepped per epoch: pass
+            ``"epoch"`` to keep that.)
         seed: seeds every generator at the start of ``fit`` and the data order: an int in
             ``[0, 2**64)`` (what torch, numpy and python's ``random`` all accept). Defaults to
             :data:`estimatorch.rng.DEFAULT_SEED`, so runs are reproducible unless you choose.
@@ -129,8 +134,9 @@ class Estimator(RunView):
                  device: Union[str, torch.device, None] = None, val_net: Optional[nn.Module] = None,
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
-                 lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
-                 deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
+                 lr_scheduler_interval: Optional[str] = None, seed: Optional[int] = None,
+                 precision: Union[str, int] = "32", deterministic: bool = False, cudnn_benchmark: bool = False,
+                 strategy: Optional[str] = None,
                  cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None):
         checks.check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         precision = checks.precision_name(precision)
@@ -159,9 +165,8 @@ class Estimator(RunView):
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
         #: then :attr:`lr_scheduler_factory`)
-        self.lr_scheduler, self.lr_scheduler_factory = checks.check_lr_scheduler(lr_scheduler, optimizer,
-                                                                          lr_scheduler_interval)
-        self.lr_scheduler_interval = lr_scheduler_interval
+        self.lr_scheduler, self.lr_scheduler_factory, self.lr_scheduler_interval = checks.check_lr_scheduler(
+            lr_scheduler, optimizer, lr_scheduler_interval)
         self._amp_dtype = amp_dtype = checks.PRECISIONS[precision]
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)

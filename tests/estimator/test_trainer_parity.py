@@ -168,3 +168,49 @@ def test_step_level_validations_survive_a_resume(step_validated):
     assert history.validations.to_dict() == reference.to_dict()
     assert not any(math.isnan(v) for v in history.validations["val_loss"])
     assert re.fullmatch(r"Validations\(steps=\[3, .*18\], metrics=\['val_loss'\]\)", repr(history.validations))
+
+
+# -- schedules in their unit ---------------------------------------------------------------------
+def test_a_warmup_factory_reaches_its_peak_without_an_interval():
+    """``lr_scheduler=lambda opt, total: get_linear_schedule_with_warmup(opt, 6, total)`` and
+    nothing else: sized with the optimizer steps and stepped after each, as Trainer does."""
+    from transformers import get_linear_schedule_with_warmup
+
+    from estimatorch.events import BatchBegin, Handler
+
+    model = tiny_bert(VOCAB)
+    sizes, rates = [], []
+
+    def factory(optimizer, total):
+        sizes.append(total)
+        return get_linear_schedule_with_warmup(optimizer, 6, total)
+
+    class Rates(Handler, BatchBegin):
+        def batch_begin(self, estimator, **kwargs):
+            rates.append(estimator.optimizer.param_groups[0]["lr"])
+
+    est = Estimator(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3), lr_scheduler=factory)
+    est.fit(TRAIN, epochs=2, event_handlers=[Rates()])
+    assert sizes == [est.planned_steps(TRAIN, epochs=2)] == [18]
+    reference = torch.optim.AdamW(tiny_bert(VOCAB).parameters(), lr=1e-3)
+    schedule = get_linear_schedule_with_warmup(reference, 6, 18)
+    expected = []
+    for _ in range(18):
+        expected.append(reference.param_groups[0]["lr"])
+        reference.step()
+        schedule.step()
+    assert rates == expected  # Trainer's rates, step for step
+    assert max(rates) == rates[6] == 1e-3
+
+
+def test_a_warmup_scheduler_stepped_per_epoch_is_named_in_a_warning():
+    """A scheduler *object* keeps PyTorch's per-epoch default; one counted in optimizer steps
+    then ends long after the plan, which fit says, naming lr_scheduler_interval."""
+    from transformers import get_linear_schedule_with_warmup
+
+    model = tiny_bert(VOCAB)
+    optimizer = torch.optim.AdamW(model.parameters(), lr=1e-3)
+    est = Estimator(model, optimizer=optimizer, lr_scheduler=get_linear_schedule_with_warmup(optimizer, 6, 18))
+    with pytest.warns(UserWarning, match=r"LambdaLR is stepped every epoch and ends after 18 epochs, but .* "
+                                         r"takes 2 .*lr_scheduler_interval='batch'"):
+        est.fit(TRAIN, epochs=2)

@@ -172,21 +172,25 @@ def check_fit_arguments(train_data: Any, val_data: Any, epochs: Any, batches: An
                         f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
 
 
-def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, interval: Any) -> tuple[Any, Any]:
+def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, interval: Any) -> tuple[Any, Any, str]:
     """``Estimator``'s ``lr_scheduler`` and ``lr_scheduler_interval``: returns ``(scheduler,
-    factory)``, one of them None (both without a schedule). A scheduler must be one of
-    ``optimizer``; a factory is any other callable, ``(optimizer, total_steps) -> scheduler``."""
-    if interval not in ("epoch", "batch"):
-        raise ValueError(f"lr_scheduler_interval must be 'epoch' or 'batch', got {interval!r}")
+    factory, interval)``, one of the first two None (both without a schedule). A scheduler must
+    be one of ``optimizer``; a factory is any other callable, ``(optimizer, total_steps) ->
+    scheduler``. An interval of None is a factory's unit, ``"batch"`` (its ``total_steps`` are
+    optimizer steps, as ``transformers``' ``get_*_schedule_with_warmup`` count them), and
+    ``"epoch"`` for a scheduler (PyTorch's convention: ``scheduler.step()`` after each epoch)."""
+    if interval not in (None, "epoch", "batch"):
+        raise ValueError(f"lr_scheduler_interval must be 'epoch' or 'batch' (or None: 'batch' for a callable "
+                         f"lr_scheduler, 'epoch' for a scheduler), got {interval!r}")
     if lr_scheduler is None:
-        return None, None
+        return None, None, interval or "epoch"
     if all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
         if getattr(lr_scheduler, "optimizer", None) is not optimizer:
             raise ValueError("lr_scheduler must schedule this estimator's optimizer")
-        return lr_scheduler, None
+        return lr_scheduler, None, interval or "epoch"
     if callable(lr_scheduler):
         _check_factory_arity(lr_scheduler)
-        return None, lr_scheduler
+        return None, lr_scheduler, interval or "batch"
     raise TypeError("lr_scheduler must be a torch LR scheduler or a callable (optimizer, total_steps) -> "
                     f"scheduler, got {lr_scheduler!r}")
 
