@@ -32,7 +32,8 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     a handler asks to stop there (early stopping), this handler's event returns True.
 
     Args:
-        val_data: the validation batches: a re-iterable (a ``DataLoader``, a list), not empty.
+        val_data: the validation batches: a re-iterable (a ``DataLoader``, a list), not empty; or
+            a dict of named eval sets (``est.evaluate`` gives each its metrics ``val_<set>_<name>``).
         eval_fn: normally ``est.evaluate``.
         epoch_period: evaluate every this many epochs; None for never. Defaults to 1.
         batch_period: evaluate every this many batches (counted over the run). Defaults to None.
@@ -58,13 +59,11 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, event_handlers: Any = None):
-        if not isinstance(val_data, Iterable) or isinstance(val_data, (str, bytes)):
-            raise TypeError(f"val_data must be an iterable of batches, got {type(val_data).__name__}")
-        if isinstance(val_data, Iterator):
-            raise TypeError(f"val_data is an iterator ({type(val_data).__name__}), which can be read only once; "
-                            "pass a list or a DataLoader")
-        if _length(val_data) == 0:
-            raise ValueError(f"val_data is empty: a {type(val_data).__name__} of length 0")
+        sets = val_data.items() if isinstance(val_data, Mapping) else [(None, val_data)]
+        if isinstance(val_data, Mapping) and not val_data:
+            raise ValueError("val_data is an empty dict: give it named eval sets, e.g. {'valid': loader}")
+        for name, data in sets:
+            _check_val_data(data, "val_data" if name is None else f"val_data[{name!r}]")
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable (e.g. est.evaluate), got {eval_fn!r}")
         self.val_data = val_data
@@ -129,6 +128,16 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
             if value is not None:
                 value = check_positive_int(value, f"state of {self.name}: {key}", minimum=0)
             setattr(self, attr, value if counted else None)
+
+
+def _check_val_data(data: Any, arg: str) -> None:
+    if not isinstance(data, Iterable) or isinstance(data, (str, bytes, Mapping)):
+        raise TypeError(f"{arg} must be an iterable of batches, got {type(data).__name__}")
+    if isinstance(data, Iterator):
+        raise TypeError(f"{arg} is an iterator ({type(data).__name__}), which can be read only once; "
+                        "pass a list or a DataLoader")
+    if _length(data) == 0:
+        raise ValueError(f"{arg} is empty: a {type(data).__name__} of length 0")
 
 
 def _length(data: Any) -> Optional[int]:

@@ -214,3 +214,136 @@ def test_a_warmup_scheduler_stepped_per_epoch_is_named_in_a_warning():
     with pytest.warns(UserWarning, match=r"LambdaLR is stepped every epoch and ends after 18 epochs, but .* "
                                          r"takes 2 .*lr_scheduler_interval='batch'"):
         est.fit(TRAIN, epochs=2)
+
+
+# -- datasets as they come -----------------------------------------------------------------------
+def text_rows(n: int = 24, seed: int = 0) -> dict:
+    """Tokenized rows of several lengths with the text column a newcomer leaves in."""
+    g = torch.Generator().manual_seed(seed)
+    lengths = torch.randint(3, 9, (n,), generator=g).tolist()
+    return {"text": [f"sentence {i}" for i in range(n)],
+            "input_ids": [torch.randint(6, VOCAB, (k,), generator=g).tolist() for k in lengths],
+            "attention_mask": [[1] * k for k in lengths],
+            "label": torch.randint(0, 3, (n,), generator=g).tolist()}
+
+
+@pytest.fixture(scope="module")
+def hf_rows():
+    datasets = pytest.importorskip("datasets")
+    return datasets.Dataset.from_dict(text_rows())
+
+
+def test_a_datasets_dataset_trains_with_batch_size_its_text_column_dropped(hf_rows, estimatorch_log):
+    """fit(ds, batch_size=8): the same steps as the DataLoader a user would write without the
+    text column, padded; the column is named once in the log."""
+    from torch.utils.data import DataLoader
+
+    from estimatorch.collate import PadCollate
+    from tests.conftest import losses_recorder
+
+    losses, recorder = losses_recorder()
+    est = bert_estimator()
+    est.fit(hf_rows, epochs=2, batch_size=8, event_handlers=[recorder])
+    dropped = [r.getMessage() for r in estimatorch_log if "are dropped" in r.getMessage()]
+    assert dropped == ["train_data: the columns ['text'] are not arguments of BertForSequenceClassification.forward "
+                       "and are dropped (as Trainer does)"]
+    expected, reference = losses_recorder()
+    by_hand = bert_estimator()
+    loader = DataLoader(hf_rows.remove_columns(["text"]), batch_size=8, shuffle=True, collate_fn=PadCollate(0))
+    by_hand.fit(loader, epochs=2, event_handlers=[reference])
+    assert len(losses) == 6 and losses == expected
+    assert_tree_equal(est.net.state_dict(), by_hand.net.state_dict())
+    # evaluate and predict take it alike, in order
+    assert est.evaluate(hf_rows, batch_size=5) == est.evaluate(DataLoader(hf_rows.remove_columns(["text"]),
+                                                                          batch_size=5, collate_fn=PadCollate(0)))
+    assert est.predict(hf_rows, batch_size=7).shape == (len(hf_rows), 3)
+
+
+def test_a_dataset_resumes_exactly_mid_epoch(hf_rows):
+    from tests.conftest import losses_recorder
+
+    losses, recorder = losses_recorder()
+    est = bert_estimator()
+    est.fit(hf_rows, epochs=2, batch_size=8, event_handlers=[recorder])
+    resumed_losses, resumed_recorder = losses_recorder()
+    resumed = bert_estimator()
+    with pytest.raises(KeyboardInterrupt):
+        resumed.fit(hf_rows, epochs=2, batch_size=8, event_handlers=[resumed_recorder, ctrl_c_at(4)])
+    resumed.fit(hf_rows, epochs=2, batch_size=8, event_handlers=[resumed_recorder], resume=True)
+    assert resumed_losses == losses
+    assert_tree_equal(resumed.net.state_dict(), est.net.state_dict())
+
+
+def test_a_datasets_dataset_without_batch_size_is_refused_naming_the_fix(hf_rows):
+    est = bert_estimator()
+    before = copy.deepcopy(est.net.state_dict())
+    with pytest.raises(TypeError, match=r"train_data is a datasets.Dataset of 24 rows, not an iterable of batches: "
+                                        r"pass batch_size= .* or a DataLoader\(ds, batch_size=16"):
+        est.fit(hf_rows, epochs=1)
+    with pytest.raises(TypeError, match=r"val_data is a datasets.Dataset"):
+        est.evaluate(hf_rows)
+    assert_tree_equal(est.net.state_dict(), before)
+
+
+def test_a_text_column_a_transformers_collator_would_meet_is_named(hf_rows, tmp_path):
+    """The user's own DataLoader with DataCollatorWithPadding and the text left in: named before
+    any step, instead of transformers' "Unable to create tensor" at the first batch."""
+    from torch.utils.data import DataLoader
+    from transformers import DataCollatorWithPadding
+
+    from tests.hf_models import train_tokenizer, write_corpus
+
+    tokenizer = train_tokenizer(write_corpus(str(tmp_path)))
+    loader = DataLoader(hf_rows, batch_size=8, collate_fn=DataCollatorWithPadding(tokenizer))
+    with pytest.raises(ValueError, match=r"train_data: the text columns \['text'\] .*ds.remove_columns\(\['text'\]\)"):
+        bert_estimator().fit(loader, epochs=1)
+    bert_estimator().fit(DataLoader(hf_rows.remove_columns(["text"]), batch_size=8,
+                                    collate_fn=DataCollatorWithPadding(tokenizer)), epochs=1)  # the fix trains
+
+
+def test_a_torch_dataset_of_dict_rows_drops_what_forward_does_not_take(estimatorch_log):
+    rows = text_rows(12)
+
+    class Rows(torch.utils.data.Dataset):
+        def __len__(self):
+            return 12
+
+        def __getitem__(self, i):
+            return {key: column[i] for key, column in rows.items()}
+
+    history = bert_estimator().fit(Rows(), epochs=1, batch_size=4)
+    assert len(history["train_loss"]) == 1
+    assert any("the columns ['text'] are not arguments" in r.getMessage() for r in estimatorch_log)
+
+
+def test_two_eval_sets_give_two_val_losses(hf_rows, estimatorch_log):
+    """val_data={"a": ..., "b": ...}: val_a_loss and val_b_loss, each what evaluating that set
+    alone gives; a monitor of val_loss follows the first set's, val_b_loss chooses the other."""
+    sets = {"a": hf_rows.select(range(8)), "b": hf_rows.select(range(8, 24))}
+    est = bert_estimator()
+    first = EarlyStoppingHandler("val_loss", patience=5)
+    second = EarlyStoppingHandler("val_b_loss", patience=5)
+    history = est.fit(hf_rows, val_data=sets, epochs=2, batch_size=8, event_handlers=[first, second])
+    assert history.metrics == ["train_loss", "val_a_loss", "val_b_loss"]
+    assert first.monitor.name == "val_a_loss" and second.monitor.name == "val_b_loss"
+    assert any("EarlyStoppingHandler monitors val_loss: the first eval set's val_a_loss" in r.getMessage()
+               for r in estimatorch_log)
+    alone = {name: est.evaluate(data, batch_size=8)["val_loss"] for name, data in sets.items()}
+    assert (history["val_a_loss"][-1], history["val_b_loss"][-1]) == (alone["a"], alone["b"])
+    both = est.evaluate(sets, batch_size=8)
+    assert both == {"val_a_loss": alone["a"], "val_b_loss": alone["b"]}
+    assert [m.name for m in est.val_metrics] == ["val_a_loss", "val_b_loss"]  # outside fit: the last data's
+    est.evaluate(sets["a"], batch_size=8)
+    assert [m.name for m in est.val_metrics] == ["val_loss"]
+
+
+def test_a_custom_loss_on_a_model_output_names_the_fix():
+    """Trainer's compute_loss habit: loss(outputs, labels) and Accuracy() on the same outputs."""
+    from estimatorch.metrics import Accuracy
+
+    model = tiny_bert(VOCAB)
+    est = Estimator(model, lambda out, labels: torch.nn.functional.cross_entropy(out.logits, labels),
+                    train_metrics=[Accuracy()], optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
+    with pytest.raises(TypeError, match=r"train_accuracy.update\(preds, target\) got a SequenceClassifierOutput, "
+                                        r"the model's whole output .*Estimator\(model, optimizer=...\) without a loss"):
+        est.fit(TRAIN, epochs=1)

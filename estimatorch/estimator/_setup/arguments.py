@@ -13,6 +13,7 @@ from torch import nn
 from ... import distributed
 from ..._checks import check_bool, check_positive_int, is_int
 from ...events import handler_name
+from .eval_sets import eval_sets
 
 __all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
            "check_flags", "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]
@@ -165,8 +166,9 @@ def check_fit_arguments(train_data: Any, val_data: Any, epochs: Any, batches: An
     if not is_int(batch_axis) or batch_axis < 0:
         raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
     check_bool(resume, "resume")
-    if val_data is not None:
-        check_iterable(val_data, "val_data", reread=True)
+    sets = eval_sets(val_data)
+    for name, data in (sets.items() if sets is not None else [(None, val_data)] if val_data is not None else []):
+        check_iterable(data, "val_data" if name is None else f"val_data[{name!r}]", reread=True)
     if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
         raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
                         f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
