@@ -347,3 +347,45 @@ def test_a_custom_loss_on_a_model_output_names_the_fix():
     with pytest.raises(TypeError, match=r"train_accuracy.update\(preds, target\) got a SequenceClassifierOutput, "
                                         r"the model's whole output .*Estimator\(model, optimizer=...\) without a loss"):
         est.fit(TRAIN, epochs=1)
+
+
+# -- label smoothing -------------------------------------------------------------------------------
+@pytest.mark.parametrize("name", ["bert-classifier", "gpt2"])
+def test_label_smoothing_is_trainers_label_smoother(name):
+    """BatchProcessor(label_smoothing=0.1): the loss of Trainer's LabelSmoother on the same
+    logits (shifted for a causal LM), for training and evaluation."""
+    from transformers.trainer_pt_utils import LabelSmoother
+
+    from estimatorch import BatchProcessor
+    from estimatorch.event_handlers import BatchEnd
+    from tests.hf_models import lm_batches, tiny_gpt2
+
+    model = tiny_bert(VOCAB) if name == "bert-classifier" else tiny_gpt2(VOCAB)
+    batches = TRAIN[:2] if name == "bert-classifier" else lm_batches(VOCAB, n=2)
+    reference = copy.deepcopy(model)
+    seen = []
+
+    class Losses(BatchEnd):
+        def batch_end(self, estimator, *, loss, **kwargs):
+            seen.append(loss.detach().clone())
+
+    est = Estimator(model, optimizer=torch.optim.SGD(model.parameters(), lr=0.0),  # lr 0: the weights stay
+                    batch_processor=BatchProcessor(label_smoothing=0.1))
+    est.fit(batches, epochs=1, event_handlers=[Losses()])
+    smoother = LabelSmoother(epsilon=0.1)
+    reference.train()
+    for batch, loss in zip(batches, seen):
+        torch.manual_seed(0)
+        inputs = {k: v for k, v in batch.items() if k != "labels"}
+        with torch.no_grad():
+            reference.eval()  # (dropout off for the comparison: the estimator's step drew its own masks)
+            expected = smoother(reference(**inputs), batch["labels"], shift_labels=name == "gpt2")
+            est.net.eval()
+            got = est.batch_processor.evaluate_batch(est, batch)[3]
+        torch.testing.assert_close(got, expected)
+        assert loss.shape == ()
+    with torch.no_grad():
+        own = reference(**batches[0]).loss  # the model's own loss differs: smoothing took its place
+    assert not torch.equal(own, est.batch_processor.evaluate_batch(est, batches[0])[3])
+    with pytest.raises(ValueError, match=r"label_smoothing must be a number in \[0, 1\), got 1.5"):
+        BatchProcessor(label_smoothing=1.5)
