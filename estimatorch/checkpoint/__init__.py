@@ -74,9 +74,10 @@ from ._format import (
     read_format_version,
     validate,
 )
+from ._frozen import frozen_keys
 from ._layout import Layout
 from ._lease import LeaseLostError
-from ._locate import Located, load_weights, locate, saved_files
+from ._locate import Located, load_into, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
@@ -124,6 +125,8 @@ __all__ = [
     "list_weights",
     "load",
     "is_sharded_module",
+    "frozen_keys",
+    "load_into",
     "load_model_state",
     "load_weights",
     "locate",

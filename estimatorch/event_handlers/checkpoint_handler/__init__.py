@@ -109,6 +109,18 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
     best file's weights into the net at its end (Trainer's ``load_best_model_at_end``; a fit
     stopped by a signal or an error keeps its weights, which a resume continues from).
 
+    **Adapter-only checkpoints.** For a net with frozen parameters (a PEFT LoRA model over its
+    base, a frozen backbone) a checkpoint holds, by default, the trainable parameters, every
+    buffer, the optimizer and the rest of the run's state, and a fingerprint (shape, dtype,
+    digest) of each frozen parameter instead of its values: a resume takes the frozen weights from
+    the model the script builds (the same pretrained base) and refuses one whose frozen weights
+    differ, naming the first. ``save_frozen=True`` writes them too. Why by default: frozen weights
+    never change during a fit, the script that resumes builds them anyway, and on a real base they
+    are gigabytes per checkpoint, times ``max_checkpoints``. :func:`~estimatorch.checkpoint.load_into`
+    loads such a checkpoint into a net built on the base (then ``net.save_pretrained(dir)`` writes
+    the adapter, ``net.merge_and_unload()`` gives the merged model); weights exports
+    (``save_weights_only``) hold the whole model, for inference.
+
     **Retention** deletes only periodic files of ``model_prefix`` that this fit wrote or that
     belong to the run it resumed (readable files up to the one it resumed from), never the file
     the pointer names, never ``-best.pt``, never a file it skipped as unusable or cannot read.
@@ -201,6 +213,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         restore_best: at the end of a fit that ran its plan or stopped early, load the weights
             of the best file (needs ``save_best`` or ``save_best_only``), logged with its step
             and value. Defaults to False.
+        save_frozen: for a net with frozen parameters (a PEFT LoRA model, a frozen backbone),
+            also write them into each checkpoint; by default a checkpoint holds the trainable
+            parameters, the buffers and a fingerprint of the frozen ones (see above). Defaults
+            to False.
 
     Example:
         >>> import tempfile
@@ -220,7 +236,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
                  elastic: bool = False, async_save: Union[bool, str] = False, sharded: Optional[bool] = None,
-                 storage_options: Optional[dict[str, Any]] = None, restore_best: bool = False):
+                 storage_options: Optional[dict[str, Any]] = None, restore_best: bool = False,
+                 save_frozen: bool = False):
         self.monitor_name = check_arguments(  # each error names the argument and its value
             model_dir, model_prefix, monitor, verbose, save_best, mode, epoch_period, batch_period, max_checkpoints,
             resume_from_checkpoint, save_best_only, save_weights_only, initial_value_threshold, elastic)
@@ -248,6 +265,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             raise ValueError("restore_best=True loads the best file's weights at the end: pass save_best=True (or "
                              "save_best_only=True) with monitor=")
         self.restore_best = restore_best
+        if not isinstance(save_frozen, bool):
+            raise TypeError(f"save_frozen must be True or False, got {save_frozen!r}")
+        self.save_frozen = save_frozen
         self._val_monitor = False  # decided at train_begin: a val metric is read at its validations
         self._writer = checkpoint.make_writer(async_save)  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
@@ -439,7 +459,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             estimator.logger.info("restore_best: no %s was written (%s never improved): the weights stay the "
                                   "last step's", path, metric_name(self.monitor))
             return
-        checkpoint.load_model_state(estimator.net, checkpoint.load_weights(path))
+        checkpoint.load_into(estimator.net, path)
         estimator.logger.info("Restored the weights of step %d (best %s: %.6g) from %s", self.best_step,
                               metric_name(self.monitor), self.best, path)
 

@@ -86,7 +86,7 @@ def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool 
         sharded = handler._layout.sharded
         state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
     else:
-        state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
+        state = checkpoint.build_payload(estimator, save_frozen=handler.save_frozen)  # a collective
     writer = handler._writer if background else None
     if writer is None:  # a full disk on rank 0 stops every rank, never a hang
         distributed.run_on_main(lambda: _write(handler, estimator, state, names, best, step, periodic=periodic),
