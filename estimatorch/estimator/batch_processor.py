@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._batches import call_loss, call_net, split_batch, split_inputs
-from .._checks import check_bool
+from .._checks import check_bool, is_real
 from .._items import loss_items, own_loss_items, passes_num_items, sums_items
 from .._model_loss import is_causal_lm, logits_of, model_inputs, own_loss_step
 from ..events import Dispatch, EstimatorView
@@ -73,6 +73,10 @@ class BatchProcessor:
         shift_labels: without a loss, whether the metrics compare the logits at token t with the
             label at t + 1 (the shift of a causal language model's loss). Defaults to None: for
             the ``transformers`` causal LM classes (those ``AutoModelForCausalLM`` builds).
+        label_smoothing: without a loss, train and evaluate on the label-smoothed cross-entropy
+            of the model's logits instead of its own loss (``Trainer``'s
+            ``label_smoothing_factor``: the model is called without ``labels``; shifted for a
+            causal LM, -100 skipped). A number in [0, 1). Defaults to 0 (the model's loss).
 
     Example:
         >>> class TwoInputs(BatchProcessor):
@@ -92,10 +96,15 @@ class BatchProcessor:
     shift_labels: Optional[bool] = None
     _causal: Optional[tuple[Any, bool]] = None  # (the net, whether it is a causal LM)
 
-    def __init__(self, *, shift_labels: Optional[bool] = None):
+    label_smoothing: float = 0.0
+
+    def __init__(self, *, shift_labels: Optional[bool] = None, label_smoothing: float = 0.0):
         if shift_labels is not None:
             check_bool(shift_labels, "shift_labels")
+        if not is_real(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
         self.shift_labels = shift_labels
+        self.label_smoothing = float(label_smoothing)
 
     def fit_batch(self, estimator: StepEstimator, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
         """Forward, loss and backward for one batch (already on the device).
@@ -113,10 +122,11 @@ class BatchProcessor:
                 data, shift = batch, self._shift(estimator.net)
                 if estimator.weighs_items:  # the model divides its loss by these items (as Trainer has it)
                     items = own_loss_items(batch, shift, batch_axis)
-                    if passes_num_items(estimator.net, batch):
+                    if not self.label_smoothing and passes_num_items(estimator.net, batch):
                         batch = {**batch, "num_items_in_batch": items.clamp(min=1)
                                  if isinstance(items, torch.Tensor) else max(items, 1)}
-                pred, label, loss = own_loss_step(estimator.train_net, estimator.net, batch, "train_data", shift)
+                pred, label, loss = own_loss_step(estimator.train_net, estimator.net, batch, "train_data", shift,
+                                                  self.label_smoothing)
                 batch = data
             else:
                 data, label = split_batch(batch)
@@ -142,7 +152,7 @@ class BatchProcessor:
         with estimator.autocast():
             if estimator.val_loss is None:
                 pred, label, loss = own_loss_step(estimator.val_net, estimator.val_net, batch, "val_data",
-                                                  self._shift(estimator.val_net))
+                                                  self._shift(estimator.val_net), self.label_smoothing)
                 return batch, label, pred, loss
             data, label = split_batch(batch)
             pred = call_net(estimator.val_net, data)
