@@ -90,6 +90,36 @@ def test_the_same_cadence_over_more_steps_adds_only_the_extra_firings(tmp_path, 
     assert sum(long.values()) - sum(short.values()) == (firings[100] - firings[50]) * per_firing
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["items", "world_size_invariant"])
+def test_the_items_rule_and_the_slot_tree_read_nothing_on_the_host_per_step(syncs, invariant):
+    """A token loss with padding (labels -100), 2 accumulation steps, clipping: the window's count
+    of labels stays a device tensor, and under world_size_invariant the tree's folds and the clip
+    by rows read nothing either. Only the default handlers, which fire at the epoch's end; SGD (AdamW
+    reads its step count with .item() on the CPU)."""
+    from torch import nn
+
+    from estimatorch import Estimator
+    from estimatorch.event_handlers import GradientUpdateHandler
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), _ClassesFirst())
+    est = Estimator(net, nn.CrossEntropyLoss(ignore_index=-100), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    world_size_invariant=invariant)
+    labels = (torch.arange(16 * 5) % 3).view(16, 5).masked_fill(torch.arange(16 * 5).view(16, 5) % 7 == 0, -100)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 5, 4), labels)
+    per_step: list[int] = []
+    mark = []
+    first = LambdaHandler(batch_begin=lambda e, **kw: mark.append(sum(syncs.values())), priority=-float("inf"))
+    last = LambdaHandler(batch_end=lambda e, **kw: per_step.append(sum(syncs.values()) - mark[-1]),
+                         priority=float("inf"))
+    update = GradientUpdateHandler(accumulation_steps=2, clip_grad_norm=0.5)
+    syncs.clear()
+    est.fit(torch.utils.data.DataLoader(data, batch_size=2), epochs=2, event_handlers=[first, update, last])
+    assert est.step_items is None and len(per_step) == 16  # weighed during the fit (2 steps per window)
+    assert per_step == [0] * 16
+    assert sum(syncs.values()) > 0  # the counting works: the epochs' ends read the metrics
+
+
 # -- collectives under torch.distributed ------------------------------------------------------------
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "gather_object", "broadcast_object_list",
                "barrier", "reduce", "gather", "scatter", "reduce_scatter", "all_to_all")

@@ -14,7 +14,7 @@ from .. import distributed
 from .._checks import warn_user
 from ..events import EstimatorView
 
-__all__ = ["invariant_reduction", "release"]
+__all__ = ["invariant_reduction", "release", "warn_thread_counts"]
 
 Reduction = Union[distributed.SlotReduction, distributed.FsdpSlotReduction]
 
@@ -29,11 +29,8 @@ def invariant_reduction(estimator: EstimatorView, params: list[torch.nn.Paramete
     if isinstance(net, DistributedDataParallel):
         net.require_backward_grad_sync = False  # no backward synchronises: the step's sum is exchanged
     _warn_running_statistics(estimator.net)
-    threads = distributed.gather_objects(torch.get_num_threads()) if distributed.is_distributed() else []
-    if len(set(threads)) > 1:
-        warn_user(f"world_size_invariant=True, but the processes run torch on {threads} threads (by rank): a CPU "
-                  "kernel's sums depend on its thread count, so the same micro-batch gives other gradient bits "
-                  "on another rank; give every process the same torch.set_num_threads(n)")
+    if distributed.is_distributed():
+        warn_thread_counts(distributed.gather_objects(torch.get_num_threads()))
     trained = [p for p in params if p.requires_grad]  # a frozen parameter keeps no gradient (as under DDP)
     return distributed.slot_reduction(net, trained, accumulation_steps, lambda: items.weight)
 
@@ -43,6 +40,14 @@ def release(estimator: EstimatorView) -> None:
     net: Any = estimator.train_net
     if isinstance(net, DistributedDataParallel):
         net.require_backward_grad_sync = True
+
+
+def warn_thread_counts(threads: list[int]) -> None:
+    """Warn when the ranks' torch thread counts (``threads``, by rank) differ."""
+    if len(set(threads)) > 1:
+        warn_user(f"world_size_invariant=True, but the processes run torch on {threads} threads (by rank): a CPU "
+                  "kernel's sums depend on its thread count, so the same micro-batch gives other gradient bits "
+                  "on another rank; give every process the same torch.set_num_threads(n)")
 
 
 def _warn_running_statistics(net: torch.nn.Module) -> None:
