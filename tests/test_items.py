@@ -96,7 +96,7 @@ def _rows(step):
 
 def _batch(rows, kind, part=None, parts=1):
     rows = {k: v.chunk(parts)[part] if part is not None else v for k, v in rows.items()}
-    return rows if kind == "llama" else (rows["input_ids"], rows["labels"])
+    return rows if kind.startswith("llama") else (rows["input_ids"], rows["labels"])
 
 
 def _train(kind, per_step, accumulation, rank=0):
@@ -104,9 +104,13 @@ def _train(kind, per_step, accumulation, rank=0):
     which this rank trains slots ``rank * accumulation`` to ``rank * accumulation + accumulation - 1``
     (the elastic layout's); the parameters and how many counts were summed over the ranks."""
     torch.set_num_threads(1)
-    net = _llama() if kind == "llama" else Tokens()
-    loss = None if kind == "llama" else nn.CrossEntropyLoss(ignore_index=-100)
-    est = Estimator(net, loss, optimizer=torch.optim.AdamW(net.parameters(), lr=1e-2), device="cpu")
+    net = _llama() if kind.startswith("llama") else Tokens()
+    loss = None if kind.startswith("llama") else nn.CrossEntropyLoss(ignore_index=-100)
+    smoothing = BatchProcessor(label_smoothing=0.1) if kind == "llama-smoothed" else None  # no num_items_in_batch
+    # (label smoothing: SGD, since AdamW divides near-zero gradients by their own root, which
+    # shows the rounding of the smoothing's sum over the vocabulary at 1e-5; SGD shows the weighing)
+    optimizer = torch.optim.SGD(net.parameters(), lr=1.0) if smoothing else torch.optim.AdamW(net.parameters(), lr=1e-2)
+    est = Estimator(net, loss, optimizer=optimizer, device="cpu", batch_processor=smoothing)
     est.logger.disabled = True
     batches = [_batch(_rows(step), kind, slot, per_step) for step in range(STEPS)
                for slot in range(rank * accumulation, (rank + 1) * accumulation)]
@@ -131,8 +135,9 @@ def _threads(fn, *args):
 
 @pytest.fixture(scope="module")
 def batch_of_eight():
-    """The references: each step's 8 rows in one batch, for both nets."""
-    return {kind: _threads(_train, kind, 1, 1) for kind in ("llama", "user-ce")}
+    """The references: each step's 8 rows in one batch, for both nets (and the model's loss
+    label-smoothed: BatchProcessor(label_smoothing=), a mean over the same shifted labels)."""
+    return {kind: _threads(_train, kind, 1, 1) for kind in ("llama", "user-ce", "llama-smoothed")}
 
 
 def _close(got, want):
@@ -144,7 +149,7 @@ def _differs(got, want):
     return max(float((got["params"][k] - v).abs().max()) for k, v in want["params"].items())
 
 
-@pytest.mark.parametrize("kind", ["llama", "user-ce"])
+@pytest.mark.parametrize("kind", ["llama", "user-ce", "llama-smoothed"])
 def test_batch_eight_trains_as_four_times_two_accumulation_with_padded_rows(batch_of_eight, kind):
     accumulated = _threads(_train, kind, 2, 2)
     _close(accumulated, batch_of_eight[kind])
