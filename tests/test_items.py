@@ -111,7 +111,6 @@ def _train(kind, per_step, accumulation, rank=0):
     # shows the rounding of the smoothing's sum over the vocabulary at 1e-5; SGD shows the weighing)
     optimizer = torch.optim.SGD(net.parameters(), lr=1.0) if smoothing else torch.optim.AdamW(net.parameters(), lr=1e-2)
     est = Estimator(net, loss, optimizer=optimizer, device="cpu", batch_processor=smoothing)
-    est.logger.disabled = True
     batches = [_batch(_rows(step), kind, slot, per_step) for step in range(STEPS)
                for slot in range(rank * accumulation, (rank + 1) * accumulation)]
     watch = WatchItems()
@@ -181,7 +180,6 @@ def test_a_micro_batch_without_items_adds_nothing_and_no_nan():
     def fit(batches, k):
         net = _llama()
         est = Estimator(net, optimizer=torch.optim.SGD(net.parameters(), lr=1.0), device="cpu")
-        est.logger.disabled = True
         est.fit(batches, epochs=1, event_handlers=[GradientUpdateHandler(accumulation_steps=k)])
         return {"params": dict(net.state_dict())}
 
@@ -195,7 +193,6 @@ def _mse_fit(batches, k, processor=None):
     net = nn.Linear(3, 2)
     est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.5), device="cpu",
                     batch_processor=processor)
-    est.logger.disabled = True
     est.fit(batches, epochs=1, event_handlers=[GradientUpdateHandler(accumulation_steps=k)])
     return {"params": dict(net.state_dict())}
 
@@ -236,7 +233,6 @@ def test_a_processor_of_the_users_passing_no_count_weighs_its_samples():
     net = nn.Linear(3, 2)
     est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.5), device="cpu",
                     batch_processor=Own())
-    est.logger.disabled = True
     est.fit([(x[:4], y[:4]), (x[4:], y[4:])], epochs=1, event_handlers=[GradientUpdateHandler(accumulation_steps=2)])
     _close({"params": dict(net.state_dict())}, _mse_fit([(x, y)], 1))
 
@@ -251,7 +247,6 @@ def test_a_sum_loss_is_divided_by_its_items():
         net = Tokens()
         est = Estimator(net, nn.CrossEntropyLoss(reduction=reduction), device="cpu",
                         optimizer=torch.optim.SGD(net.parameters(), lr=0.5))
-        est.logger.disabled = True
         est.fit(data, epochs=1, event_handlers=[GradientUpdateHandler(accumulation_steps=k)])
         return {"params": dict(net.state_dict())}
 

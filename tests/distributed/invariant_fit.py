@@ -70,7 +70,6 @@ def fit(ckpt_dir: str, strategy: str, options: dict[str, Any]) -> dict[str, Any]
     net = nn.Sequential(nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=11,
                     strategy=strategy, device="cpu", world_size_invariant=True)
-    est.logger.disabled = True
     k = options.get("accumulation", SLOTS // distributed.get_world_size())
     record = Record(options.get("kill_at"), k)
     update = GradientUpdateHandler(accumulation_steps=k, clip_grad_norm=options.get("clip", 0.3))
