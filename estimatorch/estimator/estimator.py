@@ -398,7 +398,9 @@ class Estimator(RunView):
         training mode and every random generator afterwards (validating or not never changes
         a training run's random stream). Under torch.distributed, every rank calls it; a
         map-style DataLoader is shared out so that each sample counts once, as in one process;
-        other data is each rank's own (see :mod:`estimatorch.data._sharding`).
+        other data is each rank's own (see :mod:`estimatorch.data._sharding`). During ``fit``
+        it runs on the weights a handler keeps for evaluation, if one does (``EMAHandler``'s
+        average: see :meth:`~estimatorch.events.Handler.evaluation_weights`).
 
         Returns:
             ``{metric name: value}`` for every val metric.
@@ -406,10 +408,11 @@ class Estimator(RunView):
         handlers = check_inference_args(val_data, "val_data", batch_axis, event_handlers,
                                         check_empty=not distributed.is_distributed())
         run = self._active
-        evaluate_batches(self, val_data, batch_axis, handlers, limit=run.limits[1] if run is not None else None)
+        limit = run.limits[1] if run is not None else None
+        weights = evaluate_batches(self, val_data, batch_axis, handlers, limit=limit)
         self._eval_count += 1
         if run is not None:
-            run.evaluated = True
+            run.evaluated, run.evaluated_on = True, weights
         return {metric_name(m): float(m.compute()) for m in self.val_metrics}
 
     def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> Any:

@@ -6,8 +6,10 @@
 (``state_attributes``) and which of those count batches (``elastic_batch_counters``); and its
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
 ``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`, ``capturable_batch_end``
-with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, and what it measured of
-an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`). :class:`StatefulHandler` adds the
+with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, what it measured of
+an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`; the weights evaluations
+during ``fit`` run on: :meth:`~Handler.evaluation_weights`; and the check of a saved state before
+any is loaded: :meth:`~Handler.check_state_dict`). :class:`StatefulHandler` adds the
 ``state_dict`` / ``load_state_dict`` of the declared state.
 
 A handler that inherits only the mixins works too: every declaration then has its default.
@@ -19,6 +21,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
@@ -186,6 +189,23 @@ class Handler:
         record it (:func:`~estimatorch.events.readings.epoch_readings`). Defaults to none."""
         return {}
 
+    def evaluation_weights(self, estimator: EstimatorView) -> Optional[AbstractContextManager[str]]:
+        """A context in which ``estimator.net`` holds the weights this handler keeps for
+        evaluation (an average of the weights), None to leave the net's own. Every evaluation
+        during ``fit`` (the validation, an ``evaluate`` a handler calls) and the weights export a
+        ``CheckpointHandler`` writes run inside it (:func:`~estimatorch.events.weights.evaluation_weights`);
+        what it enters as names those weights in the logs (``"EMA"``). It must leave the net's own
+        weights back, bit for bit, when it exits. Called once per evaluation, never per step.
+        Defaults to None."""
+        return None
+
+    def check_state_dict(self, state: Any) -> None:
+        """Check a saved state of this handler (from a checkpoint a resume considers) against
+        this fit before any state is loaded, after every ``train_begin`` of the fit: raise
+        ``ValueError`` saying what does not fit (a tensor by name and shape), so that the resume
+        refuses that checkpoint (and tries an older one) instead of failing when it loads it.
+        Defaults to nothing (``load_state_dict`` is the judge)."""
+
 
 class StatefulHandler(Handler):
     """A :class:`Handler` whose ``state_attributes`` are its state: :meth:`state_dict` copies
@@ -215,20 +235,23 @@ class StatefulHandler(Handler):
 
 
 def declared(handler: Any, attribute: str) -> Any:
-    """``handler``'s declaration ``attribute`` (a value or property :class:`Handler` defines), or
-    its default for a handler that inherits only the mixins.
+    """``handler``'s declaration ``attribute`` (a value, property or method :class:`Handler`
+    defines), or its default for a handler that inherits only the mixins (a method: the default
+    bound to ``handler``).
 
     Example:
         >>> from estimatorch.events import TrainBegin
         >>> class Plain(TrainBegin): pass
-        >>> declared(Plain(), "resumes_run"), declared(Plain(), "state_attributes")
-        (False, ())
+        >>> declared(Plain(), "resumes_run"), declared(Plain(), "state_attributes"), declared(Plain(), "stop_limits")()
+        (False, (), (None, None))
     """
     if isinstance(handler, Handler):
         return getattr(handler, attribute)
     default = inspect.getattr_static(Handler, attribute)
     if isinstance(default, property):
         return getattr(handler, attribute) if hasattr(handler, attribute) else default.fget(handler)  # type: ignore[misc]
+    if inspect.isfunction(default):
+        return getattr(handler, attribute) if hasattr(handler, attribute) else default.__get__(handler)
     return getattr(handler, attribute, default)
 
 

@@ -16,7 +16,7 @@ from ..._batches import to_device
 from ..._checks import is_int
 from ...checkpoint import is_sharded_module
 from ...data import InferenceData, for_inference, in_step, seeded_for_inference
-from ...events import Dispatch, check_handlers, order_handlers
+from ...events import Dispatch, check_handlers, evaluation_weights, order_handlers
 from ...metrics.base import split_loss_metrics, update_metrics
 from .._fit_estimator import FitEstimator
 
@@ -137,9 +137,11 @@ def run_batches(estimator: FitEstimator, data: Iterable[Any], arg: str, handlers
 
 
 def evaluate_batches(estimator: FitEstimator, val_data: Iterable[Any], batch_axis: int, handlers: list[Any], *,
-                     limit: Optional[int] = None) -> None:
+                     limit: Optional[int] = None) -> Optional[str]:
     """Reset the val metrics and update them over ``val_data`` (``Estimator.evaluate``'s loop),
-    at most ``limit`` batches of this rank's (None: all)."""
+    at most ``limit`` batches of this rank's (None: all). During ``fit`` the net holds the
+    weights a handler keeps for evaluation meanwhile (an average: :func:`~estimatorch.events.evaluation_weights`);
+    returns their name, None for the net's own."""
     loss_metrics, other_metrics = split_loss_metrics(estimator.val_metrics)
     for metric in estimator.val_metrics:
         metric.reset()
@@ -151,5 +153,7 @@ def evaluate_batches(estimator: FitEstimator, val_data: Iterable[Any], batch_axi
         return pred, label, loss
 
     # compute() is a collective: every rank calls evaluate, so agreeing on emptiness is safe.
-    run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True, limit=limit,
-                forward=lambda batch: evaluate_batch(estimator, batch, batch_axis))
+    with evaluation_weights(estimator) as weights:
+        run_batches(estimator, val_data, "val_data", handlers, step, agree_on_empty=True, limit=limit,
+                    forward=lambda batch: evaluate_batch(estimator, batch, batch_axis))
+    return weights

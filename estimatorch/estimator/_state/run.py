@@ -33,7 +33,7 @@ from ...checkpoint import (
     check_snapshot_structure,
 )
 from ...data import TrainStream
-from ...events import Dispatch, state_attributes
+from ...events import Dispatch, declared, state_attributes
 from ...events.readings import epoch_learning_rates, epoch_readings
 from ...events.timing import StepTimes
 from ...metrics.base import Metric, metric_name
@@ -117,6 +117,8 @@ class Run:
         self.boundary_actions: list[Callable[[], None]] = []
         self.stage = Stage.NOT_STARTED
         self.evaluated = False
+        #: the name of the weights this epoch's validation ran on (a handler's average), else None
+        self.evaluated_on: Optional[str] = None
         self.stateless_metrics: set[str] = set()
         #: the step the loop runs in place of the batch processor (``cuda_graphs=True``), else None
         self.step: Any = None
@@ -137,7 +139,7 @@ def record_history(estimator: FitEstimator, run: Run, epoch: int) -> None:
     values = {metric_name(m): m.compute() for m in estimator.train_metrics}
     if run.evaluated:
         values.update((metric_name(m), m.compute()) for m in estimator.val_metrics)
-        run.evaluated = False
+        run.evaluated, run.evaluated_on = False, None
     values.update(epoch_learning_rates(estimator))
     values.update(epoch_readings(estimator))
     run.history.record(epoch + 1, values)
@@ -207,6 +209,10 @@ def _check_handlers(saved: dict[str, Any], handlers: Mapping[str, Any]) -> None:
     for name, handler in handlers.items():
         if name not in saved or not callable(getattr(handler, "load_state_dict", None)):
             continue  # a handler without saved state starts fresh (the estimator warns)
+        try:
+            declared(handler, "check_state_dict")(saved[name])
+        except ValueError as err:
+            raise CheckpointError(f"the state of handler {name!r} does not fit this fit: {err}") from None
         attrs = state_attributes(handler)
         if not attrs:
             continue  # a handler of yours: its load_state_dict is the judge

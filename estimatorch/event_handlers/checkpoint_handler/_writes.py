@@ -9,8 +9,10 @@ import os
 import sys
 from typing import TYPE_CHECKING, Any, Callable, Optional
 
+import torch
+
 from ... import checkpoint, distributed
-from ...events import EstimatorView
+from ...events import EstimatorView, evaluation_weights
 from ...metrics.base import metric_name
 from ._directory import absolute
 
@@ -83,7 +85,10 @@ def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool 
         return
     if handler.save_weights_only:  # a sharded net's weights are gathered: a collective
         sharded = handler._layout.sharded
-        state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
+        with evaluation_weights(estimator) as averaged:  # the weights validation runs on (an average)
+            state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
+            if averaged is not None and state is not None:
+                state = _own_copy(state)  # the net's own weights come back when the block ends
     else:
         state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
     writer = handler._writer if background else None
@@ -96,6 +101,15 @@ def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool 
             writer, state, paths, lambda staged, written: _write(handler, estimator, staged, names, best, step,
                                                                       written=written)),
                                 "CheckpointHandler writing a checkpoint")
+
+
+def _own_copy(state: Any) -> Any:
+    """A weights state whose tensors are copies (on the CPU, ``weights_state`` refers to the net's)."""
+    out = type(state)((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return out
 
 
 def _save_sharded(handler: CheckpointHandler, estimator: EstimatorView, names: list[str], step: int,
