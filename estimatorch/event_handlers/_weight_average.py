@@ -72,7 +72,8 @@ class WeightAverage(StatefulHandler, TrainBegin, AfterTrainEnd):
 
     # -- the fit ------------------------------------------------------------------------------
     def _check_alone(self, estimator: EstimatorView) -> None:
-        enters = [h for h in estimator.handlers if isinstance(h, WeightAverage) and (h.evaluate or h.final == "average")]
+        enters = [h for h in estimator.handlers
+                  if isinstance(h, WeightAverage) and (h.evaluate or h.final == "average")]
         if len(enters) > 1 and self in enters:
             raise ValueError(f"{enters[0].name} and {enters[1].name} both put their average into the net (for "
                              "evaluation or at the end): give all but one of them evaluate=False, final='raw'")
