@@ -1,8 +1,9 @@
 """EMAHandler over two gloo ranks. Under FSDP2 each rank averages its own shards (no rank holds
 the whole average), which equals the average of the whole weights bit for bit, training is
-unchanged although every validation swaps the shards in and out, the sharded checkpoint holds the
-average through DCP, and a resume on two ranks or (elastic) on one continues it bit for bit.
-Under DDP every rank holds the same average, stored once, and a resume continues it."""
+unchanged although every validation swaps the shards in and out, the sharded checkpoint (written
+in the background) holds the average through DCP, and a resume on two ranks or (elastic) on one
+continues it bit for bit. Under DDP every rank holds the same average, stored once, and a resume
+continues it."""
 
 from __future__ import annotations
 
@@ -56,9 +57,11 @@ def _same_end(got, want, since):
 @pytest.fixture(scope="module")
 def fsdp(tmp_path_factory):
     """Two ranks under FSDP2 (a parameter on the root module too), a checkpoint every 3 batches
-    (kept), the weights after every step; the same fit without the average first."""
+    (kept), written in the background (the shards staged), the weights after every step; the
+    same fit without the average first."""
     ckpt = tmp_path_factory.mktemp("fsdp")
-    return ckpt, _spawn(2, ckpt, batches=BATCHES, trajectory=True, plain_first=True, max_checkpoints=None)
+    return ckpt, _spawn(2, ckpt, batches=BATCHES, trajectory=True, plain_first=True, max_checkpoints=None,
+                        handler={"async_save": True})
 
 
 def test_under_fsdp2_each_rank_averages_its_shards_into_the_average_of_the_whole(fsdp):
@@ -101,8 +104,10 @@ def test_an_elastic_resume_on_one_rank_continues_the_average_bit_for_bit(fsdp, t
 
 @pytest.fixture(scope="module")
 def ddp(tmp_path_factory):
+    """Two ranks under DDP, checkpoint files written in the background (a writer process)."""
     ckpt = tmp_path_factory.mktemp("ddp")
-    return ckpt, _spawn(2, ckpt, strategy="ddp", batches=BATCHES, trajectory=True, max_checkpoints=None)
+    return ckpt, _spawn(2, ckpt, strategy="ddp", batches=BATCHES, trajectory=True, max_checkpoints=None,
+                        handler={"async_save": True})
 
 
 def test_under_ddp_every_rank_holds_the_same_average_stored_once(ddp):
