@@ -188,7 +188,7 @@ def restore_handler_tensors(estimator: ResumableFit, payload: dict[str, Any]) ->
     """
     path = payload.get(SHARDED)
     if path is None or not sharded_tensors(path, HANDLERS):
-        return
+        return  # (its metadata, read once more: small)
     snapshot = rank_snapshot(payload, distributed.get_rank())
     part = estimator.state_payload(gather=False)
     assert part is not None, "gather=False gives every rank its own part"
@@ -213,9 +213,16 @@ def restore_handler_tensors(estimator: ResumableFit, payload: dict[str, Any]) ->
                 walk(v, mine, where)
 
     for name, state in snapshot["handlers"].items():
-        walk(state, live.get(name), (name,))
-    check_sharded(path, {HANDLERS: targets})
-    load_sharded_tensors(path, {HANDLERS: targets})
+        if name in live:  # a saved handler this fit has not: its state is not read
+            walk(state, live[name], (name,))
+    saved = sharded_tensors(path, HANDLERS)
+    for key, tensor in targets.items():
+        shape, dtype = saved[key]  # (the snapshot's meta tensors came from there)
+        if shape != tuple(tensor.shape) or dtype != tensor.dtype:
+            raise CheckpointError(f"sharded checkpoint {path!r}: handlers.{key} is {dtype} of shape {list(shape)}; "
+                                  f"this fit's is {tensor.dtype} of shape {list(tensor.shape)}")
+    if targets:  # the same on every rank: the same handlers read the same snapshot layout
+        load_sharded_tensors(path, {HANDLERS: targets})
     for container, k, key in places:
         container[k] = targets[key]
 

@@ -21,7 +21,7 @@ from torch.distributed.tensor import DTensor
 
 from .._checks import check_bool, check_positive_int, check_state_keys
 from ..checkpoint import plain_key, plain_module
-from ..events import AfterTrainEnd, EstimatorView, StatefulHandler, TrainBegin
+from ..events import AfterTrainEnd, EpochBegin, EstimatorView, StatefulHandler, TrainBegin
 from .gradient_update import GradientUpdateHandler
 
 __all__ = ["FINALS", "WeightAverage"]
@@ -35,7 +35,7 @@ def _local(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
 
 
-class WeightAverage(StatefulHandler, TrainBegin, AfterTrainEnd):
+class WeightAverage(StatefulHandler, TrainBegin, EpochBegin, AfterTrainEnd):
     """The average of a net's trainable parameters (a base class: ``EMAHandler``, ``SWAHandler``).
 
     Runs at priority -1500: after ``GradientUpdateHandler`` has stepped the optimizer (-2000),
@@ -68,6 +68,7 @@ class WeightAverage(StatefulHandler, TrainBegin, AfterTrainEnd):
         self._loaded: Optional[dict[str, Any]] = None  # loaded outside a fit: kept as it is
         self._raw_buffers: dict[str, torch.Tensor] = {}  # the net's before the end changed them (SWA's BatchNorm)
         self._stepper: Optional[GradientUpdateHandler] = None
+        self._fresh = False  # the average is the weights of train_begin, no state loaded since
         self.shared_state = True  # the same on every rank (DDP); not for shards (set in train_begin)
 
     # -- the fit ------------------------------------------------------------------------------
@@ -94,6 +95,7 @@ class WeightAverage(StatefulHandler, TrainBegin, AfterTrainEnd):
                     buffers[name].copy_(value)
         self._swapped, self._raw_buffers = False, {}
         self.steps = self.updates = 0
+        self._fresh = not estimator.resume_pending
         if ours and estimator.resume_pending:
             # fit(resume=True): the snapshot it resumes holds these very tensors, loaded as it resumes
             self._net, self._params = net, params
@@ -106,6 +108,17 @@ class WeightAverage(StatefulHandler, TrainBegin, AfterTrainEnd):
                 _local(average[name]).copy_(_local(p))
             self._net, self._params, self._average = net, params, average
         self.shared_state = not any(isinstance(p, DTensor) for p in params.values())
+
+    def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
+        """At the fit's first epoch, the average starts again from the weights unless a resume
+        loaded it: a checkpoint restores the weights after ``train_begin``, and one written
+        without this handler must not leave it averaging the weights the fit started from."""
+        if self._fresh:
+            self._fresh = False
+            with torch.no_grad():
+                assert self._average is not None
+                for name, p in self._params.items():
+                    _local(self._average[name]).copy_(_local(p))
 
     def after_train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """A fit that ended its plan (not stopped by a signal, not failed) leaves the average in
@@ -257,6 +270,7 @@ class WeightAverage(StatefulHandler, TrainBegin, AfterTrainEnd):
             self.steps, self.updates = steps, updates
             return
         self.check_state_dict(state)
+        self._fresh = False
         if state["weights"] is not None:
             with torch.no_grad():
                 for name, saved in state["weights"].items():

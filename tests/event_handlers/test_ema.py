@@ -301,3 +301,21 @@ def test_two_averages_that_both_enter_the_net_are_refused_before_any_step():
                                                 LambdaHandler(batch_end=lambda e, **k: steps.append(1))])
     assert steps == []
     est.fit(DATA, epochs=1, event_handlers=[EMAHandler(0.9), SWAHandler(swa_start=0, evaluate=False, final="raw")])
+
+
+@pytest.mark.filterwarnings("ignore:handler 'LambdaHandler' has no saved state:UserWarning")
+def test_added_to_a_resumed_run_the_average_starts_from_the_restored_weights(checkpointed, tmp_path):
+    directory, _, _ = checkpointed
+    name = checkpoint.checkpoint_name("model", 0, 4)
+    payload = checkpoint.load(directory / name)
+    del payload["ranks"][0]["handlers"]["EMAHandler"]  # as if written by a fit without the handler
+    (tmp_path / "plain").mkdir()
+    checkpoint.atomic_save(payload, tmp_path / "plain" / name)
+    est, ema = _estimator(), EMAHandler(0.9, final="raw")
+    restored = {}
+    peek = LambdaHandler(epoch_begin=lambda e, **kw: restored.update(ema.average_state_dict()), once=1,
+                         priority=0)
+    with pytest.warns(UserWarning, match="handler 'EMAHandler' has no saved state"):
+        est.fit(DATA, epochs=1, batches_per_epoch=4, event_handlers=[
+            ema, peek, CheckpointHandler(tmp_path / "plain", resume_from_checkpoint=True)])
+    assert_tree_equal(_params(restored), _params(payload["model"]), "the average at the resume")
