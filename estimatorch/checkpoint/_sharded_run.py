@@ -27,11 +27,9 @@ state is checked against the directory's metadata and restored with DCP
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.tensor import DTensor
 
 from .. import distributed
 from .._saved import CheckpointError
@@ -65,6 +63,9 @@ from ._sharded import (
 )
 from ._sharded import _read as read_part
 
+if TYPE_CHECKING:  # heavy (DTensor and DCP take about a third of torch's own import): typing only
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["HANDLERS", "IN_DCP", "SHARDED", "digest_of", "read_checkpoint", "restore_handler_tensors",
            "save_fit_checkpoint", "version_of"]
 
@@ -91,6 +92,8 @@ def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Opti
         FileExistsError: ``path`` exists (on every rank).
         OSError: a write failed on some rank (on every rank); nothing is left at ``path``.
     """
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # heavy: only for a sharded checkpoint
+
     part = estimator.state_payload(gather=False)
     assert part is not None, "gather=False gives every rank its own part"
     model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
@@ -137,6 +140,8 @@ def _handler_key(path: tuple) -> str:
 def _split_handler_tensors(snapshot: dict[str, Any]) -> tuple[dict[str, Any], dict[str, DTensor]]:
     """``snapshot`` with every DTensor of a handler state replaced by ``{IN_DCP: key}``, and those
     DTensors by key (what DCP writes under ``handlers.``)."""
+    from torch.distributed.tensor import DTensor  # heavy: only for a sharded checkpoint
+
     tensors: dict[str, DTensor] = {}
 
     def walk(value: Any, path: tuple) -> Any:
@@ -230,6 +235,8 @@ def restore_handler_tensors(estimator: ResumableFit, payload: dict[str, Any]) ->
 def _local_shards(state: Any, path: tuple = ()) -> tuple[Any, dict[tuple, DTensor]]:
     """``state`` with every DTensor replaced by its local shard (a view, no copy), and the
     DTensors by where they were (their layout, to rebuild them around the staged copies)."""
+    from torch.distributed.tensor import DTensor  # heavy: only for a sharded checkpoint
+
     specs: dict[tuple, DTensor] = {}
 
     def walk(value: Any, where: tuple) -> Any:
@@ -248,6 +255,7 @@ def _local_shards(state: Any, path: tuple = ()) -> tuple[Any, dict[tuple, DTenso
 def _sharded_again(staged: Any, specs: dict[tuple, DTensor]) -> Any:
     """The staged local shards wrapped as the DTensors they were (global shape, placements, mesh),
     with no communication: what DCP plans and writes from."""
+    from torch.distributed.tensor import DTensor  # heavy: only for a sharded checkpoint
 
     def walk(value: Any, where: tuple) -> Any:
         if where in specs:

@@ -10,14 +10,13 @@ work on the local tensors, no value read on the host).
 from __future__ import annotations
 
 import contextlib
+import sys
 from collections import OrderedDict
 from collections.abc import Iterator, Mapping
 from typing import Any, ClassVar, Optional
 
 import torch
 from torch import nn
-from torch.distributed.fsdp import FSDPModule
-from torch.distributed.tensor import DTensor
 
 from .._checks import check_bool, check_positive_int, check_state_keys
 from ..checkpoint import plain_key, plain_module
@@ -30,9 +29,16 @@ __all__ = ["FINALS", "WeightAverage"]
 FINALS = ("average", "raw")
 
 
+def _is_dtensor(tensor: Any) -> bool:
+    """A ``DTensor`` (a shard of a sharded net's): none exists before ``torch.distributed.tensor``,
+    a heavy import, ran."""
+    tensors = sys.modules.get("torch.distributed.tensor")
+    return tensors is not None and isinstance(tensor, tensors.DTensor)
+
+
 def _local(tensor: torch.Tensor) -> torch.Tensor:
     """This rank's part of ``tensor`` (a DTensor's local shard, a view), detached."""
-    return tensor.to_local().detach() if isinstance(tensor, DTensor) else tensor.detach()
+    return tensor.to_local().detach() if _is_dtensor(tensor) else tensor.detach()  # type: ignore[attr-defined]
 
 
 class WeightAverage(StatefulHandler, TrainBegin, EpochBegin, AfterTrainEnd):
@@ -107,7 +113,7 @@ class WeightAverage(StatefulHandler, TrainBegin, EpochBegin, AfterTrainEnd):
             for name, p in params.items():
                 _local(average[name]).copy_(_local(p))
             self._net, self._params, self._average = net, params, average
-        self.shared_state = not any(isinstance(p, DTensor) for p in params.values())
+        self.shared_state = not any(_is_dtensor(p) for p in params.values())
 
     def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """At the fit's first epoch, the average starts again from the weights unless a resume
@@ -173,9 +179,10 @@ class WeightAverage(StatefulHandler, TrainBegin, EpochBegin, AfterTrainEnd):
             held = theirs.clone()
             theirs.copy_(mine)
             mine.copy_(held)
-        if self._net is not None:
+        fsdp = sys.modules.get("torch.distributed.fsdp")  # (heavy: an FSDP module exists only once it ran)
+        if self._net is not None and fsdp is not None:
             for module in self._net.modules():
-                if isinstance(module, FSDPModule):
+                if isinstance(module, fsdp.FSDPModule):
                     module.reshard()  # an unsharded copy kept from the last forward is stale now
 
     def evaluation_weights(self, estimator: EstimatorView) -> Optional[contextlib.AbstractContextManager[str]]:
@@ -278,18 +285,16 @@ class WeightAverage(StatefulHandler, TrainBegin, EpochBegin, AfterTrainEnd):
         self.steps, self.updates = steps, updates
 
 
-def _same_layout(a: torch.Tensor, b: torch.Tensor) -> bool:
+def _same_layout(a: Any, b: Any) -> bool:
     """``a`` can hold ``b``'s values in place: shape, dtype, device, and sharding alike."""
-    if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device) or isinstance(a, DTensor) != isinstance(b, DTensor):
+    if (a.shape, a.dtype, a.device) != (b.shape, b.dtype, b.device) or _is_dtensor(a) != _is_dtensor(b):
         return False
-    if isinstance(a, DTensor) and isinstance(b, DTensor):
-        return a.placements == b.placements and a.device_mesh == b.device_mesh
-    return True
+    return not _is_dtensor(a) or (a.placements == b.placements and a.device_mesh == b.device_mesh)
 
 
 def _copy_into(target: torch.Tensor, saved: torch.Tensor) -> None:
     """Copy a saved average into this handler's tensor: shard into shard, or a whole tensor
     (from a file, on another device) into a whole one."""
-    if isinstance(target, DTensor) != isinstance(saved, DTensor):
+    if _is_dtensor(target) != _is_dtensor(saved):
         raise ValueError("a saved average of a sharded net resumes only a sharded one through a sharded checkpoint")
     _local(target).copy_(_local(saved))

@@ -8,7 +8,7 @@ from typing import Any, Optional, Union
 
 import torch
 from torch.optim.swa_utils import SWALR, update_bn
-from torch.utils._foreach_utils import _get_foreach_kernels_supported_devices
+from torch.utils import _foreach_utils
 
 from .. import distributed, rng
 from .._checks import check_positive_int, check_state_keys, is_real
@@ -125,7 +125,9 @@ class SWAHandler(WeightAverage, EpochEnd):
             self._update(None)
             return
         averages, weights = self._local_pairs()
-        if averages and averages[0].device.type in _get_foreach_kernels_supported_devices():
+        # the devices AveragedModel takes its foreach branch on (a torch helper it calls too)
+        fused = getattr(_foreach_utils, "_get_foreach_kernels_supported_devices", lambda: ["cuda"])()
+        if averages and averages[0].device.type in fused:
             self._update(1.0 / (n + 1))
             return
         count = torch.tensor(n + 1)

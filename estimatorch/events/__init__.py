@@ -26,7 +26,7 @@ from .dispatch import (
     state_attributes,
     subscribes,
 )
-from .handler import Handler, StatefulHandler, declared, rank_identical_stop
+from .handler import Handler, StatefulHandler, declared, is_rank_identical_stop, rank_identical_stop
 from .mixins import (
     BATCH_EVENTS,
     EVENTS,
@@ -80,6 +80,7 @@ __all__ = [
     "evaluation_weights",
     "handler_name",
     "order_handlers",
+    "is_rank_identical_stop",
     "rank_identical_stop",
     "state_attributes",
     "subscribes",

@@ -7,10 +7,14 @@
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
 ``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`, ``capturable_batch_end``
 with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, what it measured of
-an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`; the weights evaluations
-during ``fit`` run on: :meth:`~Handler.evaluation_weights`; and the check of a saved state before
+an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`; the handlers it attaches
+to every evaluation during ``fit``: :meth:`~Handler.evaluation_handlers`; the weights those
+evaluations run on: :meth:`~Handler.evaluation_weights`; and the check of a saved state before
 any is loaded: :meth:`~Handler.check_state_dict`). :class:`StatefulHandler` adds the
 ``state_dict`` / ``load_state_dict`` of the declared state.
+
+The loop reads each of them through :func:`declared`, never ``getattr``: a name the loop reads is
+a member of :class:`Handler` (``tests/test_layers.py`` checks).
 
 A handler that inherits only the mixins works too: every declaration then has its default.
 """
@@ -20,7 +24,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 
@@ -31,7 +35,7 @@ from .._checks import check_state_keys
 if TYPE_CHECKING:  # the estimator's side of the contract; typing only
     from .view import EstimatorView
 
-__all__ = ["Handler", "StatefulHandler", "declared", "rank_identical_stop"]
+__all__ = ["Handler", "StatefulHandler", "declared", "is_rank_identical_stop", "rank_identical_stop"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -44,6 +48,21 @@ def rank_identical_stop(batch_end: _F) -> _F:
     others wait in the next step's all-reduce: mark only what you can prove."""
     batch_end.rank_identical_stop = True  # type: ignore[attr-defined]
     return batch_end
+
+
+def is_rank_identical_stop(batch_end: object) -> bool:
+    """Whether the hook ``batch_end`` (a handler's bound method) is marked :func:`rank_identical_stop`.
+
+    Example:
+        >>> from estimatorch.events import BatchEnd
+        >>> class Counted(Handler, BatchEnd):
+        ...     @rank_identical_stop
+        ...     def batch_end(self, estimator, **kwargs):
+        ...         return False
+        >>> is_rank_identical_stop(Counted().batch_end), is_rank_identical_stop(print)
+        (True, False)
+    """
+    return bool(getattr(batch_end, "rank_identical_stop", False))
 
 
 class Handler:
@@ -188,6 +207,13 @@ class Handler:
         ``epoch_end``, named (``time_step``, ``mfu``...): ``History``, the loggers and trackers
         record it (:func:`~estimatorch.events.readings.epoch_readings`). Defaults to none."""
         return {}
+
+    def evaluation_handlers(self, batches: Iterable[Any]) -> Sequence[Any]:
+        """The handlers this handler attaches to every evaluation of its ``fit`` (``evaluate``
+        and the validation ``fit`` runs call them with its own): the progress bar's validation
+        bar. ``batches`` is this rank's share of the data evaluated (its ``len`` when it has one).
+        Called once per evaluation, never per step. Defaults to none."""
+        return ()
 
     def evaluation_weights(self, estimator: EstimatorView) -> Optional[AbstractContextManager[str]]:
         """A context in which ``estimator.net`` holds the weights this handler keeps for

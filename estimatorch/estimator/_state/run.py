@@ -174,7 +174,7 @@ def take_snapshot(estimator: FitEstimator, run: Run, partial: bool = False) -> d
         "fingerprint": run.stream.fingerprint(),
         "rng": rng.get_state(cuda=estimator.device.type == "cuda", numpy_global=True),
         "pending_stop": run.agreement.pending_stop,
-        "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
+        "shared": [name for name, h in run.dispatch.by_name.items() if declared(h, "shared_state")],
     }
     assert tuple(snapshot) == tuple(SNAPSHOT), "SNAPSHOT declares what a snapshot holds"
     return snapshot
