@@ -184,9 +184,10 @@ def _meta_in_place_of(snapshot: Any, saved: dict[str, tuple[tuple[int, ...], tor
 def restore_handler_tensors(estimator: ResumableFit, payload: dict[str, Any]) -> None:
     """Load the handler tensors of a sharded checkpoint into this fit's own (a collective: every
     rank loads its slices, on any world size): each meta tensor in the snapshot this rank resumes
-    is replaced by the fit's tensor at the same place of the same handler's state (its live
-    tensor, from ``state_payload(gather=False)``), filled from DCP's files, which the handler's
-    ``load_state_dict`` then takes as it resumes.
+    is replaced by a tensor laid out as the fit's at the same place of the same handler's state
+    (from ``state_payload(gather=False)``: on this world size, its shards), filled from DCP's
+    files, which the handler's ``load_state_dict`` then takes as it resumes (as it takes a
+    file's: nothing of the handler changes before).
 
     Raises:
         CheckpointError: this fit has no such tensor, or one of another shape or dtype.
@@ -212,7 +213,7 @@ def restore_handler_tensors(estimator: ResumableFit, payload: dict[str, Any]) ->
                 if not isinstance(mine, torch.Tensor):
                     raise CheckpointError(f"the state of handler {path[0]!r} holds a tensor at "
                                           f"{list(where[1:])} that this fit's handler does not have")
-                targets[_handler_key(where)] = mine
+                targets[_handler_key(where)] = torch.empty_like(mine)  # laid out as this fit's, filled by DCP
                 places.append((value, k, _handler_key(where)))
             else:
                 walk(v, mine, where)
