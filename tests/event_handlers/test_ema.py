@@ -319,3 +319,11 @@ def test_added_to_a_resumed_run_the_average_starts_from_the_restored_weights(che
         est.fit(DATA, epochs=1, batches_per_epoch=4, event_handlers=[
             ema, peek, CheckpointHandler(tmp_path / "plain", resume_from_checkpoint=True)])
     assert_tree_equal(_params(restored), _params(payload["model"]), "the average at the resume")
+
+
+def test_every_eval_set_is_validated_on_the_average():
+    est, sets = _estimator(), {"near": VAL, "far": make_batches(n_batches=2, seed=9)}
+    history = est.fit(DATA, sets, epochs=2, event_handlers=[EMAHandler(0.9)]).to_dict()
+    again = est.evaluate(sets)  # the net holds the last average, which the last validation ran on
+    for key in ("val_near_loss", "val_far_loss"):
+        assert history[key][-1] == again[key], key
