@@ -28,6 +28,9 @@ Configurations:
   terminal, i.e. no progress bar.
 - ``default+speed`` (only with ``--configs``): default + ``SpeedMonitor()`` (the step-time
   split, FLOPs counted in the first batch).
+- ``default+ema`` and ``default-nobar+ema`` (only with ``--configs``): default (without the bar)
+  + ``EMAHandler()`` (one ``_foreach_lerp_`` of the parameters into their average after every
+  step).
 - ``default+mlflow`` and ``default+wandb`` (only with ``--configs``; they need the ``mlflow``
   and ``wandb`` extras): default + ``MLflowHandler`` (a sqlite store in a temporary directory,
   created before the clock starts, as a store is once) or ``WandbHandler`` (offline, silent),
@@ -76,7 +79,7 @@ from estimatorch import Estimator  # noqa: E402  (after _common puts the checkou
 from estimatorch import event_handlers as eh  # noqa: E402
 
 REQUIRED = ["raw", "bare", "default", "default+tb+ckpt", "default+50noop"]
-EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed"]
+EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed", "default+ema", "default-nobar+ema"]
 
 
 class NullStream(io.TextIOBase):
@@ -126,6 +129,8 @@ class Setup:
                     eh.LoggingHandler(metrics=[])]
         if config == "default-nobar":
             return []
+        if config == "default-nobar+ema":  # (a bar's redraws follow wall time, which valgrind stretches)
+            return [eh.EMAHandler()]
         handlers: list[Any] = [eh.ProgressBarHandler(file=NullStream())]
         if config == "default":
             return handlers
@@ -136,6 +141,8 @@ class Setup:
             return handlers + [NoOpHandler() for _ in range(50)]
         if config == "default+speed":
             return handlers + [eh.SpeedMonitor()]
+        if config == "default+ema":
+            return handlers + [eh.EMAHandler()]
         if config == "default+mlflow":
             uri = f"sqlite:///{os.path.join(self._tmpdir(), 'runs.db')}"
             handler = eh.MLflowHandler(uri, experiment_name="bench", log_interval=50, artifact_location=self._tmpdir())

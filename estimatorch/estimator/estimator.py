@@ -422,7 +422,9 @@ class Estimator(RunView):
         training mode and every random generator afterwards (validating or not never changes
         a training run's random stream). Under torch.distributed, every rank calls it; a
         map-style DataLoader is shared out so that each sample counts once, as in one process;
-        other data is each rank's own (see :mod:`estimatorch.data._sharding`).
+        other data is each rank's own (see :mod:`estimatorch.data._sharding`). During ``fit``
+        it runs on the weights a handler keeps for evaluation, if one does (``EMAHandler``'s
+        average: see :meth:`~estimatorch.events.Handler.evaluation_weights`).
 
         ``val_data`` may be a dict of named eval sets, each with its metrics ``val_<set>_<name>``
         (then ``est.val_metrics``, outside ``fit``), and with ``batch_size`` (and ``collate_fn``)
@@ -436,10 +438,11 @@ class Estimator(RunView):
         run = self._active
         if run is None:  # outside fit: the val metrics are those of this data
             self.val_metrics = val_metrics
-        evaluate_groups(self, groups, batch_axis, event_handlers, limit=run.limits[1] if run is not None else None)
+        weights = evaluate_groups(self, groups, batch_axis, event_handlers,
+                                  limit=run.limits[1] if run is not None else None)
         self._eval_count += 1
         if run is not None:
-            run.evaluated = True
+            run.evaluated, run.evaluated_on = True, weights
         return {metric_name(m): float(m.compute()) for _, _, metrics in groups for m in metrics}
 
     def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None, *,

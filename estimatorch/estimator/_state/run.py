@@ -117,6 +117,8 @@ class Run:
         self.boundary_actions: list[Callable[[], None]] = []
         self.stage = Stage.NOT_STARTED
         self.evaluated = False
+        #: the name of the weights this epoch's validation ran on (a handler's average), else None
+        self.evaluated_on: Optional[str] = None
         #: True while ``epoch_begin`` or ``epoch_end`` is fired (a validation then is at the
         #: position's step; inside a step's events, at the step being trained)
         self.in_epoch_event = False
@@ -140,7 +142,7 @@ def record_history(estimator: FitEstimator, run: Run, epoch: int) -> None:
     values = {metric_name(m): m.compute() for m in estimator.train_metrics}
     if run.evaluated:
         values.update((metric_name(m), m.compute()) for m in estimator.val_metrics)
-        run.evaluated = False
+        run.evaluated, run.evaluated_on = False, None
     values.update(epoch_learning_rates(estimator))
     values.update(epoch_readings(estimator))
     run.history.record(epoch + 1, values)
@@ -210,6 +212,10 @@ def _check_handlers(saved: dict[str, Any], handlers: Mapping[str, Any]) -> None:
     for name, handler in handlers.items():
         if name not in saved or not callable(getattr(handler, "load_state_dict", None)):
             continue  # a handler without saved state starts fresh (the estimator warns)
+        try:
+            declared(handler, "check_state_dict")(saved[name])
+        except ValueError as err:
+            raise CheckpointError(f"the state of handler {name!r} does not fit this fit: {err}") from None
         attrs = state_attributes(handler)
         if not attrs:
             continue  # a handler of yours: its load_state_dict is the judge
