@@ -36,6 +36,8 @@ class FitEstimator(EstimatorView, StepEstimator, Protocol):
     watchdog: Optional[Watchdog]
     #: steps between the ranks' stop-flag exchanges (None: the default)
     agree_every: Optional[int]
+    #: optimizer steps between the replica checks (``Estimator(check_replicas_every=)``), None: off
+    check_replicas_every: Optional[int]
     #: a callable ``lr_scheduler`` (``(optimizer, total_steps) -> scheduler``), built by the first fit
     lr_scheduler_factory: Optional[Callable[[torch.optim.Optimizer, int], object]]
     lr_scheduler_interval: str
