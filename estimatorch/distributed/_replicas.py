@@ -1,18 +1,23 @@
 """Whether every replica still trains the same model: a bitwise fingerprint of a rank's training
 state (parameters and optimizer state), and the ranks' fingerprints compared in one collective.
 
-The fingerprint is exact: each tensor's bits are read as integers of its element size and summed
-into a 64-bit integer (integer sums do not round, and wrap the same way in any order), and the
-tensors' sums are combined with odd weights by their place in the state. Any change of one value's
-bits changes it (-0.0 and 0.0, two NaNs of other payloads included); a float sum could hide a change
-below its rounding. Two changes can cancel only by an exact integer coincidence. It covers the
-parameters and the optimizer's state tensors (momentum, Adam's moments and step), not the buffers:
-DDP broadcasts rank 0's buffers before each forward, then each rank's forward updates its own
-(BatchNorm's running statistics differ between ranks at a step's end by design).
+The fingerprint is exact: each tensor's bits are read as integers of its element size, each
+value is mixed with its index (``(bits * A + index * B)``, then ``x ^ (x >> 29)``, in wrapping
+64-bit integer arithmetic) and the results summed into a 64-bit integer (integer sums do not round,
+and wrap the same way in any order and on any device); the tensors' sums are combined with odd
+weights by their place in the state. Any change of one value's bits changes it (-0.0 and 0.0, two
+NaNs of other payloads included), where a float sum could hide a change below its rounding; the
+mixing makes changes of several values that cancel in a plain sum of the bits (1.0 and 2.0 for 1.5
+and 1.5), and values swapped between places, count too: two different states share a fingerprint
+only by a 64-bit coincidence. It covers the parameters and the optimizer's state tensors (momentum,
+Adam's moments and step), not the buffers: DDP broadcasts rank 0's buffers before each forward,
+then each rank's forward updates its own (BatchNorm's running statistics differ between ranks at a
+step's end by design).
 
-Computing it reads every parameter and state tensor once (one reduction kernel each, no copy);
-nothing reaches the host until the ranks compare (one ``all_gather`` of one int64 per rank, then
-one read of the gathered values).
+Computing it reads every parameter and state tensor once, in chunks of :data:`CHUNK` values (a few
+elementwise kernels and one reduction per chunk, temporaries of a chunk's size, on the tensor's
+device); nothing reaches the host until the ranks compare (one ``all_gather`` of one int64 per
+rank, then one read of the gathered values).
 """
 
 from __future__ import annotations
@@ -29,6 +34,9 @@ __all__ = ["ReplicaDivergenceError", "differing_ranks", "gather_fingerprints", "
 
 _INTS = {1: torch.uint8, 2: torch.int16, 4: torch.int32, 8: torch.int64}
 _MASK, _SIGN = (1 << 64) - 1, 1 << 63
+#: values mixed at a time (the temporaries of a chunk: a few int64 tensors of this length)
+CHUNK = 1 << 22
+_A, _B = 0x9E3779B97F4A7C15 - (1 << 64), 0xC2B2AE3D27D4EB4F - (1 << 64)  # odd 64-bit constants, as int64
 
 
 class ReplicaDivergenceError(RuntimeError):
@@ -77,6 +85,19 @@ def _bits(tensor: torch.Tensor) -> torch.Tensor:
     return tensor.view(_INTS[tensor.element_size()]) if tensor.is_floating_point() else tensor  # ints: their bits
 
 
+def _mixed_sum(tensor: torch.Tensor) -> torch.Tensor:
+    """The sum of ``tensor``'s values' bits mixed with their indices (module notes), 0-dim int64."""
+    bits = _bits(tensor).reshape(-1)
+    total = torch.zeros((), dtype=torch.int64, device=tensor.device)
+    for start in range(0, bits.numel(), CHUNK):
+        x = bits[start:start + CHUNK].to(torch.int64, copy=True)  # never the tensor itself (int64 already)
+        index = torch.arange(start, start + x.numel(), dtype=torch.int64, device=tensor.device)
+        x.mul_(_A).add_(index.mul_(_B))
+        x.bitwise_xor_(x >> 29)
+        total += x.sum()
+    return total
+
+
 def _signed(value: int) -> int:
     value &= _MASK
     return value - (1 << 64) if value & _SIGN else value
@@ -103,7 +124,7 @@ def state_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
     total = torch.zeros((), dtype=torch.int64, device=device)
     host = 0
     for where, items in by_device.items():
-        sums = torch.stack([_bits(t).sum(dtype=torch.int64) for _, t in items])
+        sums = torch.stack([_mixed_sum(t) for _, t in items])
         weights = torch.tensor([w for w, _ in items], dtype=torch.int64, device=where)
         part = (sums * weights).sum()
         if where == device:

@@ -212,13 +212,17 @@ class RunLedger:
             self.outcome = ("signal", run.signals.stopped)
         elif failed:
             text = f"{type(error).__name__}: {error}" if error is not None else "an error"
-            self.outcome = ("failed", text if len(text) <= 300 else text[:297] + "...")
+            text = text if len(text) <= 300 else text[:297] + "..."
+            if error is not None and _peer_lost(error):  # the job lost a rank without a word: killed
+                self.outcome = ("killed", f"another rank ended without a word ({text})")
+            else:
+                self.outcome = ("failed", text)
         else:
             self.outcome = ("finished", None)
 
     def close(self, estimator: FitEstimator, run: Any) -> None:
         """Once ``train_end`` ran: the attempt's closed entry into its mark, the run's totals into
-        the History (and a line, for a run of several attempts)."""
+        the History (and a debug line, for a run of several attempts)."""
         if not self.main or self.run_id is None:
             return
         ledger = self._attempts(run)
@@ -237,9 +241,27 @@ class RunLedger:
                 estimator.logger.warning("Could not close the progress mark %s: %s", mark.path, err)
         if self.previous:
             goodput = self.totals["goodput"]
-            estimator.logger.info("Run %s, attempt %d: %d steps trained again over the run, goodput %s",
+            estimator.logger.debug("Run %s, attempt %d: %d steps trained again over the run, goodput %s",
                                   self.run_id, len(ledger["attempts"]), self.totals["steps_lost"],
                                   "n/a" if goodput is None else f"{goodput:.3f}")
+
+
+#: what a collective raises where a peer process vanished (killed, its machine lost), by backend
+_PEER_LOST = ("Connection reset by peer", "Connection closed by peer", "Broken pipe", "NCCL communicator was aborted")
+
+
+def _peer_lost(error: BaseException) -> bool:
+    """Whether ``error`` (or an error it was raised from) is a collective's, met because another
+    rank vanished without publishing a failure of its own."""
+    seen: Optional[BaseException] = error
+    for _ in range(8):  # a chain of causes, bounded
+        if seen is None:
+            return False
+        if isinstance(seen, RuntimeError) and distributed.get_world_size() > 1 and any(
+                words in str(seen) for words in _PEER_LOST):
+            return True
+        seen = seen.__cause__ or seen.__context__
+    return False
 
 
 def _plan_done(run: Any) -> bool:

@@ -21,8 +21,6 @@ from ... import distributed
 from ...checkpoint import is_sharded_module
 from ...distributed import ReplicaDivergenceError
 from .._fit_estimator import FitEstimator
-from .._state.fingerprint import training_fingerprint
-from .._step.strategy import wraps
 
 __all__ = ["ReplicaCheck", "ReplicaDivergenceError", "check_replica_setting", "replica_check"]
 
@@ -49,7 +47,8 @@ def check_replica_setting(estimator: FitEstimator) -> None:
     why = None
     if is_sharded_module(estimator.net) and _replicated(estimator.net) is None:
         why = "net is sharded with fully_shard over every mesh dimension"
-    elif not is_sharded_module(estimator.net) and estimator.strategy == "fsdp" and wraps(estimator):
+    elif not is_sharded_module(estimator.net) and estimator.strategy == "fsdp" and dist.is_available() \
+            and dist.is_initialized():  # fit will shard it over the group's one dimension
         why = "strategy='fsdp' shards every parameter over all the ranks"
     if why is not None:
         raise ValueError(
@@ -84,11 +83,13 @@ class ReplicaCheck:
         Raises:
             ReplicaDivergenceError: on every rank, when some rank's differs.
         """
-        values = distributed.gather_fingerprints(training_fingerprint(estimator), self.group)
+        fingerprint = distributed.state_fingerprint(distributed.state_tensors(estimator.net, estimator.optimizer))
+        values = distributed.gather_fingerprints(fingerprint, self.group)
         self.checks += 1
         reference, odd = distributed.differing_ranks(values)
-        if odd:
-            raise _divergence(values, [self.ranks[i] for i in odd], self.ranks, (self.good, step), when)
+        if odd:  # every rank holds the same values: all raise the same error at once
+            raise distributed.mark_agreed(_divergence(values, [self.ranks[i] for i in odd], self.ranks,
+                                                      (self.good, step), when))
         self.good = step
         return reference
 
