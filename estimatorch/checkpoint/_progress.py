@@ -10,8 +10,9 @@ step path. The operating system writes the page back; a process killed by any si
 the page cache, so the next process reads the last step exactly (a machine that loses power may
 lose the last seconds of it). When the fit ends the file is rewritten whole with the attempt's
 closed entry, or removed where a checkpoint of its last step already says how it ended (the
-plan's end or a signal's stop, saved): a mark stays beside the checkpoints only while an attempt
-runs, and after one whose end no checkpoint tells (killed, failed, or ended past its last save).
+plan's end, saved): a mark stays beside the checkpoints only while an attempt runs, and after one
+whose end no checkpoint tells in full (killed, failed, stopped by a signal, whose checkpoint is
+written in ``train_end``, or ended past its last save).
 
 On an object store (an fsspec URL ``model_dir``) there is no file beside the checkpoints, and an
 object cannot be written by memory stores: the mark is a file of the machine instead, in

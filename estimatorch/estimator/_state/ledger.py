@@ -230,9 +230,10 @@ class RunLedger:
         run.history.ledger = self.totals
         mark, self.mark, self.step_hook = self.mark, None, None
         if mark is not None:
-            # a clean end whose last step a checkpoint holds: that checkpoint's ledger says it all
+            # the plan's end with a checkpoint of its last step: that checkpoint's ledger says it all (not
+            # after a signal: the stop's checkpoint is written in train_end, whose time the mark adds)
             last = ledger["attempts"][-1]
-            told = self._saved == (last["last_step"], last["ended"]) and last["ended"] in ("finished", "signal")
+            told = self._saved == (last["last_step"], last["ended"]) and last["ended"] == "finished"
             try:
                 mark.close(None if told else {**mark.document, "attempts": ledger["attempts"]})
                 if told:

@@ -127,6 +127,8 @@ def test_each_attempts_time_is_split_into_its_parts(three_attempts):
         assert sum(v for v in times.values() if v is not None) == pytest.approx(a["seconds"], abs=1e-6)
         assert times["startup"] > 0 and times["steps"] > 0 and times["save"] > 0
         assert (times["load"] > 0) == (a["resumed_from"] is not None)
+    stopped = three_attempts["json"]["ledger"]["attempts"][1]
+    assert stopped["times"]["end"] > 0  # the stop's checkpoint, written in train_end (the mark tells it)
 
 
 def test_the_history_gets_the_ledger_of_the_whole_run(three_attempts):
@@ -160,7 +162,7 @@ def test_inspect_prints_the_ledger_as_a_table(three_attempts):
 
 
 def test_a_clean_end_leaves_no_progress_mark_its_checkpoint_says_it_all(three_attempts):
-    assert checkpoint.PROGRESS_NAME not in os.listdir(three_attempts["dir"])
+    assert checkpoint.PROGRESS_NAME not in os.listdir(three_attempts["dir"])  # the last finished, saved
 
 
 # -- in one process --------------------------------------------------------------------------------
