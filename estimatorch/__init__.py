@@ -3,17 +3,17 @@
 >>> from estimatorch import Estimator
 """
 
-from . import (  # noqa: E402
+from . import (
     distributed,
     metrics,
     rng,
     samplers,
-    statistics,  # noqa: E402
+    statistics,
 )
 from ._version import __version__
 from .distributed import Watchdog
-from .estimator import BatchProcessor, Estimator, History  # noqa: E402
-from .event_handlers import (  # noqa: E402  # noqa: E402  # noqa: E402
+from .estimator import BatchProcessor, Estimator, History
+from .event_handlers import (
     CheckpointHandler,
     CSVLoggerHandler,
     EarlyStoppingHandler,

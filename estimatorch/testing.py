@@ -31,7 +31,7 @@ from typing import Any, Callable, Optional, Union
 import torch
 
 from . import rng
-from .data import open_stream
+from .data import TrainStream, open_stream
 from .estimator import default_logger
 from .event_handlers import BatchEnd, CheckpointHandler, ProgressBarHandler
 from .events import EstimatorView
@@ -258,7 +258,7 @@ def _round_trip(state: Any) -> Any:
     return torch.load(buffer, weights_only=True)
 
 
-def _reference(stream: Any, epochs: int) -> tuple[list[list[Any]], dict[tuple[int, int], tuple[Any, Any]]]:
+def _reference(stream: TrainStream, epochs: int) -> tuple[list[list[Any]], dict[tuple[int, int], tuple[Any, Any]]]:
     """Every epoch's batches, and at each boundary ``(epoch, batches done)`` the stream's state
     and the generators' (``(0, 0)``: before the first; ``(epoch + 1, 0)``: after the epoch's
     iterator ended)."""

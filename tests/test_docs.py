@@ -143,6 +143,132 @@ def test_the_module_map_check_catches_a_missing_module(tmp_path):
         "estimator/_loop.py", "handler/__init__.py"]
 
 
+#: what a backquoted instance name in docs/architecture.md stands for
+_INSTANCES = {"est": "Estimator", "estimator": "Estimator", "run": "Run"}
+
+
+def _package_index(root: pathlib.Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
+    """The package's modules by their last name (``_loop`` -> ``estimatorch.estimator._loop``)
+    and its classes by name (``Run`` -> the modules defining one)."""
+    modules: dict[str, list[str]] = {}
+    classes: dict[str, list[str]] = {}
+    for path in sorted(root.rglob("*.py")):
+        parts = list(path.relative_to(root.parent).with_suffix("").parts)
+        dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
+        modules.setdefault(dotted.split(".")[-1], []).append(dotted)
+        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+            if isinstance(node, ast.ClassDef):
+                classes.setdefault(node.name, []).append(dotted)
+    return modules, classes
+
+
+def _class_members(root: pathlib.Path, module: str, name: str) -> set[str]:
+    """What class ``name`` of ``module`` (under ``root``) declares, inherits from the package's
+    classes, or sets on ``self``, read from the source."""
+    path = root.parent.joinpath(*module.split("."))
+    path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+    members: set[str] = set()
+    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        if isinstance(node, ast.ClassDef) and node.name == name:
+            for item in ast.walk(node):
+                if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
+                    members.add(item.name)
+                elif isinstance(item, ast.AnnAssign) and isinstance(item.target, ast.Name):
+                    members.add(item.target.id)
+                elif isinstance(item, ast.Assign):
+                    members.update(t.id for t in item.targets if isinstance(t, ast.Name))
+                if isinstance(item, (ast.Assign, ast.AnnAssign)):
+                    for target in item.targets if isinstance(item, ast.Assign) else [item.target]:
+                        for element in ast.walk(target):
+                            if isinstance(element, ast.Attribute) and isinstance(element.value, ast.Name) \
+                                    and element.value.id == "self":
+                                members.add(element.attr)
+            _, classes = _package_index(root)
+            for base in node.bases:
+                base_name = base.id if isinstance(base, ast.Name) else base.attr if isinstance(base, ast.Attribute) else ""
+                for other in classes.get(base_name, [])[:1]:
+                    members |= _class_members(root, other, base_name)
+    return members
+
+
+def dotted_names_missing(text: str, root: pathlib.Path) -> list[str]:
+    """The backquoted ``module.name``, ``Class.member`` and ``est.member`` names of ``text``
+    (``data/_streams.open_stream``, ``_loop.run_loop``, ``distributed.spawn``,
+    ``StopAgreement.restore``, ``est.check_payload()``) that name nothing the package under
+    ``root`` has. A head that is neither a module nor a class of the package (``os.path.join``)
+    is not checked; of ``a.b.c`` only ``a.b``."""
+    modules, classes = _package_index(root)
+    missing = []
+    for head, member in re.findall(r"`((?:estimatorch[./])?[A-Za-z_][\w/]*)\.([A-Za-z_]\w*)[\w.]*(?:\(\))?`", text):
+        head = head.replace("/", ".")
+        head = head[len("estimatorch."):] if head.startswith("estimatorch.") else head
+        if member == "py" or head == "estimatorch":
+            continue  # a file's name (``_loop.py``), or one of the package's own names
+        candidates = [] if head in _INSTANCES else \
+            [m for m in modules.get(head.split(".")[-1], []) if m.endswith("." + head)]
+        if candidates:
+            found = False
+            for module in candidates:
+                path = root.parent.joinpath(*module.split("."))
+                path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
+                tree = ast.parse(path.read_text(encoding="utf-8"))
+                names = {t.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
+                         for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
+                         if isinstance(t, ast.Name)}
+                names |= {n.name for n in tree.body if isinstance(n, (ast.FunctionDef, ast.ClassDef))}
+                names |= {alias.asname or alias.name for n in ast.walk(tree) if isinstance(n, ast.ImportFrom)
+                          for alias in n.names}
+                sub = path.parent / member if path.name == "__init__.py" else None
+                found = found or member in names or (sub is not None and (sub.with_suffix(".py").is_file()
+                                                                          or (sub / "__init__.py").is_file()))
+            if not found:
+                missing.append(f"{head}.{member}")
+            continue
+        cls = _INSTANCES.get(head, head)
+        if "." not in head and cls in classes:
+            if not any(member in _class_members(root, module, cls) for module in classes[cls]):
+                missing.append(f"{head}.{member}")
+    return missing
+
+
+def test_the_architecture_guide_names_only_functions_that_exist():
+    """Each ``module.function`` (``_loop.run_loop``), ``Class.member`` (``StopAgreement.restore``)
+    and ``est.member`` docs/architecture.md names in backquotes is one the package has."""
+    assert dotted_names_missing(read(DOCS / "architecture.md"), ROOT / "estimatorch") == []
+
+
+def test_the_dotted_names_check_catches_a_name_that_is_gone(tmp_path):
+    root = tmp_path / "estimatorch"
+    (root / "data").mkdir(parents=True)
+    (root / "__init__.py").write_text("")
+    (root / "data" / "__init__.py").write_text("from ._streams import open_stream\n")
+    (root / "data" / "_streams.py").write_text("def open_stream():\n    pass\n")
+    (root / "run.py").write_text("class Base:\n    def restore(self):\n        pass\n\n\n"
+                                 "class Run(Base):\n    pos: int\n\n    def __init__(self):\n        self.stage = 0\n")
+    text = ("`data/_streams.open_stream`, `data.open_stream`, `_streams.make_train_stream`, `Run.pos`, "
+            "`run.stage`, `Run.restore()`, `run.gone`, `Run.gone`, `os.path.join`, `estimatorch.json`, `_loop.py`")
+    assert dotted_names_missing(text, root) == ["_streams.make_train_stream", "run.gone", "Run.gone"]
+
+
+def drawn_layers(text: str) -> dict[str, int]:
+    """The modules (dotted, under ``estimatorch``) of the layer table in docs/architecture.md's
+    "Layers" section, each with its layer."""
+    drawn: dict[str, int] = {}
+    for layer, names in re.findall(r"^\| (\d+) \| ([^|]*) \|", section(text, "Layers"), re.MULTILINE):
+        for name in re.findall(r"`([\w.]+)`", names):
+            drawn["estimatorch" if name == "estimatorch" else f"estimatorch.{name}"] = int(layer)
+    return drawn
+
+
+def test_the_layer_table_places_every_module_as_the_layer_test_does():
+    """The guide's layers and the ones tests/test_layers.py enforces are the same table."""
+    from tests.test_layers import LAYERS
+
+    assert drawn_layers(read(DOCS / "architecture.md")) == LAYERS
+    assert drawn_layers("## Layers\n\n| 4 | `checkpoint` `data` | x |\n| 9 | `estimatorch` | y |\n") == {
+        "estimatorch.checkpoint": 4, "estimatorch.data": 4, "estimatorch": 9}
+
+
 def test_the_data_page_maps_every_module_of_the_data_layer():
     """docs/data.md's module map of ``estimatorch.data`` names each of its modules."""
     where = section(read(DOCS / "data.md"), "The data layer (`estimatorch.data`)")

@@ -274,7 +274,6 @@ def test_seed_worker_in_a_dataloader():
 # -- derive_seed --------------------------------------------------------------------------------
 @pytest.mark.slow  # starts a python process that imports torch
 def test_derive_seed_is_a_pure_function():
-    assert rng.derive_seed(1, 2, 3) == rng.derive_seed(1, 2, 3)
     code = "from estimatorch import rng; print(rng.derive_seed(1, 2, 3))"
     other_process = subprocess.run([sys.executable, "-c", code], capture_output=True, text=True, check=True)
     assert int(other_process.stdout) == rng.derive_seed(1, 2, 3)

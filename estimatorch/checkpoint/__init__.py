@@ -97,6 +97,7 @@ from ._model import is_sharded_module, load_model_state, model_state, plain_key,
 from ._progress import PROGRESS_NAME, ProgressMark, progress_path, read_progress
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
 from ._run_state import PHASES, PLAN_KEYS, POSITION_KEYS, SNAPSHOT, check_positions, check_snapshot_structure
+from ._seam import ResumableFit
 from ._sharded_run import read_checkpoint, save_fit_checkpoint
 from ._store import check_reachable, is_url
 from ._store import configure as configure_store
@@ -137,6 +138,7 @@ __all__ = [
     "DirectoryLockedError",
     "LeaseLostError",
     "Layout",
+    "ResumableFit",
     "Staging",
     "NewerFormatError",
     "atomic_save",

@@ -273,7 +273,7 @@ def _url_header(url: str) -> Any:
         raise CheckpointError(f"cannot read checkpoint {url!r}: it is truncated or damaged (no end of archive)")
     try:
         return _meta_unpickle(_Ranged(url, head, 30 + name_length + extra_length))
-    except Exception as err:  # noqa: BLE001 - damaged, or holding what weights_only refuses
+    except Exception as err:  # damaged, or holding what weights_only refuses
         raise CheckpointError(f"cannot read checkpoint {url!r}: {err}") from err
 
 

@@ -8,11 +8,11 @@ compiled and plain nets resume from each other's files.
 
 from __future__ import annotations
 
+import sys
 from collections import OrderedDict
 from typing import Any
 
 from torch import nn
-from torch.distributed.tensor import DTensor
 
 __all__ = ["is_sharded_module", "load_model_state", "model_state", "plain_key", "plain_module"]
 
@@ -38,7 +38,8 @@ def is_sharded_module(net: nn.Module) -> bool:
         >>> is_sharded_module(nn.Linear(2, 1))
         False
     """
-    return any(isinstance(p, DTensor) for p in net.parameters())
+    tensors = sys.modules.get("torch.distributed.tensor")  # (a heavy import: a DTensor exists only once it ran)
+    return tensors is not None and any(isinstance(p, tensors.DTensor) for p in net.parameters())
 
 
 def plain_key(key: str) -> str:

@@ -107,7 +107,7 @@ class ProgressMark:
         os.makedirs(os.path.dirname(path) or ".", exist_ok=True)
         _replace(path, _file_bytes({"step": step, "seen": time.time_ns(), "data": -1}, document))
         mark = cls(path, document)
-        mark._file = open(path, "r+b")  # noqa: SIM115 - held open (mapped) until close()
+        mark._file = open(path, "r+b")  # held open (mapped) until close()
         mark._map = mmap.mmap(mark._file.fileno(), _HEAD)
         mark._cells = memoryview(mark._map).cast("q")
         return mark

@@ -38,11 +38,9 @@ import secrets
 import shutil
 import warnings
 from collections.abc import Mapping
-from typing import Any, Optional
+from typing import TYPE_CHECKING, Any, Optional
 
 import torch
-import torch.distributed.checkpoint as dcp
-from torch.distributed.checkpoint.metadata import Metadata, TensorStorageMetadata
 
 from .. import distributed
 from .._saved import CheckpointError
@@ -54,6 +52,9 @@ from ._format import _read as read_file
 from ._lease import check_writer
 from ._sharded_store import METADATA as _METADATA
 from ._sharded_store import _read_bytes, _reader, _writer
+
+if TYPE_CHECKING:  # heavy (DTensor and DCP take about a third of torch's own import): typing only
+    from torch.distributed.checkpoint.metadata import Metadata
 
 __all__ = [
     "MARKER",
@@ -147,6 +148,14 @@ def _agree(error: Optional[BaseException], what: str) -> None:
     distributed.raise_on_every_rank(error, what)
 
 
+def _dcp_module() -> Any:
+    """``torch.distributed.checkpoint``, imported at the first sharded checkpoint a process reads or
+    writes (with DTensor, about a third of torch's own import time, which no other fit pays)."""
+    import torch.distributed.checkpoint as dcp  # heavy: only where a checkpoint is sharded
+
+    return dcp
+
+
 def _dcp(fn: Any, state: dict[str, Any], process_group: Any = None, **kwargs: Any) -> None:
     """``dcp.save``/``dcp.load`` of ``state`` (over ``process_group``, by default the default
     group), in one process without its warning that it assumes one process (that is what
@@ -219,6 +228,7 @@ def write_sharded(state: Mapping[str, Any], rank_state: Any, path: PathLike, tmp
     parent, url = os.path.dirname(path), _store.is_url(path)
     rank, world = distributed.get_rank(), distributed.get_world_size()
     error: Optional[BaseException] = None
+    dcp = _dcp_module()
     with distributed.on_group(group):
         try:
             try:
@@ -353,6 +363,8 @@ def check_sharded(path: PathLike, template: Optional[Mapping[str, Any]] = None) 
 
 
 def _check_template(path: str, metadata: Metadata, wanted: Mapping[str, torch.Tensor]) -> None:
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # heavy: a sharded checkpoint's
+
     saved = metadata.state_dict_metadata
     missing = sorted(k for k in wanted if k not in saved)
     if missing:
@@ -389,7 +401,7 @@ def load_sharded(path: PathLike, template: Mapping[str, Any]) -> tuple[dict[str,
     """
     path = os.fspath(path)
     marker = check_sharded(path, template)
-    _dcp(dcp.load, flatten_tensors(template), storage_reader=_reader(path))
+    _dcp(_dcp_module().load, flatten_tensors(template), storage_reader=_reader(path))
     common = _read(os.path.join(path, _COMMON))
     rank = distributed.get_rank()
     rank_state = _read(os.path.join(path, _rank_file(rank))) if rank < marker["world_size"] else None
@@ -411,6 +423,8 @@ def _read(file: str) -> Any:
 def sharded_tensors(path: PathLike, key: str = "model") -> dict[str, tuple[tuple[int, ...], torch.dtype]]:
     """``{name: (global shape, dtype)}`` of the ``key`` tensors a sharded checkpoint holds, read
     from its metadata alone (nothing is loaded)."""
+    from torch.distributed.checkpoint.metadata import TensorStorageMetadata  # heavy: a sharded checkpoint's
+
     prefix = key + "."
     return {k[len(prefix):]: (tuple(v.size), v.properties.dtype)
             for k, v in _metadata(os.fspath(path)).state_dict_metadata.items()
@@ -430,6 +444,7 @@ def read_sharded_weights(path: PathLike, key: str = "model") -> dict[str, torch.
     state = {prefix + k: torch.empty(shape, dtype=dtype) for k, (shape, dtype) in sharded_tensors(path, key).items()}
     if not state:
         raise CheckpointError(f"sharded checkpoint {path!r} holds no {key!r} tensors")
+    dcp = _dcp_module()
     try:
         with warnings.catch_warnings():
             warnings.filterwarnings("ignore", "torch.distributed is disabled", UserWarning)

@@ -22,11 +22,9 @@ state is checked against the directory's metadata and restored with DCP
 from __future__ import annotations
 
 import os
-from typing import Any, Callable, Optional
+from typing import TYPE_CHECKING, Any, Callable, Optional
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict
-from torch.distributed.tensor import DTensor
 
 from .. import distributed
 from .._saved import CheckpointError
@@ -57,6 +55,9 @@ from ._sharded import (
 )
 from ._sharded import _read as read_part
 
+if TYPE_CHECKING:  # heavy (DTensor and DCP take about a third of torch's own import): typing only
+    from torch.distributed.tensor import DTensor
+
 __all__ = ["SHARDED", "digest_of", "read_checkpoint", "save_fit_checkpoint", "version_of"]
 
 #: the payload entry naming the directory a sharded checkpoint was read from (absent for a file).
@@ -78,6 +79,8 @@ def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Opti
         FileExistsError: ``path`` exists (on every rank).
         OSError: a write failed on some rank (on every rank); nothing is left at ``path``.
     """
+    from torch.distributed.checkpoint.state_dict import get_state_dict  # heavy: only for a sharded checkpoint
+
     part = estimator.state_payload(gather=False)
     assert part is not None, "gather=False gives every rank its own part"
     model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
@@ -115,6 +118,8 @@ def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Opti
 def _local_shards(state: Any, path: tuple = ()) -> tuple[Any, dict[tuple, DTensor]]:
     """``state`` with every DTensor replaced by its local shard (a view, no copy), and the
     DTensors by where they were (their layout, to rebuild them around the staged copies)."""
+    from torch.distributed.tensor import DTensor  # heavy: only for a sharded checkpoint
+
     specs: dict[tuple, DTensor] = {}
 
     def walk(value: Any, where: tuple) -> Any:
@@ -133,6 +138,7 @@ def _local_shards(state: Any, path: tuple = ()) -> tuple[Any, dict[tuple, DTenso
 def _sharded_again(staged: Any, specs: dict[tuple, DTensor]) -> Any:
     """The staged local shards wrapped as the DTensors they were (global shape, placements, mesh),
     with no communication: what DCP plans and writes from."""
+    from torch.distributed.tensor import DTensor  # heavy: only for a sharded checkpoint
 
     def walk(value: Any, where: tuple) -> Any:
         if where in specs:

@@ -20,19 +20,22 @@ removes its marker first.
 
 from __future__ import annotations
 
+import functools
 import io
 import os
 import pickle
+import types
 from contextlib import contextmanager
-from typing import Any, Iterator
+from typing import TYPE_CHECKING, Any, Iterator
 
 import torch
-from torch.distributed.checkpoint.filesystem import FileSystemBase, FileSystemReader, FileSystemWriter
-from torch.distributed.checkpoint.metadata import Metadata, StorageMeta
 
 from . import _store
 
-__all__ = ["METADATA", "StoreReader", "StoreWriter", "read_metadata"]
+if TYPE_CHECKING:  # heavy (DTensor and DCP take about a third of torch's own import): typing only
+    from torch.distributed.checkpoint.metadata import Metadata
+
+__all__ = ["METADATA", "read_metadata"]
 
 #: DCP's metadata file in a sharded checkpoint directory.
 METADATA = ".metadata"
@@ -42,7 +45,7 @@ class _Buffer(io.BytesIO):
     """What DCP writes a file into: DCP closes its stream inside its own ``with``; the upload
     reads the buffer after that, so closing waits for :meth:`discard`."""
 
-    def close(self) -> None:  # noqa: D401 - see the class
+    def close(self) -> None:  # see the class
         return
 
     def discard(self) -> None:
@@ -50,74 +53,6 @@ class _Buffer(io.BytesIO):
             super().close()
         except BufferError:  # a view of it still referenced (an error's traceback): freed with it
             return
-
-
-class _StoreFileSystem(FileSystemBase):
-    """DCP's filesystem on an object store, through ``_store``: whole objects written, fsspec's
-    files read."""
-
-    def init_path(self, path: Any, **kwargs: Any) -> str:
-        return os.fspath(path)
-
-    def concat_path(self, path: Any, suffix: str) -> str:
-        return os.path.join(os.fspath(path), suffix)
-
-    @contextmanager
-    def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
-        path = os.fspath(path)
-        if "w" not in mode:
-            with _store.open_file(path, mode) as stream:
-                yield stream
-            return
-        buffer = _Buffer()
-        try:
-            yield buffer
-            _store.write_bytes(path, buffer.getbuffer())  # one object, uploaded whole (no copy of the bytes)
-        finally:
-            buffer.discard()
-
-    def rename(self, path: Any, new_path: Any) -> None:
-        _store.write_bytes(os.fspath(new_path), _store.read_bytes(os.fspath(path)))
-        _store.remove(os.fspath(path))
-
-    def mkdir(self, path: Any) -> None:
-        return  # an object store has no directories
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _store.is_url(checkpoint_id)
-
-    def exists(self, path: Any) -> bool:
-        return _store.exists(os.fspath(path))
-
-    def rm_file(self, path: Any) -> None:
-        _store.remove(os.fspath(path))
-
-    def ls(self, path: Any) -> list[str]:
-        return [os.path.join(os.fspath(path), name) for name in _store.listdir(os.fspath(path))]
-
-
-class StoreWriter(FileSystemWriter):
-    """DCP's writer of the sharded checkpoint at the URL ``path`` (one object per rank's shards;
-    no fsync: an object is durable once its upload returns)."""
-
-    def __init__(self, path: str):
-        super().__init__(path, sync_files=False, overwrite=False)
-        self.fs = _StoreFileSystem()  # type: ignore[assignment]  # (torch types it as its local one)
-        self.path = self.fs.init_path(path)
-
-
-class StoreReader(FileSystemReader):
-    """DCP's reader of the sharded checkpoint at the URL ``path`` (the directory's storage options)."""
-
-    def __init__(self, path: str):
-        super().__init__(path)
-        self.fs = _StoreFileSystem()  # type: ignore[assignment]  # (torch types it as its local one)
-        self.path = self.fs.init_path(path)
-
-    @classmethod
-    def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
-        return _store.is_url(checkpoint_id)
 
 
 # -- reading DCP's metadata safely, a reader and writer for a path or URL ------------------------
@@ -143,6 +78,8 @@ class _MetadataUnpickler(pickle.Unpickler):
 
 def read_metadata(path: str, load_id: Any = None) -> Metadata:
     """DCP's metadata of the sharded checkpoint at ``path``, unpickled without running code."""
+    from torch.distributed.checkpoint.metadata import Metadata, StorageMeta  # heavy: only for a sharded checkpoint
+
     metadata = _MetadataUnpickler(io.BytesIO(_read_bytes(os.path.join(path, METADATA)))).load()
     if not isinstance(metadata, Metadata):
         raise pickle.UnpicklingError("not DCP metadata")
@@ -162,20 +99,101 @@ class _SafeMetadata:
         return read_metadata(os.fspath(self.path), self.load_id)
 
 
-class _SafeReader(_SafeMetadata, FileSystemReader):
-    """DCP's file reader with a metadata unpickler that runs no code."""
+@functools.lru_cache(maxsize=None)
+def _classes() -> types.SimpleNamespace:
+    """DCP's filesystem, reader and writer for an object store, and the readers that unpickle
+    DCP's metadata safely: defined at the first sharded checkpoint a process reads or writes
+    (DCP is a heavy import no other checkpoint needs)."""
+    from torch.distributed.checkpoint.filesystem import (  # heavy: only where a checkpoint is sharded
+        FileSystemBase,
+        FileSystemReader,
+        FileSystemWriter,
+    )
 
+    class _StoreFileSystem(FileSystemBase):
+        """DCP's filesystem on an object store, through ``_store``: whole objects written, fsspec's
+        files read."""
 
-class _SafeStoreReader(_SafeMetadata, StoreReader):
-    """DCP's reader on an object store with a metadata unpickler that runs no code."""
+        def init_path(self, path: Any, **kwargs: Any) -> str:
+            return os.fspath(path)
+
+        def concat_path(self, path: Any, suffix: str) -> str:
+            return os.path.join(os.fspath(path), suffix)
+
+        @contextmanager
+        def create_stream(self, path: Any, mode: str) -> Iterator[io.IOBase]:
+            path = os.fspath(path)
+            if "w" not in mode:
+                with _store.open_file(path, mode) as stream:
+                    yield stream
+                return
+            buffer = _Buffer()
+            try:
+                yield buffer
+                _store.write_bytes(path, buffer.getbuffer())  # one object, uploaded whole (no copy of the bytes)
+            finally:
+                buffer.discard()
+
+        def rename(self, path: Any, new_path: Any) -> None:
+            _store.write_bytes(os.fspath(new_path), _store.read_bytes(os.fspath(path)))
+            _store.remove(os.fspath(path))
+
+        def mkdir(self, path: Any) -> None:
+            return  # an object store has no directories
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return _store.is_url(checkpoint_id)
+
+        def exists(self, path: Any) -> bool:
+            return _store.exists(os.fspath(path))
+
+        def rm_file(self, path: Any) -> None:
+            _store.remove(os.fspath(path))
+
+        def ls(self, path: Any) -> list[str]:
+            return [os.path.join(os.fspath(path), name) for name in _store.listdir(os.fspath(path))]
+
+    class StoreWriter(FileSystemWriter):
+        """DCP's writer of the sharded checkpoint at the URL ``path`` (one object per rank's shards;
+        no fsync: an object is durable once its upload returns)."""
+
+        def __init__(self, path: str):
+            super().__init__(path, sync_files=False, overwrite=False)
+            self.fs = _StoreFileSystem()  # type: ignore[assignment]  # (torch types it as its local one)
+            self.path = self.fs.init_path(path)
+
+    class StoreReader(FileSystemReader):
+        """DCP's reader of the sharded checkpoint at the URL ``path`` (the directory's storage options)."""
+
+        def __init__(self, path: str):
+            super().__init__(path)
+            self.fs = _StoreFileSystem()  # type: ignore[assignment]  # (torch types it as its local one)
+            self.path = self.fs.init_path(path)
+
+        @classmethod
+        def validate_checkpoint_id(cls, checkpoint_id: Any) -> bool:
+            return _store.is_url(checkpoint_id)
+
+    class _SafeReader(_SafeMetadata, FileSystemReader):
+        """DCP's file reader with a metadata unpickler that runs no code."""
+
+    class _SafeStoreReader(_SafeMetadata, StoreReader):
+        """DCP's reader on an object store with a metadata unpickler that runs no code."""
+
+    return types.SimpleNamespace(StoreWriter=StoreWriter, StoreReader=StoreReader, SafeReader=_SafeReader,
+                                 SafeStoreReader=_SafeStoreReader, FileSystemWriter=FileSystemWriter)
 
 
 def _reader(path: str) -> Any:
-    return _SafeStoreReader(path) if _store.is_url(path) else _SafeReader(path)
+    dcp = _classes()
+    return dcp.SafeStoreReader(path) if _store.is_url(path) else dcp.SafeReader(path)
 
 
 def _writer(path: str) -> Any:
-    return StoreWriter(path) if _store.is_url(path) else FileSystemWriter(path, sync_files=True, overwrite=False)
+    dcp = _classes()
+    return dcp.StoreWriter(path) if _store.is_url(path) else dcp.FileSystemWriter(path, sync_files=True,
+                                                                                   overwrite=False)
 
 
 def _read_bytes(path: str) -> bytes:

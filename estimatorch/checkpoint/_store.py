@@ -116,7 +116,7 @@ def _retried(what: str, url: str, call: Callable[[], T], attempts: int = ATTEMPT
             return call()
         except _PERMANENT:
             raise
-        except Exception as err:  # noqa: BLE001 - the filesystem's own (botocore's connection errors...)
+        except Exception as err:  # the filesystem's own (botocore's connection errors...)
             if _precondition_failed(err):  # a conditional write that lost: an answer, not a failure
                 raise
             if attempt == attempts:

@@ -20,7 +20,6 @@ from __future__ import annotations
 from typing import Any
 
 import torch
-from torch.distributed.checkpoint.state_dict import get_state_dict, set_state_dict
 
 from .._saved import MISSING, CheckpointError, check_dict, check_keys, check_like, kind, show
 from ._model import is_sharded_module, load_model_state, model_state, plain_module
@@ -222,6 +221,11 @@ def restore_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> 
     """
     check_training_state(estimator, payload)
     if payload.get("sharded") is not None:  # a collective: every rank loads its slices
+        from torch.distributed.checkpoint.state_dict import (  # heavy: only for a sharded checkpoint
+            get_state_dict,
+            set_state_dict,
+        )
+
         model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
         state, _ = load_sharded(payload["sharded"], {"model": model, "optimizer": optimizer})
         set_state_dict(estimator.net, estimator.optimizer, model_state_dict=state["model"],
@@ -229,7 +233,6 @@ def restore_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> 
     else:
         load_model_state(estimator.net, payload["model"])
         estimator.optimizer.load_state_dict(_in_this_mode(payload["optimizer"], estimator.optimizer))
-    for attr in ("lr_scheduler", "grad_scaler"):
-        target = getattr(estimator, attr)
+    for key, target in (("lr_scheduler", estimator.lr_scheduler), ("grad_scaler", estimator.grad_scaler)):
         if target is not None:
-            target.load_state_dict(payload[attr])
+            target.load_state_dict(payload[key])

@@ -14,7 +14,6 @@ from typing import Any
 
 import torch
 from torch import nn
-from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
 
 from .. import distributed
 from . import _store
@@ -43,6 +42,11 @@ def weights_state(net: nn.Module) -> Any:
         ['bias', 'weight']
     """
     if is_sharded_module(net):
+        from torch.distributed.checkpoint.state_dict import (  # heavy: a sharded net imported it already
+            StateDictOptions,
+            get_model_state_dict,
+        )
+
         full = get_model_state_dict(net, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
         return OrderedDict(full) if distributed.is_main_process() else None
     state = model_state(net)

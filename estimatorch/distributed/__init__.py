@@ -30,13 +30,12 @@ from ._replicas import ReplicaDivergenceError, differing_ranks, gather_fingerpri
 from ._spawn import RankFailedError, portable_exception, spawn
 
 __all__ = ["REDUCTIONS", "all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum",
-           "any_rank", "barrier", "broadcast_object", "collective_device", "gather_objects", "gather_to_main",
+           "barrier", "broadcast_object", "collective_device", "gather_objects", "gather_to_main",
            "get_local_rank", "get_rank", "get_world_size", "init_from_env", "is_distributed", "is_main_process",
            "NullWriter", "on_group", "PendingMax", "RankFailedError", "RankWatch", "raise_on_every_rank",
-           "rank_zero_writer", "run_on_main", "share_outcome", "side_group", "spawn", "torchrun_env", "Watchdog",
+           "rank_zero_writer", "run_on_main", "share_outcome", "side_group", "spawn", "Watchdog",
            "ReplicaDivergenceError", "differing_ranks", "gather_fingerprints", "state_fingerprint", "state_tensors"]
 
-_TORCHRUN_VARS = ("RANK", "WORLD_SIZE", "LOCAL_RANK", "MASTER_ADDR", "MASTER_PORT")
 
 
 def is_distributed() -> bool:
@@ -72,11 +71,6 @@ def get_local_rank() -> int:
 def is_main_process() -> bool:
     """True on global rank 0: the only process that writes files, events and logs."""
     return get_rank() == 0
-
-
-def torchrun_env() -> bool:
-    """True when torchrun (or a compatible launcher) set the rendezvous variables."""
-    return all(v in os.environ for v in _TORCHRUN_VARS)
 
 
 def init_from_env(backend: Optional[str] = None) -> bool:
@@ -259,20 +253,6 @@ def _flag_group() -> Any:
     if override is not None:
         return override
     return None if dist.get_backend() == "gloo" else _gloo_group("flags")
-
-
-def any_rank(*flags: bool) -> Any:
-    """For each flag, True on every rank when it is true on any rank (one host-side collective).
-
-    Returns a bool for one flag, a tuple of bools for several.
-    """
-    if not is_distributed():
-        values = tuple(bool(f) for f in flags)
-    else:
-        t = torch.tensor([1 if f else 0 for f in flags], dtype=torch.int32)
-        dist.all_reduce(t, op=dist.ReduceOp.MAX, group=_flag_group())
-        values = tuple(bool(v) for v in t.tolist())
-    return values[0] if len(values) == 1 else values
 
 
 class PendingMax:

@@ -115,21 +115,16 @@ def state_fingerprint(tensors: Iterable[torch.Tensor]) -> torch.Tensor:
         >>> int(state_fingerprint([a])) == int(state_fingerprint([torch.tensor([1.0, 0.0])]))
         False
     """
-    by_device: dict[torch.device, list[tuple[int, torch.Tensor]]] = {}
-    for j, tensor in enumerate(tensors):
-        if tensor.layout != torch.strided or tensor.is_meta or tensor.numel() == 0:
-            continue
-        by_device.setdefault(tensor.device, []).append((2 * j + 1, tensor))
-    device = next((d for d in by_device if d.type != "cpu"), torch.device("cpu"))
+    kept = [(2 * j + 1, t) for j, t in enumerate(tensors)
+            if t.layout == torch.strided and not t.is_meta and t.numel() > 0]
+    device = next((t.device for _, t in kept if t.device.type != "cpu"), torch.device("cpu"))
     total = torch.zeros((), dtype=torch.int64, device=device)
     host = 0
-    for where, items in by_device.items():
-        sums = torch.stack([_mixed_sum(t) for _, t in items])
-        weights = torch.tensor([w for w, _ in items], dtype=torch.int64, device=where)
-        part = (sums * weights).sum()
-        if where == device:
-            total = total + part
-        else:  # the CPU's part (read without waiting for any device)
+    for weight, tensor in kept:  # numbers as kernel arguments: nothing is copied from the host
+        part = _mixed_sum(tensor) * weight
+        if tensor.device == device:
+            total += part
+        else:  # the CPU's part (an optimizer's step counts), read without waiting for the device
             host += int(part)
     return total + _signed(host) if host else total
 

@@ -109,7 +109,7 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
             # Plain pickle (tensors copied into the message), not torch's shared-memory
             # reductions: those need this process alive until the parent has unpickled.
             message = pickle.dumps(("ok", result))
-        except Exception as err:  # noqa: BLE001 - an unpicklable result is the caller's error
+        except Exception as err:  # an unpicklable result is the caller's error
             raise TypeError(f"spawn: the result of {getattr(fn, '__name__', fn)!r} on rank {local_rank} "
                             f"cannot be sent to the parent process ({err}); return picklable values") from err
         conn.send_bytes(message)

@@ -11,31 +11,22 @@ from torch import nn
 from .._batches import call_loss, call_net, split_batch, split_inputs
 from .._checks import check_bool
 from .._model_loss import is_causal_lm, logits_of, model_inputs, own_loss_step
-from ..events import Dispatch
+from ..events import Dispatch, EstimatorView
 
 __all__ = ["BatchProcessor", "StepEstimator"]
 
 
-class StepEstimator(Protocol):
-    """What a :class:`BatchProcessor` uses of the estimator (``Estimator`` satisfies it): the nets
-    and losses, mixed precision, the backward pass, and the events of a step with the question
-    of who listens (:attr:`dispatch`)."""
+class StepEstimator(EstimatorView, Protocol):
+    """What a :class:`BatchProcessor` uses of the estimator (``Estimator`` satisfies it): what a
+    handler may use (:class:`~estimatorch.events.EstimatorView`: ``net``, ``train_net``, ``loss``,
+    ``fire``...), since a processor fires the step's events and hands the estimator to their
+    handlers; and the step's own tools: the evaluation net and loss, mixed precision, the backward
+    pass, and the question of who listens to an event (:attr:`dispatch`)."""
 
-    #: None: the model computes its own loss (``Estimator(model, optimizer=...)``)
-    loss: Optional[Callable[..., torch.Tensor]]
+    #: the loss evaluation and prediction compute; None: the model computes its own
     val_loss: Optional[Callable[..., torch.Tensor]]
-
-    @property
-    def net(self) -> nn.Module:
-        """The plain module (no DDP or compile wrapper): what a causal LM is recognised on."""
-
-    @property
-    def train_net(self) -> nn.Module:
-        """The module the training step calls."""
-
-    @property
-    def val_net(self) -> nn.Module:
-        """The module evaluation and prediction call."""
+    #: the module evaluation and prediction call
+    val_net: nn.Module
 
     @property
     def dispatch(self) -> Dispatch:
@@ -46,9 +37,6 @@ class StepEstimator(Protocol):
 
     def backward(self, loss: torch.Tensor) -> None:
         """``loss.backward()``, scaled under ``"16-mixed"``."""
-
-    def fire(self, event: str, **kwargs: Any) -> bool:
-        """Call the current fit's handlers of ``event``."""
 
 
 class BatchProcessor:

@@ -329,7 +329,7 @@ class Estimator(RunView):
         failed, stopping = False, BaseException()
         try:
             with torch_flags(self.deterministic, self.cudnn_benchmark, self.device.type == "cpu"), run.signals, \
-                    watching(self, run) as watch:
+                    watching(self, run.pos, run.dispatch.handlers) as watch:
                 try:
                     if self._ddp is None and wraps(self):
                         self._ddp = train_wrapper(self)  # None for a sharded net
@@ -348,11 +348,11 @@ class Estimator(RunView):
                     run_loop(self, run)
                 except torch.cuda.OutOfMemoryError as err:  # told where: no cost until it is raised
                     failed, stopping = True, err
-                    publish_failure(watch, run, err)
-                    raise describe_out_of_memory(self, run, err) from err
+                    publish_failure(watch, run.signals, run.pos, err)
+                    raise describe_out_of_memory(err, run.pos, run.dispatch.handlers) from err
                 except BaseException as err:
                     failed, stopping = True, err
-                    publish_failure(watch, run, err)  # the other ranks end instead of waiting for this one
+                    publish_failure(watch, run.signals, run.pos, err)  # the other ranks end, not wait for this one
                     if run.signals.stopped is not None:  # a stop at a boundary: see drop_data_frames
                         raise drop_data_frames(err)  # noqa: B904 - the same error, without its frames
                     raise

@@ -126,8 +126,7 @@ class EarlyStoppingHandler(StatefulHandler, TrainBegin, EpochEnd, TrainEnd):
         return False
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
-        position = getattr(estimator, "position", None)
-        if position is not None and not position.stop:
+        if not estimator.position.stop:
             return  # interrupted: the weights must stay those a resume continues from
         if self.restore_best_weights and self.best_weights is not None:
             _load_plain_weights(estimator.net, self.best_weights)

@@ -132,7 +132,7 @@ class LRSchedulerHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     def check_fit(self, estimator: EstimatorView, resume: bool) -> None:
         scheduler = self.scheduler if self.scheduler is not None else estimator.lr_scheduler
-        if scheduler is None and getattr(estimator, "lr_scheduler_factory", None) is not None:
+        if scheduler is None and estimator.lr_scheduler_factory is not None:
             return  # built at fit start, after these checks
         if scheduler is None:
             raise ValueError("LRSchedulerHandler has no scheduler: pass one, or Estimator(lr_scheduler=...)")

@@ -64,7 +64,7 @@ class MetricHandler(StatefulHandler, TrainBegin, EpochBegin, BatchEnd):
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         """Under ``cuda_graphs=True``, fold every update at once, at every batch, warm-up and
         eager batches included: a resumed run then folds exactly as an uninterrupted one."""
-        self._now = bool(getattr(estimator, "cuda_graphs", False)) and self.capturable_batch_end
+        self._now = estimator.cuda_graphs and self.capturable_batch_end
 
     def epoch_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         for metric in self.metrics:

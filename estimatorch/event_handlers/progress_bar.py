@@ -229,8 +229,7 @@ class ProgressBarHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         self._epoch_bar.update(1)
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
-        position = getattr(estimator, "position", None)
-        if self._batch_bar is not None and position is not None and not position.stop:
+        if self._batch_bar is not None and not estimator.position.stop:
             self._batch_bar.leave = True  # ended by an error or Ctrl-C: the bar stays to say where
         self._active = False
         self._shown = []

@@ -25,7 +25,7 @@ from .dispatch import (
     state_attributes,
     subscribes,
 )
-from .handler import Handler, StatefulHandler, declared, rank_identical_stop
+from .handler import Handler, StatefulHandler, declared, is_rank_identical_stop, rank_identical_stop
 from .mixins import (
     BATCH_EVENTS,
     EVENTS,
@@ -77,6 +77,7 @@ __all__ = [
     "declared",
     "handler_name",
     "order_handlers",
+    "is_rank_identical_stop",
     "rank_identical_stop",
     "state_attributes",
     "subscribes",

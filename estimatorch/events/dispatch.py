@@ -173,7 +173,7 @@ class Dispatch:
         for fn in (*self.train_end, *self.after_train_end):
             try:
                 fn(estimator)
-            except Exception as err:  # noqa: BLE001 - every handler still gets its train_end
+            except Exception as err:  # every handler still gets its train_end
                 if first is None:
                     first = err
                 if failed:

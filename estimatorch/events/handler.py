@@ -7,8 +7,12 @@
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
 ``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`, ``capturable_batch_end``
 with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, and what it measured of
-an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`). :class:`StatefulHandler` adds the
-``state_dict`` / ``load_state_dict`` of the declared state.
+an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`; the handlers it attaches
+to every evaluation during ``fit``: :meth:`~Handler.evaluation_handlers`). :class:`StatefulHandler`
+adds the ``state_dict`` / ``load_state_dict`` of the declared state.
+
+The loop reads each of them through :func:`declared`, never ``getattr``: a name the loop reads is
+a member of :class:`Handler` (``tests/test_layers.py`` checks).
 
 A handler that inherits only the mixins works too: every declaration then has its default.
 """
@@ -18,7 +22,7 @@ from __future__ import annotations
 import copy
 import inspect
 import warnings
-from collections.abc import Mapping, Sequence
+from collections.abc import Iterable, Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
@@ -28,7 +32,7 @@ from .._checks import check_state_keys
 if TYPE_CHECKING:  # the estimator's side of the contract; typing only
     from .view import EstimatorView
 
-__all__ = ["Handler", "StatefulHandler", "declared", "rank_identical_stop"]
+__all__ = ["Handler", "StatefulHandler", "declared", "is_rank_identical_stop", "rank_identical_stop"]
 
 _F = TypeVar("_F", bound=Callable[..., Any])
 
@@ -41,6 +45,21 @@ def rank_identical_stop(batch_end: _F) -> _F:
     others wait in the next step's all-reduce: mark only what you can prove."""
     batch_end.rank_identical_stop = True  # type: ignore[attr-defined]
     return batch_end
+
+
+def is_rank_identical_stop(batch_end: object) -> bool:
+    """Whether the hook ``batch_end`` (a handler's bound method) is marked :func:`rank_identical_stop`.
+
+    Example:
+        >>> from estimatorch.events import BatchEnd
+        >>> class Counted(Handler, BatchEnd):
+        ...     @rank_identical_stop
+        ...     def batch_end(self, estimator, **kwargs):
+        ...         return False
+        >>> is_rank_identical_stop(Counted().batch_end), is_rank_identical_stop(print)
+        (True, False)
+    """
+    return bool(getattr(batch_end, "rank_identical_stop", False))
 
 
 class Handler:
@@ -186,6 +205,13 @@ class Handler:
         record it (:func:`~estimatorch.events.readings.epoch_readings`). Defaults to none."""
         return {}
 
+    def evaluation_handlers(self, batches: Iterable[Any]) -> Sequence[Any]:
+        """The handlers this handler attaches to every evaluation of its ``fit`` (``evaluate``
+        and the validation ``fit`` runs call them with its own): the progress bar's validation
+        bar. ``batches`` is this rank's share of the data evaluated (its ``len`` when it has one).
+        Called once per evaluation, never per step. Defaults to none."""
+        return ()
+
 
 class StatefulHandler(Handler):
     """A :class:`Handler` whose ``state_attributes`` are its state: :meth:`state_dict` copies
@@ -215,20 +241,23 @@ class StatefulHandler(Handler):
 
 
 def declared(handler: Any, attribute: str) -> Any:
-    """``handler``'s declaration ``attribute`` (a value or property :class:`Handler` defines), or
-    its default for a handler that inherits only the mixins.
+    """``handler``'s declaration ``attribute`` (a value, property or method :class:`Handler`
+    defines), or its default for a handler that inherits only the mixins (a method: the default
+    bound to ``handler``).
 
     Example:
         >>> from estimatorch.events import TrainBegin
         >>> class Plain(TrainBegin): pass
-        >>> declared(Plain(), "resumes_run"), declared(Plain(), "state_attributes")
-        (False, ())
+        >>> declared(Plain(), "resumes_run"), declared(Plain(), "state_attributes"), declared(Plain(), "stop_limits")()
+        (False, (), (None, None))
     """
     if isinstance(handler, Handler):
         return getattr(handler, attribute)
     default = inspect.getattr_static(Handler, attribute)
     if isinstance(default, property):
         return getattr(handler, attribute) if hasattr(handler, attribute) else default.fget(handler)  # type: ignore[misc]
+    if inspect.isfunction(default):
+        return getattr(handler, attribute) if hasattr(handler, attribute) else default.__get__(handler)
     return getattr(handler, attribute, default)
 
 

@@ -14,6 +14,7 @@ from typing import Any, Optional, Protocol
 import torch
 from torch import nn
 
+from ..checkpoint import ResumableFit
 from .timing import StepTimes
 
 __all__ = ["EstimatorView", "PositionView"]
@@ -34,18 +35,15 @@ class PositionView(Protocol):
     stop: bool
 
 
-class EstimatorView(Protocol):
+class EstimatorView(ResumableFit, Protocol):
     """The estimator as a handler sees it during ``fit`` (or ``evaluate``, for the epoch and batch
-    events an evaluation fires)."""
+    events an evaluation fires): what a checkpoint store reads (:class:`ResumableFit`: ``net``,
+    ``optimizer``, ``lr_scheduler``, ``grad_scaler`` and the payload seam ``state_payload``,
+    ``check_payload``, ``load_payload``, since a handler hands the estimator to the store), and
+    the members below."""
 
-    #: the model, the loss and the optimizer ``fit`` trains with
-    net: nn.Module
-    loss: Optional[Callable[..., Any]]  # None: the model computes its own loss
-    optimizer: Any
-    #: the learning-rate scheduler the estimator steps (through ``LRSchedulerHandler``), if any
-    lr_scheduler: Any
-    #: the gradient scaler of ``precision="fp16"``, else None
-    grad_scaler: Optional[torch.amp.GradScaler]
+    #: the loss ``fit`` trains with; None: the model computes its own loss
+    loss: Optional[Callable[..., Any]]
     train_metrics: list[Any]
     val_metrics: list[Any]
     logger: logging.Logger
@@ -59,6 +57,11 @@ class EstimatorView(Protocol):
     batch_axis: int
     #: True when ``fit`` records the train step in a CUDA graph (``Estimator(cuda_graphs=True)``)
     cuda_graphs: bool
+    #: how ``fit`` spreads the net over the ranks: ``"ddp"``, ``"fsdp"`` or None (``Estimator(strategy=)``)
+    strategy: Optional[str]
+    #: a callable ``lr_scheduler`` (``(optimizer, total_steps) -> scheduler``) that ``fit`` builds
+    #: the scheduler with at its start, before ``train_begin``; None when none was given
+    lr_scheduler_factory: Optional[Callable[[torch.optim.Optimizer, int], object]]
 
     @property
     def train_net(self) -> nn.Module:
@@ -110,15 +113,6 @@ class EstimatorView(Protocol):
 
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
         """Run the val metrics over ``val_data``."""
-
-    def state_payload(self, *, gather: bool = True) -> Optional[dict[str, Any]]:
-        """Everything needed to resume the current fit (see ``Estimator.state_payload``)."""
-
-    def check_payload(self, payload: dict[str, Any], source: str, *, rank: Optional[int] = None) -> dict[str, Any]:
-        """Check a payload before any state is touched (see ``Estimator.check_payload``)."""
-
-    def load_payload(self, payload: dict[str, Any], source: str) -> None:
-        """Resume the current fit from ``payload`` (see ``Estimator.load_payload``)."""
 
     def request_resume(self, snapshot: dict[str, Any], source: str) -> None:
         """Resume the current fit from ``snapshot`` once the loop reaches the saved position."""

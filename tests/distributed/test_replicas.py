@@ -90,3 +90,19 @@ def test_the_state_is_the_parameters_then_the_optimizer_tensors_buffers_left_out
 ])
 def test_the_ranks_that_differ_are_those_off_the_most_held_fingerprint(values, expected):
     assert differing_ranks(values) == expected
+
+
+@pytest.mark.cuda
+@pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA device")
+def test_on_cuda_it_waits_for_nothing_and_equals_the_cpus():
+    torch.manual_seed(0)
+    params = [torch.randn(300, 7, device="cuda"), torch.randn(5, device="cuda", dtype=torch.bfloat16)]
+    steps = [torch.tensor(12.0)]  # an optimizer's step count on the CPU beside them
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")  # a host-device synchronisation raises
+    try:
+        on_device = state_fingerprint(params + steps)
+    finally:
+        torch.cuda.set_sync_debug_mode("default")
+    assert on_device.device.type == "cuda"
+    assert int(on_device) == fingerprint(*[t.cpu() for t in params], *steps)  # a GPU's checkpoint checks on a CPU

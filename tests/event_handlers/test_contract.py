@@ -19,6 +19,7 @@ from torch import nn
 
 import estimatorch.event_handlers as eh
 from estimatorch import Estimator
+from estimatorch.events import Dispatch
 from estimatorch.statistics import ActivationStatistics, EpochGradientNorm, GradientNorm, Throughput
 from tests.conftest import CtrlC, make_batches
 
@@ -142,9 +143,12 @@ def _clear(directory):
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))
 def test_construct_and_subscribe(name, tmp_path):
+    """As its factory builds it, the handler listens to some event of a fit (``listens_to`` does
+    not leave it deaf with these options), under a name of its own."""
     handler = FACTORIES[name](_estimator(), tmp_path)
-    assert isinstance(handler, tuple(eh.EVENTS.values()))
-    assert callable(handler.state_dict) and callable(handler.load_state_dict)
+    dispatch = Dispatch([handler])
+    assert [event for event in eh.EVENTS if getattr(dispatch, event)], f"{name} listens to no event"
+    assert dispatch.by_name == {handler.name: handler}
 
 
 @pytest.mark.parametrize("name", sorted(FACTORIES))

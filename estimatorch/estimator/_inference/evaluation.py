@@ -16,7 +16,7 @@ from ..._batches import to_device
 from ..._checks import is_int
 from ...checkpoint import is_sharded_module
 from ...data import InferenceData, for_inference, in_step, seeded_for_inference
-from ...events import Dispatch, check_handlers, order_handlers
+from ...events import Dispatch, check_handlers, declared, order_handlers
 from ...metrics.base import split_loss_metrics, update_metrics
 from .._fit_estimator import FitEstimator
 
@@ -72,9 +72,7 @@ def _dispatch(estimator: FitEstimator, handlers: list[Any], batches: Iterable[An
     progress bar's validation bar), which see this rank's batches."""
     handlers = list(handlers)
     for handler in estimator.handlers:
-        companions = getattr(handler, "evaluation_handlers", None)
-        if companions is not None:
-            handlers.extend(companions(batches))
+        handlers.extend(declared(handler, "evaluation_handlers")(batches))
     return Dispatch(order_handlers(handlers, []))
 
 
@@ -111,7 +109,7 @@ def run_batches(estimator: FitEstimator, data: Iterable[Any], arg: str, handlers
     """
     with _inference_mode(estimator):
         sharded = forward is not None and is_sharded_module(estimator.val_net)
-        seeded = seeded_for_inference(data, getattr(estimator, "seed", rng.DEFAULT_SEED))
+        seeded = seeded_for_inference(data, estimator.seed)
         shard = for_inference(seeded, arg, pad=sharded)
         dispatch = _dispatch(estimator, handlers, shard.batches)
         device = estimator.device

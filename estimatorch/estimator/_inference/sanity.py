@@ -82,7 +82,7 @@ def _check_batches(estimator: FitEstimator, val_data: Iterable[Any], steps: int,
                     metric.compute(sync=False)
                 elif not distributed.is_distributed():  # another library's compute may be a collective
                     metric.compute()
-    except Exception as err:  # noqa: BLE001 - a batch-rule error is val_data's; any other passes through
+    except Exception as err:  # a batch-rule error is val_data's; any other passes through
         context = f"at {where}, through val_net, val_loss and the val metrics"
         if _is_batch_rule_error(err):
             raise ValueError(

@@ -18,7 +18,7 @@ from collections.abc import Iterator
 from typing import Any, Optional
 
 from ..._checks import check_positive_int
-from ...events import accumulation_steps, check_handlers
+from ...events import accumulation_steps, check_handlers, declared
 from .._fit_estimator import FitEstimator
 from .._setup.train_stream import open_train_stream
 
@@ -67,10 +67,8 @@ def plan_counts(per_epoch: Optional[int], handlers: list[Any], epochs: Optional[
         per_epoch = batches_per_epoch if per_epoch is None else min(per_epoch, batches_per_epoch)
     accumulation = accumulation_steps(handlers)
     for handler in handlers:
-        limits = getattr(handler, "stop_limits", None)
-        if callable(limits):
-            max_epoch, max_batch = limits()
-            epochs, batches = _tighter(max_epoch, epochs), _tighter(max_batch, batches)
+        max_epoch, max_batch = declared(handler, "stop_limits")()
+        epochs, batches = _tighter(max_epoch, epochs), _tighter(max_batch, batches)
     return PlanCounts(per_epoch, accumulation, epochs, batches)
 
 

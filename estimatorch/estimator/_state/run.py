@@ -33,7 +33,7 @@ from ...checkpoint import (
     check_snapshot_structure,
 )
 from ...data import TrainStream
-from ...events import Dispatch, state_attributes
+from ...events import Dispatch, declared, state_attributes
 from ...events.readings import epoch_learning_rates, epoch_readings
 from ...events.timing import StepTimes
 from ...metrics.base import Metric, metric_name
@@ -178,7 +178,7 @@ def take_snapshot(estimator: FitEstimator, run: Run, partial: bool = False) -> d
         "fingerprint": run.stream.fingerprint(),
         "rng": rng.get_state(cuda=estimator.device.type == "cuda", numpy_global=True),
         "pending_stop": run.agreement.pending_stop,
-        "shared": [name for name, h in run.dispatch.by_name.items() if getattr(h, "shared_state", False)],
+        "shared": [name for name, h in run.dispatch.by_name.items() if declared(h, "shared_state")],
         "ledger": run.ledger.state(run),
         "state_fingerprint": None,  # taken by a store's save (``payload.payload_of``)
     }

@@ -47,7 +47,7 @@ class CaptureConfig:
 def config_of(estimator: FitEstimator, handlers: Sequence[Any], world_size: int) -> CaptureConfig:
     """The :class:`CaptureConfig` of ``estimator`` for a fit with ``handlers``."""
     return CaptureConfig(estimator.device, estimator.precision, estimator.optimizer, world_size,
-                         estimator.strategy, tuple(handlers), getattr(estimator, "lr_scheduler", None))
+                         estimator.strategy, tuple(handlers), estimator.lr_scheduler)
 
 
 def capture_refusal(config: CaptureConfig) -> Optional[str]:
@@ -77,7 +77,7 @@ def check_capture(estimator: FitEstimator, handlers: Sequence[Any], world_size: 
     Raises:
         ValueError: ``cuda_graphs=True`` and why it cannot train this configuration.
     """
-    if not getattr(estimator, "cuda_graphs", False):
+    if not estimator.cuda_graphs:
         return
     reason = capture_refusal(config_of(estimator, handlers, world_size))
     if reason is not None:

@@ -40,6 +40,7 @@ import torch
 
 from ..._batches import map_tensors, tensors_in
 from ..._checks import warn_user
+from ...events import declared
 from .._fit_estimator import FitEstimator
 from .._state.run import Run
 from .capture import capture_error, fallback_message, in_graph, refusal_error, schedule_refusal
@@ -265,14 +266,9 @@ class GraphedStep:
 
 
 def _after_replay(handler: Any, estimator: FitEstimator) -> Any:
-    """What ``handler`` asks the host to do after each replay (``record_batch_end``); nothing
-    for a handler of the mixins alone, which has no such hook."""
-    record = getattr(handler, "record_batch_end", None)
-    return record(estimator) if record is not None else _nothing
-
-
-def _nothing() -> None:
-    """The replay's host side for a handler keeping no Python state in ``batch_end``."""
+    """What ``handler`` asks the host to do after each replay (``record_batch_end``; nothing
+    for a handler of the mixins alone, which has no such hook)."""
+    return declared(handler, "record_batch_end")(estimator)
 
 
 def _python_state(held: list[Any], metrics: list[Any]) -> tuple[list[Any], list[Any]]:

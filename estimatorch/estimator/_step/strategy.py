@@ -16,8 +16,6 @@ from typing import Optional
 
 import torch
 from torch import nn
-from torch.distributed.device_mesh import init_device_mesh
-from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard
 
 from ... import distributed
 from ...checkpoint import is_sharded_module
@@ -70,6 +68,9 @@ def shard(net: nn.Module, optimizer: Optional[torch.optim.Optimizer], device: to
     """``fully_shard`` each top-level child with parameters, then ``net``; point ``optimizer`` at
     the sharded parameters. Under bf16 the parameters are gathered in bf16 and gradients reduced
     in float32 (FSDP2's ``MixedPrecisionPolicy``)."""
+    from torch.distributed.device_mesh import init_device_mesh  # heavy (FSDP2 and DTensor): strategy="fsdp" only
+    from torch.distributed.fsdp import MixedPrecisionPolicy, fully_shard  # heavy: strategy="fsdp" only
+
     names = {id(p): name for name, p in net.named_parameters()}
     mesh = init_device_mesh(device.type, (distributed.get_world_size(),))
     policy = MixedPrecisionPolicy(param_dtype=amp_dtype, reduce_dtype=torch.float32) \

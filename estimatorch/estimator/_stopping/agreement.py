@@ -40,6 +40,7 @@ import torch.distributed as dist
 
 from ... import distributed
 from ..._checks import check_positive_int
+from ...events import is_rank_identical_stop
 
 __all__ = ["StopAgreement", "agreement_period", "rank_identical_stops"]
 
@@ -64,7 +65,7 @@ _Hook = TypeVar("_Hook", bound=Hashable)
 
 def rank_identical_stops(batch_end: Iterable[_Hook]) -> frozenset[_Hook]:
     """The ``batch_end`` methods among ``batch_end`` whose ``True`` every rank returns alike."""
-    return frozenset(fn for fn in batch_end if getattr(fn, "rank_identical_stop", False))
+    return frozenset(fn for fn in batch_end if is_rank_identical_stop(fn))
 
 
 class StopAgreement:

@@ -15,9 +15,7 @@ from typing import Optional
 import torch
 
 from ... import distributed
-from ...events import declared
-from .._fit_estimator import FitEstimator
-from .._state.run import Run
+from ...events import PositionView, declared
 
 __all__ = ["describe_out_of_memory", "diagnostics_dir", "failing_phase"]
 
@@ -74,13 +72,13 @@ def _dump_snapshot(handlers: Sequence[object], step: int) -> Optional[str]:
     return path
 
 
-def describe_out_of_memory(estimator: FitEstimator, run: Run,
-                           error: torch.cuda.OutOfMemoryError) -> torch.cuda.OutOfMemoryError:
-    """``error`` told where it happened: raise the result ``from error``."""
+def describe_out_of_memory(error: torch.cuda.OutOfMemoryError, pos: PositionView,
+                           handlers: Sequence[object]) -> torch.cuda.OutOfMemoryError:
+    """``error`` told where it happened (the fit's position ``pos``; the snapshot written where
+    ``handlers`` say, :func:`diagnostics_dir`): raise the result ``from error``."""
     phase = failing_phase(error.__traceback__)
-    pos = run.pos
     step = pos.step if phase == "validation" else pos.step + 1  # validation follows the epoch's last step
     where = f"validation after step {step}" if phase == "validation" else f"step {step} ({phase})"
-    snapshot = _dump_snapshot(run.dispatch.handlers, step)
+    snapshot = _dump_snapshot(handlers, step)
     saved = f"; memory snapshot: {snapshot} (open it at https://pytorch.org/memory_viz)" if snapshot else ""
     return torch.cuda.OutOfMemoryError(f"out of memory in {where}, epoch {pos.epoch + 1}{saved}. {error}")

@@ -15,7 +15,6 @@ from __future__ import annotations
 from typing import Any, Optional
 
 import torch.distributed as dist
-from torch.distributed.tensor import DTensor
 
 from ... import distributed
 from ...checkpoint import is_sharded_module
@@ -27,6 +26,8 @@ __all__ = ["ReplicaCheck", "ReplicaDivergenceError", "check_replica_setting", "r
 
 def _replicated(net: Any) -> Optional[tuple[Any, int]]:
     """A sharded net's mesh and the first dimension every parameter is replicated over, if any."""
+    from torch.distributed.tensor import DTensor  # heavy (DTensor): a sharded net only
+
     mesh, dims = None, None
     for param in net.parameters():
         if not isinstance(param, DTensor):
@@ -45,7 +46,7 @@ def check_replica_setting(estimator: FitEstimator) -> None:
     if estimator.check_replicas_every is None:
         return
     why = None
-    if is_sharded_module(estimator.net) and _replicated(estimator.net) is None:
+    if is_sharded_module(estimator.net) and _replicated(estimator.net) is None:  # (DTensor imported: sharded)
         why = "net is sharded with fully_shard over every mesh dimension"
     elif not is_sharded_module(estimator.net) and estimator.strategy == "fsdp" and dist.is_available() \
             and dist.is_initialized():  # fit will shard it over the group's one dimension

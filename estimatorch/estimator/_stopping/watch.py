@@ -10,22 +10,24 @@ Nothing runs per step: the thread reads the position the loop keeps anyway.
 from __future__ import annotations
 
 import contextlib
-from collections.abc import Iterator
+from collections.abc import Iterator, Sequence
 
 from ...distributed import RankWatch
+from ...events import PositionView
 from .._fit_estimator import FitEstimator
-from .._state.run import Run
+from .interrupts import SignalGuard
 from .oom import diagnostics_dir
 
 __all__ = ["publish_failure", "watching"]
 
 
 @contextlib.contextmanager
-def watching(estimator: FitEstimator, run: Run) -> Iterator[RankWatch]:
-    """Watch the ranks for the duration of the block (the loop and ``train_end``)."""
-    pos = run.pos
+def watching(estimator: FitEstimator, pos: PositionView, handlers: Sequence[object]) -> Iterator[RankWatch]:
+    """Watch the ranks for the duration of the block (the loop and ``train_end``): ``pos`` is the
+    run's position (the loop moves it; the watch reads its step), ``handlers`` the fit's (where a
+    hang's diagnostics go)."""
     watch = RankWatch(lambda: pos.step, estimator.logger, estimator.watchdog,
-                      lambda: diagnostics_dir(run.dispatch.handlers)).start()
+                      lambda: diagnostics_dir(handlers)).start()
     try:
         yield watch
     except BaseException as err:
@@ -37,7 +39,8 @@ def watching(estimator: FitEstimator, run: Run) -> Iterator[RankWatch]:
         watch.stop()
 
 
-def publish_failure(watch: RankWatch, run: Run, error: BaseException) -> None:
-    """Tell the other ranks that this rank's fit failed (not for a stop every rank agreed on)."""
-    if run.signals.stopped is None:
-        watch.failed(error, run.pos.step)
+def publish_failure(watch: RankWatch, signals: SignalGuard, pos: PositionView, error: BaseException) -> None:
+    """Tell the other ranks that this rank's fit failed at ``pos`` (not for a stop every rank
+    agreed on: ``signals`` stopped the fit)."""
+    if signals.stopped is None:
+        watch.failed(error, pos.step)

@@ -16,7 +16,7 @@ from ...events.monitor import improved, resolve_mode
 from ...metrics.base import metric_name
 from ._arguments import check_arguments
 from ._directory import CheckpointDirectory, absolute
-from ._writes import finish_background_write, save
+from ._writes import CheckpointWrites
 
 __all__ = ["CheckpointHandler"]
 
@@ -236,6 +236,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             layout, sharded=sharded, storage_options=storage_options, resume_from_checkpoint=resume_from_checkpoint,
             max_checkpoints=self.max_checkpoints, best_option="save_best" if save_best else
             "save_best_only" if save_best_only else None)
+        self._writes = CheckpointWrites(self._directory, self._writer)  # the files of a save
         self._epoch_filter = EventFilter(every=epoch_period) if epoch_period else None
         self._batch_filter = EventFilter(every=batch_period) if batch_period else None
         self._estimator: Optional[weakref.ref] = None  # the estimator of the fit in progress
@@ -370,7 +371,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         try:
-            finish_background_write(self._writer, self._layout.sharded, estimator)
+            self._writes.finish(estimator)
             self._save_interrupted(estimator)
         finally:
             self._epochs, self._batches = self.current_epoch, self.current_batch
@@ -427,6 +428,18 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         return improved(value, self.best, self.mode), value
 
     def _save(self, estimator: EstimatorView, background: bool = True) -> None:
-        """Write what is due at the current boundary (``_writes.save``). A collective."""
-        save(self, estimator, background)
+        """Write what is due at the current boundary (with ``async_save``, and ``background``,
+        hand it to the writer): :class:`CheckpointWrites` writes it. A collective: every rank calls it."""
+        pos = estimator.position
+        is_best, value = self._check_best(pos)
+        names = self._writes.due(pos, is_best)
+        if not names:
+            return
+        best = value if is_best else None
+        if best is not None:
+            self.best = best  # before the payload: the checkpoint holds it
+        if self._layout.resumable:
+            self._saved_step = pos.step
+        note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
+        self._writes.save(estimator, names, note=note if self.verbose else None, background=background)
 

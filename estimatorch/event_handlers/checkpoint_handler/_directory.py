@@ -71,7 +71,7 @@ class CheckpointDirectory:
         resumes.) ``fit`` agrees on the outcome of every rank's start checks, so an error raised
         here on rank 0 only stops every rank."""
         shards = checkpoint.is_sharded_module(estimator.net) or (
-            getattr(estimator, "strategy", None) == "fsdp" and torch.distributed.is_available()
+            estimator.strategy == "fsdp" and torch.distributed.is_available()
             and torch.distributed.is_initialized())  # fit shards it
         if shards and self.sharded is False and not self.save_weights_only:
             raise ValueError("CheckpointHandler(sharded=False) but the net is sharded across ranks (FSDP2): its "

@@ -1,23 +1,20 @@
-"""How a :class:`~estimatorch.CheckpointHandler` writes: what is due at a boundary (periodic, best,
-a sharded net's directory), the files on rank 0 then the pointer and retention, a save handed to
-its background writer, and its background writes ended at ``train_end`` (which ranks wait for the
-write in flight and where its failure is raised)."""
+"""How a :class:`~estimatorch.CheckpointHandler` writes (:class:`CheckpointWrites`, which the
+handler owns): what is due at a boundary (periodic, best, a sharded net's directory), the files on
+rank 0 then the pointer and retention, a save handed to its background writer, and its background
+writes ended at ``train_end`` (which ranks wait for the write in flight and where its failure is
+raised). The handler decides what to save (the best value, its counters); these write it."""
 
 from __future__ import annotations
 
 import os
 import sys
-from typing import TYPE_CHECKING, Any, Callable, Optional
+from typing import Any, Callable, Optional
 
 from ... import checkpoint, distributed
-from ...events import EstimatorView
-from ...metrics.base import metric_name
-from ._directory import absolute
+from ...events import EstimatorView, PositionView
+from ._directory import CheckpointDirectory, absolute
 
-if TYPE_CHECKING:  # the handler these write for; typing only (it imports this module)
-    from . import CheckpointHandler
-
-__all__ = ["finish_background_write", "save", "submit_background_write"]
+__all__ = ["CheckpointWrites", "finish_background_write", "submit_background_write"]
 
 
 def submit_background_write(writer: checkpoint.BackgroundWriter, state: Any, paths: list[str],
@@ -57,75 +54,85 @@ def finish_background_write(writer: Optional[checkpoint.BackgroundWriter], shard
         writer.wait()
 
 
-# -- a save, for the handler ----------------------------------------------------------------------
-def save(handler: CheckpointHandler, estimator: EstimatorView, background: bool = True) -> None:
-    """Write what is due at the current boundary (with ``async_save``, and ``background``,
-    hand it to the writer thread). A collective: every rank calls it."""
-    pos = estimator.position
-    is_best, value = handler._check_best(pos)
-    names = handler._layout.due(pos.epoch, pos.step, is_best)
-    if not names:
-        return
-    clash = [name for name in names if name in handler._directory.foreign]
-    if clash:  # the same on every rank: nothing is written anywhere
-        raise FileExistsError(
-            f"{os.path.join(handler.model_dir, clash[0])!r} was there when this fit started and this handler's "
-            f"state (its best value) did not come back with the resume, so it belongs to another run and is "
-            "left untouched: resume from a checkpoint written with this handler in the fit, move the file "
-            "away, or choose another model_prefix")
-    if is_best and value is not None:
-        handler.best = value  # before the payload: the checkpoint holds it
-    if handler._layout.resumable:
-        handler._saved_step = pos.step
-    best, step = (value if is_best else None), pos.step  # the boundary's: a background write runs later
-    if handler._layout.sharded and not handler.save_weights_only:  # every rank writes its part
-        _save_sharded(handler, estimator, names, step, background)
-        return
-    if handler.save_weights_only:  # a sharded net's weights are gathered: a collective
-        sharded = handler._layout.sharded
-        state = checkpoint.weights_state(estimator.net) if sharded or distributed.is_main_process() else None
-    else:
-        state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
-    writer = handler._writer if background else None
-    if writer is None:  # a full disk on rank 0 stops every rank, never a hang
-        distributed.run_on_main(lambda: _write(handler, estimator, state, names, best, step),
-                                "CheckpointHandler writing a checkpoint")
-    else:  # the previous background write's failure too
-        paths = [os.path.join(handler.model_dir, name) for name in names]
-        distributed.run_on_main(lambda: submit_background_write(
-            writer, state, paths, lambda staged, written: _write(handler, estimator, staged, names, best, step,
-                                                                      written=written)),
-                                "CheckpointHandler writing a checkpoint")
+class CheckpointWrites:
+    """The saves of one :class:`~estimatorch.CheckpointHandler`: the files of its ``directory``
+    (the lock, pointer and retention are the directory's) and its background ``writer`` (None
+    without ``async_save``; rank 0's, every rank's for a sharded net)."""
 
+    def __init__(self, directory: CheckpointDirectory, writer: Optional[checkpoint.BackgroundWriter]):
+        self.directory = directory
+        self.writer = writer
 
-def _save_sharded(handler: CheckpointHandler, estimator: EstimatorView, names: list[str], step: int,
-                  background: bool) -> None:
-    """A sharded net's checkpoint directory, written by every rank (a collective; with
-    ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
-    and retention. A directory of the same name (one the resume skipped as unusable, as a
-    file of that name would be replaced) is removed first."""
-    path = os.path.join(handler.model_dir, names[0])
-    distributed.run_on_main(lambda: checkpoint.remove_checkpoint(path), "CheckpointHandler clearing " + path)
+    def due(self, pos: PositionView, is_best: bool) -> list[str]:
+        """The names of the files due at the boundary ``pos`` (``is_best``: the monitor improved);
+        raises ``FileExistsError`` (the same on every rank: nothing is written anywhere) where one
+        is an export of another run."""
+        directory = self.directory
+        names = directory.layout.due(pos.epoch, pos.step, is_best)
+        clash = [name for name in names if name in directory.foreign]
+        if clash:
+            raise FileExistsError(
+                f"{os.path.join(directory.model_dir, clash[0])!r} was there when this fit started and this handler's "
+                f"state (its best value) did not come back with the resume, so it belongs to another run and is "
+                "left untouched: resume from a checkpoint written with this handler in the fit, move the file "
+                "away, or choose another model_prefix")
+        return names
 
-    def settle() -> None:
-        distributed.run_on_main(lambda: _write(handler, estimator, None, names, None, step, written=True),
-                                "CheckpointHandler moving the pointer")
+    def save(self, estimator: EstimatorView, names: list[str], *, note: Optional[str], background: bool = True) -> None:
+        """Write ``names`` (:meth:`due`) at the current boundary, with the handler's state as it is
+        now (with ``async_save`` and ``background``, handed to the writer); ``note``: what the log
+        line of a save says after the path (None: no log line). A collective: every rank calls it."""
+        step = estimator.position.step  # the boundary's: a background write runs later
+        layout = self.directory.layout
+        if layout.sharded and not layout.weights:  # every rank writes its part
+            self._save_sharded(estimator, names, note, step, background)
+            return
+        if layout.weights:  # a sharded net's weights are gathered: a collective
+            state = checkpoint.weights_state(estimator.net) if layout.sharded or distributed.is_main_process() else None
+        else:
+            state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
+        writer = self.writer if background else None
+        if writer is None:  # a full disk on rank 0 stops every rank, never a hang
+            distributed.run_on_main(lambda: self._write(estimator, state, names, note, step),
+                                    "CheckpointHandler writing a checkpoint")
+        else:  # the previous background write's failure too
+            paths = [os.path.join(self.directory.model_dir, name) for name in names]
+            distributed.run_on_main(lambda: submit_background_write(
+                writer, state, paths, lambda staged, written: self._write(estimator, staged, names, note, step,
+                                                                          written=written)),
+                                    "CheckpointHandler writing a checkpoint")
 
-    checkpoint.save_fit_checkpoint(estimator, path, writer=handler._writer if background else None, then=settle)
+    def finish(self, estimator: EstimatorView) -> None:
+        """At ``train_end``: wait for the background write in flight and raise its failure
+        (:func:`finish_background_write`)."""
+        finish_background_write(self.writer, self.directory.layout.sharded, estimator)
 
+    def _save_sharded(self, estimator: EstimatorView, names: list[str], note: Optional[str], step: int,
+                      background: bool) -> None:
+        """A sharded net's checkpoint directory, written by every rank (a collective; with
+        ``async_save`` and ``background``, by each rank's writer thread), then rank 0's pointer
+        and retention. A directory of the same name (one the resume skipped as unusable, as a
+        file of that name would be replaced) is removed first."""
+        path = os.path.join(self.directory.model_dir, names[0])
+        distributed.run_on_main(lambda: checkpoint.remove_checkpoint(path), "CheckpointHandler clearing " + path)
 
-def _write(handler: CheckpointHandler, estimator: EstimatorView, state: Any, names: list[str],
-           best: Optional[float], step_now: int, written: bool = False) -> None:
-    """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
-    writer process, or for a sharded checkpoint), the periodic one first, then the best one;
-    then the pointer, retention and orphaned temporaries."""
-    paths = [os.path.join(handler.model_dir, name) for name in names]
-    for path in paths if not written else ():
-        checkpoint.atomic_save(state, path)
-    removed = handler._directory.settle(paths, step_now)
-    estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
-                   removed=[absolute(path) for path in removed])
-    if handler.verbose:
-        note = f" (best {metric_name(handler.monitor)}: {best:.6g})" if best is not None else ""
-        estimator.logger.info("Saved %s %s%s", "weights export" if handler.save_weights_only else "checkpoint",
-                              paths[0], note)
+        def settle() -> None:
+            distributed.run_on_main(lambda: self._write(estimator, None, names, note, step, written=True),
+                                    "CheckpointHandler moving the pointer")
+
+        checkpoint.save_fit_checkpoint(estimator, path, writer=self.writer if background else None, then=settle)
+
+    def _write(self, estimator: EstimatorView, state: Any, names: list[str], note: Optional[str], step_now: int,
+               written: bool = False) -> None:
+        """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
+        writer process, or for a sharded checkpoint), the periodic one first, then the best one;
+        then the pointer, retention and orphaned temporaries."""
+        paths = [os.path.join(self.directory.model_dir, name) for name in names]
+        for path in paths if not written else ():
+            checkpoint.atomic_save(state, path)
+        removed = self.directory.settle(paths, step_now)
+        estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
+                       removed=[absolute(path) for path in removed])
+        if note is not None:
+            kind = "weights export" if self.directory.layout.weights else "checkpoint"
+            estimator.logger.info("Saved %s %s%s", kind, paths[0], note)

@@ -38,6 +38,7 @@ from ...events import (
     StatefulHandler,
     TrainBegin,
     TrainEnd,
+    handler_name,
 )
 from ...metrics.base import metric_name
 from .._paths import check_run_id
@@ -170,7 +171,7 @@ def run_params(estimator: EstimatorView) -> dict[str, Any]:
         prefix = "optimizer." if len(groups) == 1 else f"optimizer.group{i}."
         params.update((prefix + k, v) for k, v in group.items() if k != "params")
     for handler in estimator.handlers:
-        name = getattr(handler, "name", None) or type(handler).__name__
+        name = handler_name(handler)
         try:
             arguments = inspect.signature(type(handler).__init__).parameters
         except (TypeError, ValueError):  # no introspectable __init__: no options to show

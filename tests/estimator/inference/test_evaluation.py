@@ -55,6 +55,7 @@ class Stub:
     def __init__(self, handlers=()):
         self.val_net = nn.Identity()
         self.device = torch.device("cpu")
+        self.seed = 0
         self.handlers = tuple(handlers)
 
 

@@ -155,7 +155,7 @@ def test_the_device_is_checked_first():
 
 def test_check_capture_raises_naming_cuda_graphs_only_when_asked():
     estimator = SimpleNamespace(device=CUDA, precision="16-mixed", optimizer=_adam(), strategy=None,
-                                cuda_graphs=False)
+                                cuda_graphs=False, lr_scheduler=None)
     check_capture(estimator, _handlers(), 1)  # not asked: nothing to decide
     estimator.cuda_graphs = True
     with pytest.raises(ValueError, match=r"^cuda_graphs=True cannot capture this fit's train step: .*GradScaler"):
