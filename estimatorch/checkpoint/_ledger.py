@@ -9,7 +9,8 @@ prints. The estimator keeps the ledger of the attempt in progress (``estimator/_
 
 An attempt's entry (every value a plain python value):
 
-- ``attempt``: its number, from 1; ``started``: when its ``fit`` was called (seconds since the epoch);
+- ``attempt``: its number, from 1; ``started``: when it started (seconds since the epoch): a script's
+  first ``fit`` from its process's start (on Linux, a process under an hour old), any other from the call;
 - ``resumed_from``: the step (batches this process had trained) of the checkpoint it resumed from,
   None for the run's first attempt;
 - ``last_step``: the last step it completed; ``exact``: False when no progress mark told it (a

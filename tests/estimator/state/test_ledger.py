@@ -219,3 +219,17 @@ def test_a_checkpoint_without_a_ledger_starts_one_at_the_attempt_resuming_it(tmp
     out = inspect(tmp_path / "model-epoch0batch10.pt", "--json")
     assert json.loads(out)["ledger"] is None
     shutil.rmtree(tmp_path)
+
+
+def test_validation_and_with_speed_monitor_the_data_waits_are_parts_of_the_time():
+    from estimatorch import SpeedMonitor
+
+    est, data = estimator()
+    history = est.fit(data, val_data=data[:4], epochs=2, event_handlers=[SpeedMonitor()])
+    (attempt,) = history.ledger["attempts"]
+    times = attempt["times"]
+    assert times["validation"] > 0 and times["data"] is not None and times["data"] >= 0
+    assert sum(times.values()) == pytest.approx(attempt["seconds"], abs=1e-6)
+    assert history.goodput == history.ledger["goodput"] and 0 < history.goodput < 1
+    est, data = estimator()
+    assert est.fit(data, epochs=1).ledger["attempts"][0]["times"]["data"] is None  # not measured without it
