@@ -4,6 +4,9 @@ VENV ?= .venv
 PY := $(VENV)/bin/python
 # e.g. make demo DEMO_ARGS=--fresh (python -m estimatorch demo --help lists them)
 DEMO_ARGS ?=
+# The suite's processes (pytest-xdist): each test file runs whole in one of them, so its module
+# fixtures are shared as in a plain run; most of the slow tests wait on processes of their own.
+TEST_WORKERS ?= 2
 
 .PHONY: demo test test-fast lint benchmark notebooks clean
 
@@ -11,7 +14,7 @@ demo: $(VENV)/.demo-installed
 	$(PY) -m estimatorch demo $(DEMO_ARGS)
 
 test: lint $(VENV)/.dev-installed
-	$(PY) -m pytest
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
 
 # The habits CI keeps: ruff (ruff.toml) and mypy (setup.cfg) over estimatorch/, both clean.
 lint: $(VENV)/.dev-installed

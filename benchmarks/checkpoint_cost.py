@@ -274,22 +274,21 @@ def stall_child(mode: str, layers: int, width: int, steps: int, period: int, dir
     saves: list[list[float]] = []  # [start, returned]
     durable: list[float] = []
     rss_at_first_save: list[int] = []
-    from estimatorch.event_handlers.checkpoint_handler import _writes  # where a save's files are written
+    writes = handler._writes  # the object that writes a save's files (on rank 0)
+    real_save, real_write = handler._save, writes._write
 
-    real_save, real_write = handler._save, _writes._write
-
-    def timed_save(estimator: Any, background: bool = True) -> None:
+    def timed_save(estimator: Any, *args: Any, **kwargs: Any) -> None:
         if not rss_at_first_save:
             rss_at_first_save.append(_rss_bytes())
         start = time.perf_counter()
-        real_save(estimator, background)
+        real_save(estimator, *args, **kwargs)
         saves.append([start, time.perf_counter()])
 
     def timed_write(*args: Any, **kwargs: Any) -> None:
         real_write(*args, **kwargs)
         durable.append(time.perf_counter())
 
-    handler._save, _writes._write = timed_save, timed_write  # type: ignore[method-assign]
+    handler._save, writes._write = timed_save, timed_write  # type: ignore[method-assign]
     clock = eh.LambdaHandler(batch_begin=lambda e, **_: (sync(), begins.append(time.perf_counter())),
                              priority=-float("inf"))
     with contextlib.redirect_stdout(io.StringIO()):

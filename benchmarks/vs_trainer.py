@@ -13,7 +13,11 @@ a shuffle buffer:
   hand to the optimizer's step done, ``batch_begin`` to ``batch_end`` here, ``on_step_begin`` to
   ``on_step_end`` in ``Trainer``; data time: from the end of a step to the start of the next, the
   batch's wait), against a hand-written loop over the same loader (``out = model(**batch);
-  out.loss.backward(); clip; step``);
+  out.loss.backward(); clip; step``). The uninterrupted runs are interleaved: ``--rounds`` rounds,
+  each running the loop and every framework once, in an order that rotates from round to round,
+  and a framework's ratio to the loop is taken within each round (its median over the rounds is
+  shown, with the smallest and largest), so that a shared machine's load, which changes over
+  minutes, weighs on both sides of a ratio alike;
 - SIGTERM during step ``--stop-at``, and SIGKILL during the step after it: the exit status, the
   steps the rerun does again (those after the newest checkpoint it resumes from), the rerun's
   time from ``fit`` / ``trainer.train`` to its first batch (the resume's cost: a checkpoint in the
@@ -244,13 +248,18 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
                                                    initial_alphabet=pre_tokenizers.ByteLevel.alphabet()))
         tokenizer.save(os.path.join(directory, "tokenizer.json"))
         for buffer in args.buffers:
-            _, loop = spawn(args, directory, "loop", "full", buffer)
-            loop_step, loop_data = timings(loop)
+            rounds = interleaved(args, directory, buffer)
+            loop_steps = [timings(r["loop"])[0] for r in rounds]
             for framework in args.frameworks:
-                _, full = spawn(args, directory, framework, "full", buffer)
-                step, data = timings(full)
-                row: dict[str, Any] = {"step_ms": step, "data_ms": data, "loop_step_ms": loop_step,
-                                       "loop_data_ms": loop_data, "step_ratio_to_loop": step / loop_step}
+                full = rounds[0][framework]  # (every round trains the same bits)
+                steps = [timings(r[framework])[0] for r in rounds]
+                ratios = sorted(step / loop for step, loop in zip(steps, loop_steps))
+                row: dict[str, Any] = {"step_ms": median(steps), "data_ms": median([timings(r[framework])[1]
+                                                                                     for r in rounds]),
+                                       "loop_step_ms": median(loop_steps),
+                                       "loop_data_ms": median([timings(r["loop"])[1] for r in rounds]),
+                                       "step_ratio_to_loop": median(ratios), "ratio_range": [ratios[0], ratios[-1]],
+                                       "rounds": len(rounds)}
                 for kill in ("sigterm", "sigkill"):
                     for leftover in glob.glob(os.path.join(directory, "ckpt-*")):
                         shutil.rmtree(leftover)
@@ -268,6 +277,17 @@ def measure(args: argparse.Namespace) -> dict[str, Any]:
     return results
 
 
+def interleaved(args: argparse.Namespace, directory: str, buffer: int) -> list[dict[str, dict]]:
+    """``--rounds`` rounds of uninterrupted runs (the loop's and each framework's), the order
+    rotating by one each round; each round's records by name."""
+    names = ["loop", *args.frameworks]
+    rounds = []
+    for i in range(args.rounds):
+        order = names[i % len(names):] + names[:i % len(names)]
+        rounds.append({name: spawn(args, directory, name, "full", buffer)[1] for name in order})
+    return rounds
+
+
 def table(results: dict[str, Any]) -> str:
     from _common import format_table
 
@@ -275,9 +295,11 @@ def table(results: dict[str, Any]) -> str:
     for name, r in results.items():
         kills = [f"exit {r[k]['exit']}, {r[k]['steps_redone']} redone, first batch {r[k]['first_batch_s']:.2f} s, "
                  f"{'bitwise' if r[k]['bitwise'] else 'NOT bitwise'}" for k in ("sigterm", "sigkill")]
-        rows.append([name, f"{r['step_ms']:.1f}", f"{r['step_ratio_to_loop']:.2f}", f"{r['data_ms']:.1f}", *kills])
-    return format_table(["run", "step ms", "vs loop", "data ms/step", "SIGTERM, then rerun", "SIGKILL, then rerun"],
-                        rows)
+        low, high = r["ratio_range"]
+        rows.append([name, f"{r['step_ms']:.1f}", f"{r['step_ratio_to_loop']:.2f} ({low:.2f}-{high:.2f})",
+                     f"{r['data_ms']:.1f}", *kills])
+    return format_table(["run", "step ms", "vs loop (rounds)", "data ms/step", "SIGTERM, then rerun",
+                         "SIGKILL, then rerun"], rows)
 
 
 def main() -> None:
@@ -286,6 +308,7 @@ def main() -> None:
     parser.add_argument("--save-every", type=int, default=20)
     parser.add_argument("--stop-at", type=int, default=30)
     parser.add_argument("--buffers", default="0,1000", help="shuffle buffer sizes to run (0: none)")
+    parser.add_argument("--rounds", type=int, default=3, help="interleaved rounds of the uninterrupted runs")
     parser.add_argument("--frameworks", default=",".join(FRAMEWORKS), help="of " + ", ".join(FRAMEWORKS))
     parser.add_argument("--buffer", type=int, default=0, help=argparse.SUPPRESS)  # a worker's
     parser.add_argument("--json", action="store_true")
@@ -311,7 +334,8 @@ def main() -> None:
         print(json.dumps({"machine": machine_info(), "settings": vars(args), "results": results}))
         return
     print_machine(machine_info())
-    print(f"{args.steps} steps of {BATCH} rows, a checkpoint every {args.save_every}, stopped at step {args.stop_at}")
+    print(f"{args.steps} steps of {BATCH} rows, a checkpoint every {args.save_every}, stopped at step {args.stop_at}; "
+          f"{args.rounds} interleaved rounds of the uninterrupted runs (ratios to the loop within each round)")
     print(table(results))
 
 

@@ -133,13 +133,22 @@ def is_causal_lm(net: Any) -> bool:
     return type(unwrap_model(net)).__name__ in names
 
 
-def own_loss_step(net: Any, model: Any, batch: Any, data_arg: str, shift: bool) -> tuple[Any, Any, Any]:
+def own_loss_step(net: Any, model: Any, batch: Any, data_arg: str, shift: bool,
+                  label_smoothing: float = 0.0) -> tuple[Any, Any, Any]:
     """Call ``net`` on the whole batch and read its loss: ``(pred, label, loss)`` for the step's
-    events and metrics (``model`` is the plain module, for the error's words).
+    events and metrics (``model`` is the plain module, for the error's words). With
+    ``label_smoothing`` (a dict batch with ``labels``), the model is called without its labels
+    and the loss is the label-smoothed cross-entropy of its logits (shifted for a causal LM,
+    -100 skipped), as ``Trainer(label_smoothing_factor=)`` computes it.
 
     Raises:
         ValueError: the output holds no loss, naming the labels the batch lacks.
     """
+    if label_smoothing and isinstance(batch, Mapping) and batch.get("labels") is not None:
+        inputs = {key: value for key, value in batch.items() if key != "labels"}
+        pred, label = metric_view(logits_of(call_net(net, inputs)), batch["labels"], shift)
+        return pred, label, torch.nn.functional.cross_entropy(pred, label, ignore_index=-100,
+                                                              label_smoothing=label_smoothing)
     output = call_net(net, model_inputs(batch))
     loss = loss_of(output)
     if loss is None:

@@ -1,7 +1,9 @@
 """Batches of tokenized text as tensors at the cost of a plain collate: :class:`ArrowCollate`
 turns the rows of a Hugging Face ``datasets`` dataset formatted as Arrow into padded tensors,
 column by column, with numpy, where ``with_format("torch")`` builds a tensor per row and per
-column (docs/transformers.md, "A fast data path").
+column (docs/transformers.md, "A fast data path"); :class:`PadCollate` pads the rows of any
+map-style dataset (dicts of lists, arrays, tensors and numbers), what ``fit(dataset,
+batch_size=...)`` collates with when no ``collate_fn`` is given.
 
 Lowest layer; ``pyarrow`` (which ``datasets`` brings) is imported only when a batch is collated.
 """
@@ -16,7 +18,7 @@ import torch
 
 from ._checks import is_int
 
-__all__ = ["ArrowCollate"]
+__all__ = ["ArrowCollate", "PadCollate"]
 
 
 class ArrowCollate:
@@ -94,11 +96,91 @@ class ArrowCollate:
         return column.to_pylist()
 
 
+class PadCollate:
+    """Collate rows (dicts, as a ``datasets.Dataset`` or a tokenizing ``Dataset`` gives them) into
+    a dict of tensors: a column of sequences (lists, 1-d arrays or tensors) becomes ``(rows,
+    longest)``, padded on the right; a column of numbers (or of equal-shaped arrays) is stacked;
+    anything else stays a list. Integers come as int64, floats as float32 (as ``transformers``'
+    collators give them). ``label`` and ``label_ids`` are renamed ``labels`` (as
+    ``DataCollatorWithPadding`` does) when ``rename_labels``. Rows that are not dicts go to
+    ``torch.utils.data.default_collate``.
+
+    Args:
+        pad_value: what pads a sequence column (the model's ``pad_token_id``). Defaults to 0.
+        pad_values: per column, overriding ``pad_value``. Defaults to ``{"labels": -100,
+            "attention_mask": 0, "token_type_ids": 0}``: the positions a loss skips, no
+            attention to padding.
+        rename_labels: rename ``label``/``label_ids`` to ``labels``. Defaults to True.
+        keep: the only columns kept (None: all), what ``fit`` passes to drop the columns the
+            model's ``forward`` does not take. Defaults to None.
+
+    Example:
+        >>> batch = PadCollate(pad_value=0)([{"input_ids": [5, 6, 7], "label": 1}, {"input_ids": [8], "label": 0}])
+        >>> batch["input_ids"], batch["labels"]
+        (tensor([[5, 6, 7],
+                [8, 0, 0]]), tensor([1, 0]))
+    """
+
+    def __init__(self, pad_value: int = 0, *, pad_values: Optional[Mapping[str, Any]] = None,
+                 rename_labels: bool = True, keep: Optional[Sequence[str]] = None):
+        if not is_int(pad_value):
+            raise ValueError(f"pad_value must be an int, got {pad_value!r}")
+        if pad_values is not None and not isinstance(pad_values, Mapping):
+            raise TypeError(f"pad_values must be a dict of column name -> value, got {pad_values!r}")
+        if not isinstance(rename_labels, bool):
+            raise TypeError(f"rename_labels must be a bool, got {rename_labels!r}")
+        self.pad_value = pad_value
+        self.pad_values = {"labels": -100, "attention_mask": 0, "token_type_ids": 0, **(pad_values or {})}
+        self.rename_labels = rename_labels
+        self.keep = None if keep is None else frozenset(keep)
+
+    def __call__(self, rows: Sequence[Any]) -> Any:
+        if not rows or not all(isinstance(row, Mapping) for row in rows):
+            return torch.utils.data.default_collate(list(rows))
+        batch: dict[str, Any] = {}
+        for name in rows[0]:
+            if self.keep is not None and name not in self.keep:
+                continue
+            out = "labels" if self.rename_labels and name in ("label", "label_ids") and "labels" not in rows[0] \
+                else name
+            batch[out] = _padded([row[name] for row in rows], self.pad_values.get(out, self.pad_value))
+        return batch
+
+
+def _padded(values: list[Any], pad: Any) -> Any:
+    """One column of rows as a tensor: sequences padded to the longest, numbers stacked."""
+    if all(isinstance(v, bool) or isinstance(v, (int, float, np.integer, np.floating)) for v in values):
+        return torch.from_numpy(_widened(np.asarray(values)))
+    arrays = []
+    for value in values:
+        if isinstance(value, torch.Tensor):
+            value = value.numpy(force=True)
+        elif isinstance(value, (list, tuple, np.ndarray)):
+            value = np.asarray(value)
+            if value.dtype.kind not in "biuf":
+                return values  # text, or mixed values: left as they are
+        else:
+            return values
+        arrays.append(_widened(value))
+    shapes = {a.shape for a in arrays}
+    if len(shapes) == 1:
+        return torch.from_numpy(np.stack(arrays))
+    if any(a.ndim != 1 for a in arrays):
+        return values  # not sequences of one axis: nothing to pad
+    longest = max(len(a) for a in arrays)
+    out = np.full((len(arrays), longest), pad, dtype=np.result_type(*arrays))
+    for i, a in enumerate(arrays):
+        out[i, :len(a)] = a
+    return torch.from_numpy(out)
+
+
 def _widened(values: np.ndarray) -> np.ndarray:
     """Integers as int64 (what a loss takes as class indices, and what a collate of Python ints
     gives; datasets stores token ids as int32), floats as float32."""
     if values.dtype.kind in "iu":
         return values.astype(np.int64, copy=False)
+    if values.dtype.kind == "b":
+        return values
     if values.dtype.kind == "f":
         return values.astype(np.float32, copy=False)
     return values

@@ -3,13 +3,17 @@
 ``asyncio``) a line of Python comes from.
 
 Nothing is downloaded: the lines are read from the standard library's source, the tokenizer
-(word pieces) is trained here by ``tokenizers``. What it shows (docs/transformers.md):
+(word pieces) is trained here by ``tokenizers`` at the run's first start and saved with the run
+(``<model-dir>/tokenizer``: ``tokenizers`` does not train the same vocabulary in every process,
+so a rerun loads it, and resumes on the same token ids). What it shows (docs/transformers.md):
 
 - ``Estimator(model, optimizer=...)`` without a loss: the collator's ``labels`` go to the model
   with the rest of the batch, ``val_loss`` is the model's loss, ``Accuracy()`` reads the logits;
-- a map-style ``datasets.Dataset`` tokenized with a batched ``.map`` and padded per batch by the
-  collator, shuffled by fit's resumable sampler; a linear schedule with warmup; early stopping;
-- checkpoints every epoch, resumed by running the same command again; ``predict`` for the logits.
+- a map-style ``datasets.Dataset`` tokenized with a batched ``.map`` and given to ``fit`` with
+  ``batch_size=``, padded per batch by the collator, shuffled by fit's resumable sampler; a linear
+  schedule with warmup (a callable: sized and stepped in optimizer steps); early stopping;
+- checkpoints every epoch, resumed by running the same command again (also after SIGTERM, from
+  the step it stopped at); ``predict`` for the logits.
 
 Run it::
 
@@ -29,7 +33,6 @@ os.environ.setdefault("HF_HUB_OFFLINE", "1")
 import torch  # noqa: E402
 from datasets import Dataset  # noqa: E402
 from tokenizers import Tokenizer, models, normalizers, pre_tokenizers, trainers  # noqa: E402
-from torch.utils.data import DataLoader  # noqa: E402
 from transformers import (  # noqa: E402
     BertConfig,
     BertForSequenceClassification,
@@ -68,6 +71,17 @@ def train_tokenizer(texts: list[str], vocab_size: int) -> PreTrainedTokenizerFas
                                    cls_token="[CLS]", sep_token="[SEP]")
 
 
+def run_tokenizer(model_dir: str, texts: list[str], vocab_size: int) -> PreTrainedTokenizerFast:
+    """The run's tokenizer: the one saved in ``model_dir`` by its first start, else trained and saved."""
+    path = os.path.join(model_dir, "tokenizer")
+    if os.path.isdir(path):
+        return PreTrainedTokenizerFast.from_pretrained(path)
+    tokenizer = train_tokenizer(texts, vocab_size)
+    tokenizer.save_pretrained(path + ".tmp")
+    os.replace(path + ".tmp", path)  # whole or not at all
+    return tokenizer
+
+
 def main(argv: list[str]) -> None:
     parser = argparse.ArgumentParser(description=__doc__.split("\n")[0])
     parser.add_argument("--epochs", type=int, default=8)
@@ -81,14 +95,12 @@ def main(argv: list[str]) -> None:
     args = parser.parse_args(argv)
 
     texts, labels = package_lines(args.lines)
-    tokenizer = train_tokenizer(texts, args.vocab)
+    tokenizer = run_tokenizer(args.model_dir, texts, args.vocab)
     rows = Dataset.from_dict({"text": texts, "label": labels}).shuffle(seed=0)  # a fixed split
     rows = rows.map(lambda batch: tokenizer(batch["text"], truncation=True, max_length=48), batched=True,
                     remove_columns=["text"])
     split = rows.train_test_split(test_size=0.1, seed=0)
     collate = DataCollatorWithPadding(tokenizer)  # pads each batch, "label" -> "labels"
-    train = DataLoader(split["train"], batch_size=args.batch_size, shuffle=True, collate_fn=collate)
-    val = DataLoader(split["test"], batch_size=64, collate_fn=collate)
 
     torch.manual_seed(0)
     config = BertConfig(vocab_size=len(tokenizer), hidden_size=args.hidden, num_hidden_layers=args.layers,
@@ -96,12 +108,13 @@ def main(argv: list[str]) -> None:
                         num_labels=len(PACKAGES), pad_token_id=tokenizer.pad_token_id)
     model = BertForSequenceClassification(config)
     est = Estimator(model, optimizer=torch.optim.AdamW(model.parameters(), lr=args.lr), train_metrics=[Accuracy()],
-                    lr_scheduler_interval="batch",
                     lr_scheduler=lambda opt, steps: get_linear_schedule_with_warmup(opt, steps // 10, steps))
-    est.fit(train, val_data=val, epochs=args.epochs, event_handlers=[
-        EarlyStoppingHandler("val_accuracy", patience=2),
-        CheckpointHandler(args.model_dir, max_checkpoints=2, resume_from_checkpoint=True)])
-    print("Validation:", {k: round(v, 4) for k, v in est.evaluate(val).items()})
+    est.fit(split["train"], val_data=split["test"], epochs=args.epochs, batch_size=args.batch_size,
+            collate_fn=collate, event_handlers=[
+                EarlyStoppingHandler("val_accuracy", patience=2),
+                CheckpointHandler(args.model_dir, max_checkpoints=2, resume_from_checkpoint=True)])
+    print("Validation:", {k: round(v, 4) for k, v in est.evaluate(split["test"], batch_size=64,
+                                                                  collate_fn=collate).items()})
 
     examples = ["import json", "msg['Subject'] = subject", "conn.request('GET', url)", "await asyncio.sleep(1)"]
     batch = collate([tokenizer(text) for text in examples])

@@ -48,10 +48,10 @@ def train_tokenizer(corpus: str, kind: str = "bpe", vocab_size: int = 80) -> tra
                                                 eos_token="[EOS]")
 
 
-def tiny_gpt2(vocab_size: int, seed: int = 0, positions: int = 32) -> transformers.GPT2LMHeadModel:
+def tiny_gpt2(vocab_size: int, seed: int = 0, positions: int = 32, width: int = 16) -> transformers.GPT2LMHeadModel:
     """A 2-layer GPT-2 of width 16 (dropout on: a step draws from the global generator)."""
     torch.manual_seed(seed)
-    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=positions, n_embd=16, n_layer=2, n_head=2,
+    config = transformers.GPT2Config(vocab_size=vocab_size, n_positions=positions, n_embd=width, n_layer=2, n_head=2,
                                      bos_token_id=0, eos_token_id=0, pad_token_id=0)
     return transformers.GPT2LMHeadModel(config)
 

@@ -237,13 +237,16 @@ def test_tokenized_data_reports_every_path_against_the_plain_collate():
 
 def test_vs_trainer_reports_steps_data_and_both_kills_for_each_framework():
     done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "vs_trainer.py"), "--steps", "6", "--save-every",
-                           "2", "--stop-at", "3", "--buffers", "0", "--frameworks", "estimatorch,trainer", "--json"],
+                           "2", "--stop-at", "3", "--buffers", "0", "--frameworks", "estimatorch,trainer", "--rounds", "1",
+                           "--json"],
                           capture_output=True, text=True, timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)["results"]
     assert sorted(results) == ["estimatorch, buffer 0", "trainer, buffer 0"]
     ours = results["estimatorch, buffer 0"]
     assert _positive(ours["step_ms"]) and _positive(ours["data_ms"]) and _positive(ours["step_ratio_to_loop"])
+    low, high = ours["ratio_range"]  # a ratio to the loop per round (one round here: the suite's time)
+    assert ours["rounds"] == 1 and low == ours["step_ratio_to_loop"] == high
     assert ours["sigterm"]["exit"] == 143 and ours["sigterm"]["steps_redone"] == 0  # the stopped step was saved
     assert ours["sigterm"]["bitwise"] and ours["sigkill"]["bitwise"] and ours["sigkill"]["exit"] == -9
     assert results["trainer, buffer 0"]["sigterm"]["exit"] == -15  # Trainer's default: killed, nothing saved

@@ -72,3 +72,27 @@ def test_a_streamed_shuffled_pipeline_with_it_resumes_exactly(tokenizer, tokeniz
         return Estimator(model, optimizer=torch.optim.AdamW(model.parameters(), lr=1e-3))
 
     assert_resumable(make, data, epochs=2, stop_at=[2, 7], quiet=True)
+
+
+# -- PadCollate: the rows of any map-style dataset ------------------------------------------------
+def test_pad_collate_pads_sequences_stacks_numbers_and_keeps_text():
+    import numpy as np
+
+    from estimatorch.collate import PadCollate
+
+    rows = [{"input_ids": [5, 6, 7], "attention_mask": np.ones(3, dtype=np.int32), "labels": torch.tensor([1, 2, 3]),
+             "label": 2, "score": 0.5, "text": "a b c"},
+            {"input_ids": [8], "attention_mask": np.ones(1, dtype=np.int32), "labels": torch.tensor([4]),
+             "label": 0, "score": 1.5, "text": "d"}]
+    batch = PadCollate(pad_value=1)(rows)
+    assert batch["input_ids"].tolist() == [[5, 6, 7], [8, 1, 1]] and batch["input_ids"].dtype == torch.int64
+    assert batch["attention_mask"].tolist() == [[1, 1, 1], [1, 0, 0]]
+    assert batch["labels"].tolist() == [[1, 2, 3], [4, -100, -100]]
+    assert batch["label"].tolist() == [2, 0]  # not renamed: the rows hold labels already
+    assert batch["score"].dtype == torch.float32 and batch["text"] == ["a b c", "d"]
+    renamed = PadCollate(keep=["input_ids", "label"])([{k: r[k] for k in ("input_ids", "label", "text")} for r in rows])
+    assert sorted(renamed) == ["input_ids", "labels"] and renamed["labels"].tolist() == [2, 0]
+    pairs = PadCollate()([(torch.zeros(2), 1), (torch.ones(2), 0)])  # not dicts: the default collate
+    assert pairs[0].shape == (2, 2) and pairs[1].tolist() == [1, 0]
+    with pytest.raises(ValueError, match="pad_value must be an int, got 0.5"):
+        PadCollate(0.5)

@@ -102,11 +102,39 @@ def test_hf_pretrain_lm_stopped_by_sigterm_resumes_then_lora_adapts_it(tmp_path)
     assert os.path.exists(tmp_path / "lora" / "adapter" / "adapter_model.safetensors")
 
 
-def test_hf_classifier_fine_tunes_with_data_collator_with_padding(tmp_path):
-    args = ["--epochs", "2", "--lines", "60", "--vocab", "400", "--hidden", "32", "--layers", "1", "--model-dir", "run"]
-    proc = run_example("hf_classifier.py", args, tmp_path)
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    assert "val_accuracy" in proc.stdout and "'import json'" in proc.stdout and "Train finished" in proc.stdout
+def test_hf_classifier_fine_tunes_and_resumes_bitwise_after_sigterm(tmp_path):
+    """DataCollatorWithPadding over a datasets.Dataset given with batch_size; the README's
+    promise: SIGTERM, then the same command, gives the run that was never stopped (its tokenizer
+    saved with the run: the rerun tokenizes with the same vocabulary)."""
+    import shutil
+    import signal
+    import time
+
+    import torch
+
+    from estimatorch.checkpoint import load_weights
+
+    args = ["--epochs", "3", "--lines", "60", "--batch-size", "8", "--vocab", "400", "--hidden", "32", "--layers", "1"]
+    proc = run_example("hf_classifier.py", [*args, "--model-dir", "run"], tmp_path, stdout=subprocess.PIPE,
+                       stderr=subprocess.PIPE, text=True)
+    deadline = time.monotonic() + 400
+    while not list((tmp_path / "run").glob("model-epoch*batch*.pt")) and proc.poll() is None:
+        assert time.monotonic() < deadline, "no checkpoint"
+        time.sleep(0.05)
+    proc.send_signal(signal.SIGTERM)  # in epoch 2 of 3
+    out, err = proc.communicate(timeout=300)
+    assert proc.returncode == 143, err[-3000:]  # stopped at a step boundary, that step saved
+    assert "SIGTERM" in err + out and "Train finished" not in out
+    shutil.copytree(tmp_path / "run" / "tokenizer", tmp_path / "never-stopped" / "tokenizer")
+    reference = run_example("hf_classifier.py", [*args, "--model-dir", "never-stopped"], tmp_path)
+    assert reference.returncode == 0, reference.stderr[-3000:]
+    again = run_example("hf_classifier.py", [*args, "--model-dir", "run"], tmp_path)  # the same command
+    assert again.returncode == 0, again.stderr[-3000:]
+    assert "Resuming from" in again.stderr + again.stdout
+    resumed, whole = load_weights(str(tmp_path / "run")), load_weights(str(tmp_path / "never-stopped"))
+    assert resumed.keys() == whole.keys() and all(torch.equal(resumed[k], whole[k]) for k in whole)
+    assert again.stdout.split("Validation:")[1] == reference.stdout.split("Validation:")[1]
+    assert "val_accuracy" in again.stdout and "'import json'" in again.stdout and "Train finished" in again.stdout
 
 
 @pytest.mark.distributed

@@ -78,6 +78,7 @@ from ._format import (
     read_format_version,
     validate,
 )
+from ._frozen import frozen_keys
 from ._layout import Layout
 from ._lease import LeaseLostError
 from ._ledger import (
@@ -91,7 +92,7 @@ from ._ledger import (
     scale_steps,
     settle,
 )
-from ._locate import Located, load_weights, locate, saved_files
+from ._locate import Located, load_into, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
 from ._progress import PROGRESS_NAME, ProgressMark, progress_path, read_progress
@@ -99,7 +100,7 @@ from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format
 from ._run_state import PHASES, PLAN_KEYS, POSITION_KEYS, SNAPSHOT, check_positions, check_snapshot_structure
 from ._seam import ResumableFit
 from ._sharded_run import read_checkpoint, save_fit_checkpoint
-from ._store import check_reachable, is_url
+from ._store import check_reachable, exists, is_url
 from ._store import configure as configure_store
 from ._validate import check_against_fit, check_training_state, restore_training_state
 from ._weights import is_weights, read_saved, weights_state
@@ -147,6 +148,7 @@ __all__ = [
     "check_against_fit",
     "check_reachable",
     "configure_store",
+    "exists",
     "is_url",
     "checkpoint_name",
     "find_latest",
@@ -154,6 +156,8 @@ __all__ = [
     "list_weights",
     "load",
     "is_sharded_module",
+    "frozen_keys",
+    "load_into",
     "load_model_state",
     "load_weights",
     "locate",

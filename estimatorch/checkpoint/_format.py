@@ -17,6 +17,7 @@ from .._saved import CheckpointError
 from .._version import __version__
 from . import _store
 from ._files import PathLike
+from ._frozen import split_frozen
 from ._run_state import check_run_state
 from ._seam import ResumableFit
 
@@ -66,18 +67,24 @@ def _check_safe(obj: Any, where: str) -> None:
     )
 
 
-def build_payload(estimator: ResumableFit) -> Optional[dict[str, Any]]:
+def build_payload(estimator: ResumableFit, *, save_frozen: bool = False) -> Optional[dict[str, Any]]:
     """Everything needed to resume ``estimator``'s current fit, as a file of this format holds it.
     A collective under torch.distributed: every rank must call it (each contributes its
     snapshot); global rank 0 gets the payload, the other ranks None.
 
     The state comes from ``estimator.state_payload()`` (the store seam); this adds the format's
     header and stores the handler states the estimator declares the same on every rank
-    (``shared``) once, with rank 0's (:func:`rank_snapshot` gives them back).
+    (``shared``) once, with rank 0's (:func:`rank_snapshot` gives them back). For a net with
+    frozen parameters, unless ``save_frozen``, ``model`` holds the trainable parameters and the
+    buffers, and ``frozen`` the fingerprints of the frozen ones (``_frozen.py``).
     """
     state = estimator.state_payload()
     if state is None:  # not rank 0: its snapshot went there
         return None
+    if not save_frozen:
+        model, frozen = split_frozen(estimator.net, state["model"])
+        if frozen is not None:
+            state = {**state, "model": model, "frozen": frozen}
     ranks = state["ranks"]
     for other in ranks[1:]:
         for name in ranks[0].get("shared", ()):

@@ -54,10 +54,10 @@ class Layout:
     def best_name(self) -> str:
         return (best_weights_name if self.weights else best_name)(self.prefix)
 
-    def due(self, epoch: int, batch: int, is_best: bool) -> list[str]:
+    def due(self, epoch: int, batch: int, is_best: bool, periodic: bool = True) -> list[str]:
         """The names to write at a save after ``epoch`` epochs and ``batch`` batches: the periodic
-        file first, then the best one."""
-        names = [self.periodic_name(epoch, batch)] if self.periodic else []
+        file first (unless not ``periodic`` at this save), then the best one."""
+        names = [self.periodic_name(epoch, batch)] if self.periodic and periodic else []
         return names + ([self.best_name()] if is_best else [])
 
     def existing(self) -> list[str]:

@@ -10,13 +10,17 @@ import os
 import re
 from typing import Any, Optional
 
+from torch import nn
+
 from . import _store
 from ._files import PathLike
 from ._format import CheckpointError
+from ._frozen import load_partial_state
+from ._model import load_model_state
 from ._sharded import check_sharded, is_directory, is_sharded, read_sharded_weights
 from ._weights import read_saved
 
-__all__ = ["Located", "load_weights", "locate", "saved_files"]
+__all__ = ["Located", "load_into", "load_weights", "locate", "saved_files"]
 
 logger = logging.getLogger("estimatorch")
 
@@ -159,7 +163,9 @@ def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = Non
 
     Returns:
         A state dict for ``net.load_state_dict(...)`` on the plain module (not compiled, not
-        wrapped in DDP).
+        wrapped in DDP). An adapter-only checkpoint (of a net with frozen parameters) holds the
+        trainable parameters and buffers alone: load it into a net built on the same base with
+        :func:`load_into`, which checks the frozen ones.
 
     Raises:
         FileNotFoundError: nothing is at ``path``.
@@ -182,3 +188,24 @@ def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = Non
     if found.kind == "sharded":
         return read_sharded_weights(found.path)
     return found.content["model"] if found.kind == "checkpoint" else found.content
+
+
+def load_into(net: nn.Module, path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> nn.Module:
+    """Load the weights of a checkpoint or an export (found as :func:`load_weights` finds it) into
+    ``net`` and return it. An adapter-only checkpoint (a PEFT model's: trainable parameters only)
+    keeps ``net``'s frozen parameters, after checking they are the ones it trained on: then
+    ``net.save_pretrained(dir)`` writes the adapter and ``net.merge_and_unload()`` gives the
+    merged model.
+
+    Raises:
+        CheckpointError: ``path`` names nothing readable, or ``net``'s frozen parameters differ
+            from the checkpoint's (the first one named).
+    """
+    found = locate(path, storage_options)
+    for reason in found.skipped:
+        logger.warning("load_into: skipping %s", reason)
+    if found.kind == "checkpoint":
+        load_partial_state(net, found.content["model"], found.content.get("frozen"))
+    else:
+        load_model_state(net, read_sharded_weights(found.path) if found.kind == "sharded" else found.content)
+    return net

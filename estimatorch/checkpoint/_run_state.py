@@ -98,6 +98,19 @@ def _check_history(history: Any) -> None:
     for name, series in check_dict(values, "history['values']").items():
         if not isinstance(series, (list, tuple)) or any(kind(v) != "number" for v in series):
             raise CheckpointError(f"history['values'][{name!r}] must be a list of numbers, got {show(series)}")
+    validations = history.get("validations")  # kept since step-level validations are recorded
+    if validations is None:
+        return
+    validations = check_dict(validations, "history['validations']")
+    for key in ("steps", "epochs"):
+        column = validations.get(key, MISSING)
+        if not isinstance(column, (list, tuple)) or not all(is_int(v) for v in column):
+            raise CheckpointError(f"history['validations'][{key!r}] must be a list of ints, got "
+                                  f"{'nothing' if column is MISSING else show(column)}")
+    for name, series in check_dict(validations.get("values", MISSING), "history['validations']['values']").items():
+        if not isinstance(series, (list, tuple)) or any(kind(v) != "number" for v in series):
+            raise CheckpointError(f"history['validations']['values'][{name!r}] must be a list of numbers, "
+                                  f"got {show(series)}")
 
 
 def _check_rng(state: Any) -> None:

@@ -22,7 +22,8 @@ from typing import Any
 import torch
 
 from .._saved import MISSING, CheckpointError, check_dict, check_keys, check_like, kind, show
-from ._model import is_sharded_module, load_model_state, model_state, plain_module
+from ._frozen import check_frozen, load_partial_state
+from ._model import is_sharded_module, model_state, plain_module
 from ._seam import ResumableFit
 from ._sharded import check_sharded, load_sharded, sharded_tensors
 
@@ -34,9 +35,12 @@ _ELEMENTWISE = frozenset({"exp_avg", "exp_avg_sq", "max_exp_avg_sq", "momentum_b
 
 
 # -- the training state -----------------------------------------------------------------------------
-def _check_model(net: torch.nn.Module, saved: Any) -> None:
+def _check_model(net: torch.nn.Module, saved: Any, frozen: Any = None) -> None:
     saved = check_dict(saved, "the model state")
     reference = model_state(net)
+    if frozen is not None:  # an adapter-only checkpoint: the frozen parameters are this net's own
+        check_frozen(net, saved, frozen)
+        reference = {k: v for k, v in reference.items() if k not in frozen}
     missing = [k for k in reference if k not in saved]
     extra = [k for k in saved if k not in reference]
     if missing or extra:
@@ -165,7 +169,7 @@ def check_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> No
         _check_optional(estimator.lr_scheduler, payload["lr_scheduler"], "lr_scheduler", same_torch)
         _check_optional(estimator.grad_scaler, payload["grad_scaler"], "grad_scaler", same_torch)
         return
-    _check_model(estimator.net, payload["model"])
+    _check_model(estimator.net, payload["model"], payload.get("frozen"))
     _check_optional(estimator.lr_scheduler, payload["lr_scheduler"], "lr_scheduler", same_torch)
     _check_optional(estimator.grad_scaler, payload["grad_scaler"], "grad_scaler", same_torch)
     _check_optimizer(estimator.optimizer, payload["optimizer"], payload.get("optimizer_class"), same_torch)
@@ -231,7 +235,7 @@ def restore_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> 
         set_state_dict(estimator.net, estimator.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
     else:
-        load_model_state(estimator.net, payload["model"])
+        load_partial_state(estimator.net, payload["model"], payload.get("frozen"))
         estimator.optimizer.load_state_dict(_in_this_mode(payload["optimizer"], estimator.optimizer))
     for key, target in (("lr_scheduler", estimator.lr_scheduler), ("grad_scaler", estimator.grad_scaler)):
         if target is not None:

@@ -9,7 +9,12 @@ as datasets' buffer does (fill to ``buffer_size``, permute with the buffer's gen
 all but ``buffer_size // 2``, keep those) and keeps in the live state dict:
 
 - the examples it holds (fewer than ``buffer_size``: the half a flush keeps, those read since,
-  and, during a flush, those it has still to yield);
+  and, during a flush, those it has still to yield), as a checkpoint can hold them without
+  pickle (:func:`encode`): tensors and plain values as they are, numpy arrays as tensors and
+  numpy scalars as numbers (each marked with its dtype), PIL images as their mode, size and
+  bytes, through nested dicts, lists and tuples; restored to their type when yielded. An example
+  holding anything else is kept as it is, and the checkpoints of that fit keep no buffer content
+  (a resume replays the epoch), with a warning naming the type;
 - its generator's state after the last permutation;
 - the state of what feeds it (datasets' own: the shard and example each input shard reached).
 
@@ -29,8 +34,11 @@ from collections.abc import Iterator
 from copy import copy, deepcopy
 from typing import Any, Optional
 
+import numpy as np
+import torch
 from torch.utils.data import DataLoader
 
+from .._checks import warn_user
 from ._fingerprint import compare_fingerprints
 from ._iterable_streams import StatefulIterableStream, check_num_workers
 from ._stream_base import TrainStream
@@ -50,6 +58,89 @@ _EXACT_ABOVE = {"MappedExamplesIterable", "FilteredExamplesIterable", "Formatted
 
 #: the mark of a datasets ``Key`` in a saved buffer (any other key, a list included, is kept as it is)
 _KEY = "datasets.Key"
+#: the mark of a value :func:`encode` turned into plain values: ``{_MARK: kind, "value": ...}``
+_MARK = "estimatorch.buffered"
+
+
+class Unsaveable(TypeError):
+    """An example holds a value no checkpoint can hold without pickle (its type is ``args[0]``)."""
+
+
+def encode(value: Any) -> Any:
+    """``value`` as plain values and tensors a checkpoint holds (see the module's docstring).
+
+    Raises:
+        Unsaveable: naming the type of a value that cannot be held so.
+
+    Example:
+        >>> import numpy as np
+        >>> decode(encode({"x": np.arange(3, dtype=np.int16), "n": np.float32(0.5), "b": b"raw"}))
+        {'x': array([0, 1, 2], dtype=int16), 'n': np.float32(0.5), 'b': b'raw'}
+    """
+    kind = type(value)
+    if value is None or kind in (bool, int, float, str, bytes) or isinstance(value, torch.Tensor):
+        return value
+    if kind is dict:
+        if _MARK in value:
+            raise Unsaveable(f"dict with the key {_MARK!r}")
+        out = {}
+        for key, item in value.items():
+            if type(key) not in (str, int, bool, float, type(None)):
+                raise Unsaveable(f"dict key of type {type(key).__name__}")
+            out[key] = encode(item)
+        return out
+    if kind in (list, tuple):
+        return kind(encode(item) for item in value)
+    if isinstance(value, np.ndarray):
+        try:
+            return {_MARK: "ndarray", "value": torch.from_numpy(np.ascontiguousarray(value))}
+        except TypeError:  # a dtype torch has no tensor of (strings, objects)
+            raise Unsaveable(f"numpy array of dtype {value.dtype}") from None
+    if isinstance(value, np.generic):
+        item = value.item()
+        if type(item) not in (bool, int, float, str, bytes):
+            raise Unsaveable(f"numpy scalar of dtype {value.dtype}")
+        return {_MARK: "numpy", "dtype": value.dtype.str, "value": item}
+    if type(value).__module__.startswith("PIL.") and hasattr(value, "tobytes") and hasattr(value, "mode"):
+        palette = value.getpalette() if value.mode == "P" else None
+        return {_MARK: "PIL", "mode": value.mode, "size": list(value.size), "value": value.tobytes(),
+                "palette": palette}
+    raise Unsaveable(type(value).__qualname__)
+
+
+def decode(value: Any) -> Any:
+    """What :func:`encode` gave, back to its types."""
+    kind = type(value)
+    if kind is dict:
+        mark = value.get(_MARK)
+        if mark == "ndarray":
+            return value["value"].numpy()
+        if mark == "numpy":
+            return np.dtype(value["dtype"]).type(value["value"])
+        if mark == "PIL":
+            from PIL import Image  # optional: only an image dataset's buffer holds one
+
+            image = Image.frombytes(value["mode"], tuple(value["size"]), value["value"])
+            if value["palette"] is not None:
+                image.putpalette(value["palette"])
+            return image
+        return {key: decode(item) for key, item in value.items()}
+    if kind in (list, tuple):
+        return kind(decode(item) for item in value)
+    return value
+
+
+def _unsaveable_in(state: Any) -> Optional[str]:
+    """The type a buffer's state names as unsaveable (``"unsaveable"``), anywhere in ``state``."""
+    if isinstance(state, dict):
+        if state.get("type") == STATE_TYPE and state.get("unsaveable"):
+            return str(state["unsaveable"])
+        found = (_unsaveable_in(v) for v in state.values() if isinstance(v, (dict, list)))
+    elif isinstance(state, list):
+        found = (_unsaveable_in(v) for v in state if isinstance(v, (dict, list)))
+    else:
+        return None
+    return next((name for name in found if name is not None), None)
 
 
 def _key_out(key: Any) -> Any:
@@ -122,7 +213,7 @@ class _ResumableBuffer:
         # another length); the input's state is put in place when the buffer runs, below.
         self.ex_iterable._init_state_dict()
         state: dict[str, Any] = {"examples_iterable": None, "buffer": None, "pending": None, "ended": False,
-                                 "rng": None, "type": STATE_TYPE}
+                                 "rng": None, "type": STATE_TYPE, "unsaveable": None}
         self._state_dict = state
         return state
 
@@ -150,12 +241,18 @@ class _ResumableBuffer:
         while True:
             while pending:  # popped before it is yielded: the state is the one after it
                 key, example = pending.pop()
-                yield (self._key(*key[_KEY]) if type(key) is dict and _KEY in key else key), example
+                yield (self._key(*key[_KEY]) if type(key) is dict and _KEY in key else key), decode(example)
             if upstream is None:
                 return
             item = next(upstream, None)
             if item is not None:
-                buffer.append([_key_out(item[0]), item[1]])
+                try:
+                    example = encode(item[1])
+                except Unsaveable as err:  # kept as it is: this fit's checkpoints replay the epoch
+                    example = item[1]
+                    if state is not None and not state.get("unsaveable"):
+                        state["unsaveable"] = str(err)
+                buffer.append([_key_out(item[0]), example])
                 if len(buffer) < self.buffer_size:
                     continue
                 count = len(buffer) - keep  # datasets: a full buffer yields all but half of it
@@ -262,6 +359,7 @@ class BufferedStream(TrainStream):
         self._iterated = False
         self._resume_earlier = False  # the next resume is from a checkpoint without the buffer's content
         self._in_earlier = False  # this epoch is the earlier stream's
+        self._unsaveable: Optional[str] = None  # a type a buffer held that no checkpoint can
 
     def fingerprint(self) -> dict[str, Any]:
         fp = {**super().fingerprint(), "dataset": type(self.dataset).__name__, "shuffle_buffers": self.buffers}
@@ -282,11 +380,22 @@ class BufferedStream(TrainStream):
 
     def _holds_content(self) -> bool:
         """Whether :meth:`state_dict` holds the buffers' content (not before anything was read, nor in
-        an epoch an earlier checkpoint's replay resumed)."""
-        return self._iterated and not self._in_earlier
+        an epoch an earlier checkpoint's replay resumed, nor once a buffer held an unsaveable value)."""
+        return self._iterated and not self._in_earlier and self._unsaveable is None
 
     def state_dict(self) -> dict[str, Any]:
-        return {"buffered": self.inner.state_dict()} if self._holds_content() else {}
+        if not self._holds_content():
+            return {}
+        state = self.inner.state_dict()
+        unsaveable = _unsaveable_in(state)
+        if unsaveable is not None:  # from now on: the epoch's replay, as before the buffer was kept
+            self._unsaveable = unsaveable
+            warn_user(f"the datasets shuffle buffer holds a {unsaveable}, which a checkpoint cannot hold without "
+                      "pickle (it holds tensors, numpy arrays and scalars, bytes, PIL images and plain values): "
+                      "this fit's checkpoints keep no buffer content and a resume replays its epoch. Format the "
+                      "dataset (.with_format('torch')) or map that column to one of those types")
+            return {}
+        return {"buffered": state}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
         if "buffered" not in state:  # written by the epoch replay: no buffer content to restore

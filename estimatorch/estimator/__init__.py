@@ -4,6 +4,6 @@ from ._setup.logger import default_logger as default_logger  # re-exported: test
 from ._state.run import Position
 from .batch_processor import BatchProcessor
 from .estimator import Estimator
-from .history import History
+from .history import History, Validations
 
-__all__ = ["BatchProcessor", "Estimator", "History", "Position"]
+__all__ = ["BatchProcessor", "Estimator", "History", "Position", "Validations"]

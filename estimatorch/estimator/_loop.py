@@ -65,7 +65,11 @@ def begin_epoch(estimator: FitEstimator, run: Run, pending: Optional[dict[str, A
     """``epoch_begin``, then the state of a mid-epoch resume (after the handlers reset)."""
     if run.stage is Stage.AT_BOUNDARY:  # (still SETTING_UP before a mid-epoch resume)
         run.stage = Stage.STEPPING
-    run.dispatch.fire("epoch_begin", estimator)
+    run.in_epoch_event = True
+    try:
+        run.dispatch.fire("epoch_begin", estimator)
+    finally:
+        run.in_epoch_event = False
     if pending is not None:
         restore_snapshot(estimator, run, pending)
 
@@ -135,8 +139,11 @@ def epoch_batches(run: Run, epoch: int, clock: Optional[StepClock]) -> Iterator[
 def end_epoch(estimator: FitEstimator, run: Run, epoch: int) -> bool:
     """``epoch_end``, the history, the stop agreement and the boundary; True when the loop ends."""
     pos, signals = run.pos, run.signals
-    run.stage = Stage.STEPPING
-    stop = run.dispatch.fire("epoch_end", estimator)
+    run.stage, run.in_epoch_event = Stage.STEPPING, True
+    try:
+        stop = run.dispatch.fire("epoch_end", estimator)
+    finally:
+        run.in_epoch_event = False
     record_history(estimator, run, epoch)
     stop, code = run.agreement.after_epoch(stop, signals.code)
     pos.epoch, pos.batch, pos.phase = epoch + 1, 0, "epoch_end"

@@ -6,11 +6,13 @@ from __future__ import annotations
 
 import dataclasses
 import warnings
+from collections.abc import Mapping
 from typing import Any, Callable, Optional
 
 from ..events import Dispatch
 from ..events.timing import StepTimes
-from ._state.run import Position, Run, resume_plan
+from ..metrics.base import metric_name
+from ._state.run import Position, Run, Stage, resume_plan
 
 __all__ = ["RunView"]
 
@@ -20,6 +22,7 @@ class RunView:
 
     _run: Optional[Run]
     _fitting: bool
+    val_metrics: list[Any]
     #: the current fit's handlers, one list per event, in dispatch order (empty outside ``fit``):
     #: ``dispatch.forward_begin`` is falsy when no handler listens to ``forward_begin``, so that a
     #: batch processor fires only what someone hears (see :class:`~estimatorch.events.Dispatch`)
@@ -71,6 +74,26 @@ class RunView:
         ``epoch_end`` has reached every handler): val metrics then hold this epoch's values."""
         run = self._active
         return run is not None and run.evaluated
+
+    def record_validation(self, values: Optional[Mapping[str, float]] = None) -> bool:
+        """Record a validation that just ran during ``fit`` (a ``ValidationHandler`` calls it
+        after each): ``values`` (the val metrics' values, computed when None: a collective) go
+        to ``History.validations`` with the step validated (the batches trained, the current one
+        included when it runs inside a step's events) and the epoch it runs in, then the notice
+        ``validation_end`` reaches every handler that listens (loggers, trackers, early stopping,
+        the best checkpoint). Returns True when one of them asks to stop."""
+        run = self._current_run("record_validation")
+        if values is None:
+            values = {metric_name(m): float(m.compute()) for m in self.val_metrics}
+        values = {str(name): float(value) for name, value in values.items()}
+        pos = run.pos
+        in_step = run.stage is Stage.STEPPING and not run.in_epoch_event
+        after_epoch = run.stage is Stage.AT_BOUNDARY and pos.phase == "epoch_end"  # the epoch was counted
+        step, epoch = pos.step + (1 if in_step else 0), pos.epoch + (0 if after_epoch else 1)
+        phase = "batch_end" if in_step else "epoch_end" if run.in_epoch_event else pos.phase
+        run.history.validations.record(step, epoch, values)
+        return run.dispatch.fire("validation_end", self, values=values, step=step,  # type: ignore[arg-type]
+                                 epoch=epoch, phase=phase)
 
     @property
     def interruption(self) -> Optional[str]:

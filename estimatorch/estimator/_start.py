@@ -32,11 +32,14 @@ __all__ = ["start_run"]
 def start_run(estimator: FitEstimator, train_data: Iterable[Any], val_data: Optional[Iterable[Any]],
               epochs: Optional[int], event_handlers: Any, batches: Optional[int], batch_axis: int, resume: bool,
               limits: tuple[Optional[int], Optional[int]], *, last: Optional[dict[str, Any]] = None,
-              default_optimizer: Optional[torch.optim.Optimizer] = None) -> Run:
+              default_optimizer: Optional[torch.optim.Optimizer] = None,
+              monitor_aliases: Optional[dict[Any, Any]] = None) -> Run:
     """Check ``fit``'s arguments and handlers and prepare its run, before any work (every
     rank; ``fit`` then agrees on the outcome, so a check failing on one rank stops all).
     ``last`` is the snapshot ``resume=True`` continues from (the estimator's last fit's), and
-    ``default_optimizer`` the one the estimator built for want of one, not yet warned about."""
+    ``default_optimizer`` the one the estimator built for want of one, not yet warned about;
+    ``monitor_aliases`` what a monitor of the estimator's own val metrics follows when
+    ``val_data`` holds several eval sets (:mod:`._setup.eval_sets`)."""
     check_fit_arguments(train_data, val_data, epochs, batches, batch_axis, resume)
     check_limits(*limits)
     if estimator.optimizer is None:
@@ -49,7 +52,8 @@ def start_run(estimator: FitEstimator, train_data: Iterable[Any], val_data: Opti
     if resume and last is None:
         raise ValueError("resume=True but this estimator has no earlier fit to continue")
     handlers = order_handlers(user, default_handlers(estimator, user, val_data))
-    resolve_monitors(handlers, estimator.train_metrics + estimator.val_metrics)  # monitors given by name
+    resolve_monitors(handlers, estimator.train_metrics + estimator.val_metrics,  # monitors given by name
+                     monitor_aliases, estimator.logger)
     check_metric_references(handlers, estimator.train_metrics + estimator.val_metrics)
     check_fit(handlers, estimator, resume)
     check_capture(estimator, handlers, distributed.get_world_size())  # cuda_graphs=True

@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from .._batches import call_loss, call_net, split_batch, split_inputs
-from .._checks import check_bool
+from .._checks import check_bool, is_real
 from .._model_loss import is_causal_lm, logits_of, model_inputs, own_loss_step
 from ..events import Dispatch, EstimatorView
 
@@ -60,6 +60,10 @@ class BatchProcessor:
         shift_labels: without a loss, whether the metrics compare the logits at token t with the
             label at t + 1 (the shift of a causal language model's loss). Defaults to None: for
             the ``transformers`` causal LM classes (those ``AutoModelForCausalLM`` builds).
+        label_smoothing: without a loss, train and evaluate on the label-smoothed cross-entropy
+            of the model's logits instead of its own loss (``Trainer``'s
+            ``label_smoothing_factor``: the model is called without ``labels``; shifted for a
+            causal LM, -100 skipped). A number in [0, 1). Defaults to 0 (the model's loss).
 
     Example:
         >>> class TwoInputs(BatchProcessor):
@@ -79,10 +83,15 @@ class BatchProcessor:
     shift_labels: Optional[bool] = None
     _causal: Optional[tuple[Any, bool]] = None  # (the net, whether it is a causal LM)
 
-    def __init__(self, *, shift_labels: Optional[bool] = None):
+    label_smoothing: float = 0.0
+
+    def __init__(self, *, shift_labels: Optional[bool] = None, label_smoothing: float = 0.0):
         if shift_labels is not None:
             check_bool(shift_labels, "shift_labels")
+        if not is_real(label_smoothing) or not 0.0 <= label_smoothing < 1.0:
+            raise ValueError(f"label_smoothing must be a number in [0, 1), got {label_smoothing!r}")
         self.shift_labels = shift_labels
+        self.label_smoothing = float(label_smoothing)
 
     def fit_batch(self, estimator: StepEstimator, batch: Any, batch_axis: int = 0) -> tuple[Any, Any, Any, Any]:
         """Forward, loss and backward for one batch (already on the device).
@@ -98,7 +107,7 @@ class BatchProcessor:
             if estimator.loss is None:
                 data = batch
                 pred, label, loss = own_loss_step(estimator.train_net, estimator.net, batch, "train_data",
-                                                  self._shift(estimator.net))
+                                                  self._shift(estimator.net), self.label_smoothing)
             else:
                 data, label = split_batch(batch)
                 pred = call_net(estimator.train_net, data)
@@ -121,7 +130,7 @@ class BatchProcessor:
         with estimator.autocast():
             if estimator.val_loss is None:
                 pred, label, loss = own_loss_step(estimator.val_net, estimator.val_net, batch, "val_data",
-                                                  self._shift(estimator.val_net))
+                                                  self._shift(estimator.val_net), self.label_smoothing)
                 return batch, label, pred, loss
             data, label = split_batch(batch)
             pred = call_net(estimator.val_net, data)

@@ -15,7 +15,7 @@ from .._checks import check_positive_int
 from ..distributed import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
-from ._inference.evaluation import check_inference_args, evaluate_batches
+from ._inference.evaluation import evaluate_groups
 from ._inference.predict import run_prediction
 from ._inference.sanity import sanity_pass
 from ._loop import end_run, run_loop
@@ -24,6 +24,8 @@ from ._plan.schedules import build_scheduler, check_horizons
 from ._run_view import RunView
 from ._setup import arguments as checks
 from ._setup import default_optimizer, metric_lists
+from ._setup.datasets import as_batches
+from ._setup.eval_sets import EvalSets
 from ._setup.logger import default_logger as _default_logger
 from ._start import start_run
 from ._state.payload import check_payload, payload_of, snapshot_to_resume
@@ -66,11 +68,16 @@ class Estimator(RunView):
         batch_processor: the step (see :class:`BatchProcessor`). Defaults to ``BatchProcessor()``.
         lr_scheduler: a torch LR scheduler of ``optimizer``, or a callable ``(optimizer,
             total_steps) -> scheduler`` that the first ``fit`` calls at its start with the steps
-            the scheduler will take (optimizer steps for ``lr_scheduler_interval="batch"``, see
-            :meth:`planned_steps`; epochs for ``"epoch"``). A default ``LRSchedulerHandler``
-            steps it. Defaults to None.
+            the scheduler will take: optimizer steps (see :meth:`planned_steps`), or epochs with
+            ``lr_scheduler_interval="epoch"``. ``transformers``' ``get_*_schedule_with_warmup``
+            factories thus reach their peak after their warm-up steps with no other argument. A
+            default ``LRSchedulerHandler`` steps it. Defaults to None.
         lr_scheduler_interval: ``"epoch"`` (step ``lr_scheduler`` after every epoch, after
-            validation) or ``"batch"`` (after every optimizer step). Defaults to ``"epoch"``.
+            validation) or ``"batch"`` (after every optimizer step). Defaults to None: ``"batch"``
+            for a callable ``lr_scheduler`` (sized and stepped in optimizer steps), ``"epoch"``
+            for a scheduler object (PyTorch's convention). ``est.lr_scheduler_interval`` holds
+            the one chosen. (Before this default a callable was stepped per epoch: pass
+            ``"epoch"`` to keep that.)
         seed: seeds every generator at the start of ``fit`` and the data order: an int in
             ``[0, 2**64)`` (what torch, numpy and python's ``random`` all accept). Defaults to
             :data:`estimatorch.rng.DEFAULT_SEED`, so runs are reproducible unless you choose.
@@ -140,8 +147,9 @@ class Estimator(RunView):
                  device: Union[str, torch.device, None] = None, val_net: Optional[nn.Module] = None,
                  val_loss: Optional[Callable[..., torch.Tensor]] = None,
                  batch_processor: Optional[BatchProcessor] = None, *, lr_scheduler: Any = None,
-                 lr_scheduler_interval: str = "epoch", seed: Optional[int] = None, precision: Union[str, int] = "32",
-                 deterministic: bool = False, cudnn_benchmark: bool = False, strategy: Optional[str] = None,
+                 lr_scheduler_interval: Optional[str] = None, seed: Optional[int] = None,
+                 precision: Union[str, int] = "32", deterministic: bool = False, cudnn_benchmark: bool = False,
+                 strategy: Optional[str] = None,
                  cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None,
                  check_replicas_every: Optional[int] = None):
         checks.check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
@@ -165,6 +173,7 @@ class Estimator(RunView):
         self.logger = _default_logger()
 
         self.train_metrics, self.val_metrics = metric_lists(train_metrics, val_metrics, self.loss, self.device)
+        self._eval_sets = EvalSets(self.val_metrics)  # several eval sets: each set's copies of these
 
         self._default_optimizer = None if optimizer is not None else default_optimizer(net)  # fit warns
         optimizer = optimizer if optimizer is not None else self._default_optimizer
@@ -172,9 +181,8 @@ class Estimator(RunView):
         self.strategy = check_strategy(strategy, net, optimizer)
         #: the scheduler (built by the first fit when ``lr_scheduler`` was a callable: that is
         #: then :attr:`lr_scheduler_factory`)
-        self.lr_scheduler, self.lr_scheduler_factory = checks.check_lr_scheduler(lr_scheduler, optimizer,
-                                                                          lr_scheduler_interval)
-        self.lr_scheduler_interval = lr_scheduler_interval
+        self.lr_scheduler, self.lr_scheduler_factory, self.lr_scheduler_interval = checks.check_lr_scheduler(
+            lr_scheduler, optimizer, lr_scheduler_interval)
         self._amp_dtype = amp_dtype = checks.PRECISIONS[precision]
         self.grad_scaler: Optional[torch.amp.GradScaler] = (
             torch.amp.GradScaler(self.device.type) if amp_dtype is torch.float16 else None)
@@ -237,7 +245,8 @@ class Estimator(RunView):
     def fit(self, train_data: Iterable[Any], val_data: Optional[Iterable[Any]] = None,
             epochs: Optional[int] = None, event_handlers: Any = None, batches: Optional[int] = None,
             batch_axis: int = 0, *, resume: bool = False, batches_per_epoch: Optional[int] = None,
-            val_batches: Optional[int] = None, num_sanity_val_steps: int = 1) -> History:
+            val_batches: Optional[int] = None, num_sanity_val_steps: int = 1, batch_size: Optional[int] = None,
+            collate_fn: Optional[Callable[..., Any]] = None) -> History:
         """Train ``net`` on ``train_data``; returns the :class:`History` of every metric.
 
         The loop, with every event in place::
@@ -286,8 +295,13 @@ class Estimator(RunView):
 
         Args:
             train_data: an iterable of batches: a ``DataLoader`` (made resumable: see
-                :mod:`estimatorch.samplers`), a list of ``(data, label)`` pairs, or any iterable.
-            val_data: evaluated every epoch by the default ``ValidationHandler``. Defaults to None.
+                :mod:`estimatorch.samplers`), a list of ``(data, label)`` pairs, or any iterable;
+                with ``batch_size``, a map-style dataset (a ``datasets.Dataset``, a torch
+                ``Dataset``).
+            val_data: evaluated every epoch by the default ``ValidationHandler``; a dict of named
+                eval sets (``{"a": loader_a, "b": loader_b}``) evaluates each, with metrics
+                ``val_<set>_<name>``, the first set's followed by a monitor of ``"val_loss"``.
+                Defaults to None.
             epochs: train this many epochs. Exactly one of ``epochs``/``batches``.
             event_handlers: a handler or list of handlers. Defaults to None (defaults only).
             batches: train this many batches in total, re-iterating the data as needed.
@@ -308,13 +322,21 @@ class Estimator(RunView):
                 ``val_data`` before the first step. It changes nothing of the run (metrics,
                 random streams, the data's position): a run is bitwise the same with it. 0 turns
                 it off. Defaults to 1.
+            batch_size: batch the map-style datasets ``train_data`` (shuffled) and ``val_data``
+                into DataLoaders, collated by ``collate_fn`` or a padding
+                :class:`~estimatorch.collate.PadCollate`; without a loss, the columns ``forward``
+                does not take are dropped, logged (:mod:`._setup.datasets`). Defaults to None.
+            collate_fn: the collate of those DataLoaders. Defaults to None.
         """
         distributed.init_from_env()
         error: Optional[Exception] = None
         try:
+            train_data = as_batches(self, train_data, "train_data", batch_size, collate_fn, train=True)
+            val_data = as_batches(self, val_data, "val_data", batch_size, collate_fn)
+            groups, self.val_metrics = self._eval_sets.groups(self.val_metrics, val_data)
             run = start_run(self, train_data, val_data, epochs, event_handlers, batches, batch_axis, resume,
                             (batches_per_epoch, val_batches), last=self._last,
-                            default_optimizer=self._default_optimizer)
+                            default_optimizer=self._default_optimizer, monitor_aliases=self._eval_sets.aliases(groups))
             self._default_optimizer = None  # warned (when still in use): once per estimator
         except Exception as err:  # noqa: BLE001 - every rank must hear of it before any collective
             error = err
@@ -407,7 +429,9 @@ class Estimator(RunView):
         self.request_resume(snapshot_to_resume(self, payload, source), source)
 
     # -- evaluate, predict -----------------------------------------------------------------
-    def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
+    def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None, *,
+                 batch_size: Optional[int] = None, collate_fn: Optional[Callable[..., Any]] = None
+                 ) -> dict[str, float]:
         """Run ``val_net`` over ``val_data`` in eval mode without gradients.
 
         Resets and updates the val metrics, fires ``epoch_begin``, ``batch_begin``,
@@ -417,20 +441,28 @@ class Estimator(RunView):
         map-style DataLoader is shared out so that each sample counts once, as in one process;
         other data is each rank's own (see :mod:`estimatorch.data._sharding`).
 
+        ``val_data`` may be a dict of named eval sets, each with its metrics ``val_<set>_<name>``
+        (then ``est.val_metrics``, outside ``fit``), and with ``batch_size`` (and ``collate_fn``)
+        a map-style dataset, batched in order as ``fit`` batches it.
+
         Returns:
-            ``{metric name: value}`` for every val metric.
+            ``{metric name: value}`` for every val metric (of every set).
         """
-        handlers = check_inference_args(val_data, "val_data", batch_axis, event_handlers,
-                                        check_empty=not distributed.is_distributed())
-        run, began = self._active, time.perf_counter_ns()
-        evaluate_batches(self, val_data, batch_axis, handlers, limit=run.limits[1] if run is not None else None)
+        began = time.perf_counter_ns()
+        groups, val_metrics = self._eval_sets.groups(self.val_metrics, as_batches(self, val_data, "val_data",
+                                                                                  batch_size, collate_fn))
+        run = self._active
+        if run is None:  # outside fit: the val metrics are those of this data
+            self.val_metrics = val_metrics
+        evaluate_groups(self, groups, batch_axis, event_handlers, limit=run.limits[1] if run is not None else None)
         self._eval_count += 1
         if run is not None:
             run.evaluated = True
             run.ledger.add("validation", time.perf_counter_ns() - began)
-        return {metric_name(m): float(m.compute()) for m in self.val_metrics}
+        return {metric_name(m): float(m.compute()) for _, _, metrics in groups for m in metrics}
 
-    def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> Any:
+    def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None, *,
+                batch_size: Optional[int] = None, collate_fn: Optional[Callable[..., Any]] = None) -> Any:
         """Run ``val_net`` over ``data`` as ``evaluate`` does; return its outputs in order, on the CPU
         (under mixed precision, outputs of its 16-bit dtype as float32).
 
@@ -447,6 +479,7 @@ class Estimator(RunView):
             data: an iterable of batches (a DataLoader, a list...).
             batch_axis: the axis outputs are joined along. Defaults to 0.
             event_handlers: handlers of the four events. Defaults to None.
+            batch_size, collate_fn: batch ``data``, a dataset, in order (as ``fit``). Defaults to None.
 
         Example:
             >>> net = nn.Linear(3, 2)
@@ -454,7 +487,7 @@ class Estimator(RunView):
             >>> est.predict([torch.randn(4, 3), (torch.randn(2, 3), torch.randn(2, 2))]).shape
             torch.Size([6, 2])
         """
-        return run_prediction(self, data, batch_axis, event_handlers)
+        return run_prediction(self, as_batches(self, data, "data", batch_size, collate_fn), batch_axis, event_handlers)
 
     def __repr__(self) -> str:
         loss = None if self.loss is None else type(self.loss).__name__

@@ -9,7 +9,74 @@ from typing import Any, Optional, Union
 
 from .._checks import check_state_keys
 
-__all__ = ["History"]
+__all__ = ["History", "Validations"]
+
+
+class Validations:
+    """Every validation of a fit, in the order they ran, with the step each validated:
+    ``history.validations``. A step-level validation (``ValidationHandler(batch_period=N)``)
+    is here, and so is each per-epoch one, at the epoch's last step.
+
+    ``validations["val_loss"]`` is the list of values, one per validation (``nan`` where a
+    validation did not measure that metric); ``validations.steps`` the batches trained when each
+    ran (the step it validated, counted over the fit from 1), ``validations.epochs`` the epoch it
+    ran in (from 1). ``fit`` saves them with every checkpoint, beside the per-epoch values.
+
+    Example:
+        >>> v = Validations()
+        >>> v.record(3, 1, {"val_loss": 0.9})
+        >>> v.record(6, 2, {"val_loss": 0.7})
+        >>> v.steps, v.epochs, v["val_loss"], len(v)
+        ([3, 6], [1, 2], [0.9, 0.7], 2)
+    """
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.epochs: list[int] = []
+        self._values: dict[str, list[float]] = {}
+
+    def record(self, step: int, epoch: int, values: dict[str, float]) -> None:
+        """Append one validation's values; metrics missing from ``values`` get ``nan``."""
+        n = len(self.steps)
+        self.steps.append(int(step))
+        self.epochs.append(int(epoch))
+        for name, value in values.items():
+            self._values.setdefault(name, [math.nan] * n).append(float(value))
+        for column in self._values.values():
+            if len(column) == n:
+                column.append(math.nan)
+
+    def keys(self) -> list[str]:
+        """The metric names recorded."""
+        return list(self._values)
+
+    def __getitem__(self, name: str) -> list[float]:
+        try:
+            return self._values[name]
+        except KeyError:
+            raise KeyError(f"no metric {name!r} among the validations; they have {self.keys()}") from None
+
+    def __contains__(self, name: object) -> bool:
+        return name in self._values
+
+    def __len__(self) -> int:
+        return len(self.steps)
+
+    def __repr__(self) -> str:
+        return f"Validations(steps={self.steps}, metrics={self.keys()})"
+
+    def to_dict(self) -> dict[str, list[Any]]:
+        """``{"step": [...], "epoch": [...], name: [...], ...}`` with copies of the lists."""
+        return {"step": list(self.steps), "epoch": list(self.epochs), **{k: list(v) for k, v in self._values.items()}}
+
+    def state_dict(self) -> dict[str, Any]:
+        return {"steps": list(self.steps), "epochs": list(self.epochs),
+                "values": {k: list(v) for k, v in self._values.items()}}
+
+    def load_state_dict(self, state: dict[str, Any]) -> None:
+        check_state_keys(state, ("steps", "epochs", "values"), "History.validations")
+        self.steps, self.epochs = [int(s) for s in state["steps"]], [int(e) for e in state["epochs"]]
+        self._values = {k: [float(x) for x in v] for k, v in state["values"].items()}
 
 
 class History:
@@ -22,8 +89,9 @@ class History:
     with one param group, else ``lr_group0``, ``lr_group1``... (the rate at the end of the
     epoch's batches, before a per-epoch schedule steps: see
     :func:`~estimatorch.event_handlers.lr_scheduler.epoch_learning_rates`). Learning rates come
-    after the metrics. ``history.epochs`` holds the epoch numbers (1-based). ``fit`` saves the
-    history with every checkpoint, so a resumed run returns the whole run's history.
+    after the metrics. ``history.epochs`` holds the epoch numbers (1-based). Every validation,
+    step-level ones included, is also in :attr:`validations` with the step it ran at. ``fit``
+    saves the history with every checkpoint, so a resumed run returns the whole run's history.
 
     Example:
         >>> h = History()
@@ -40,6 +108,8 @@ class History:
     def __init__(self) -> None:
         self.epochs: list[int] = []
         self._values: dict[str, list[float]] = {}
+        #: every validation with its step (:class:`Validations`)
+        self.validations = Validations()
         #: the run's ledger once ``fit`` returned or raised, on global rank 0 (None elsewhere and
         #: before): every attempt of the run (also those before a resume) and the totals, as
         #: ``python -m estimatorch.checkpoint inspect DIR --json`` prints them under ``ledger``
@@ -157,12 +227,18 @@ class History:
         return fig
 
     def state_dict(self) -> dict[str, Any]:
-        return {"epochs": list(self.epochs), "values": {k: list(v) for k, v in self._values.items()}}
+        return {"epochs": list(self.epochs), "values": {k: list(v) for k, v in self._values.items()},
+                "validations": self.validations.state_dict()}
 
     def load_state_dict(self, state: dict[str, Any]) -> None:
+        """Restore :meth:`state_dict`'s output (``validations`` optional: a state saved before
+        they were kept has none)."""
         check_state_keys(state, ("epochs", "values"), "History")
         self.epochs = list(state["epochs"])
         self._values = {k: list(v) for k, v in state["values"].items()}
+        self.validations = Validations()
+        if state.get("validations") is not None:
+            self.validations.load_state_dict(state["validations"])
 
 
 def _is_learning_rate(name: str) -> bool:

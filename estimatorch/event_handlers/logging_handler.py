@@ -14,7 +14,16 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_state_keys, is_int
 from .._schedule import EventFilter
-from ..events import BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ..events import (
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    EstimatorView,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+    ValidationEnd,
+)
 from ..metrics.base import as_metric_list, metric_name
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
 from .lr_scheduler import epoch_learning_rates
@@ -68,7 +77,7 @@ def _count(n: int) -> str:
     return f"{n:,}"
 
 
-class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd):
+class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd, ValidationEnd):
     """Log a start summary, every ``log_interval`` batches, every epoch, and the totals.
 
     Lines go through ``est.logger`` (a :class:`logging.Logger`; only global rank 0 emits them).
@@ -83,6 +92,11 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         [Epoch 1/3][Batch 50][Samples 400] 0.120s/50 batches, train_loss: 1.0321, ...
         [Epoch 1/3] Finished in 0.250s, 100 batches: train_loss: 0.9876, ..., val_loss: 0.9123, lr: 0.1
         Train finished in 0.760s: 3 epochs, 300 batches. train_loss: 0.5012, ...
+
+    A validation inside an epoch (``ValidationHandler(batch_period=N)``) gets a line of its own
+    when it runs, with the step it validated (a per-epoch one is on the epoch's line)::
+
+        [Epoch 1/3][Step 30] Validation: val_loss: 0.9512, val_accuracy: 0.6250
 
     A fit stopped by Ctrl-C or SIGTERM (at a step boundary) ends with ``Train interrupted after
     ...`` instead; one ended in the middle of a step (an error, a second Ctrl-C) with ``Train
@@ -269,6 +283,16 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
                               elapsed, batches, ran, ", ".join(v for v in (values, rates) if v),
                               f"; {speed}" if speed else "")
         self.current_epoch += 1
+
+    def validation_end(self, estimator: EstimatorView, *, values: Any, step: int, phase: str,
+                       **kwargs: Any) -> None:
+        """A line for a validation inside an epoch (one at an epoch's end is on its line)."""
+        if phase == "epoch_end":
+            return
+        shown = values if self.metrics is None else \
+            {name: value for name, value in values.items() if name in {metric_name(m) for m in self.metrics}}
+        estimator.logger.info("%s[Step %d] Validation: %s", self._epoch_label(estimator), step,
+                              format_metrics(shown))
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if not self._in_fit:  # an earlier handler's train_begin failed (a refused resume): its error says it all

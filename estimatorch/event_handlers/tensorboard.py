@@ -10,7 +10,17 @@ from .. import distributed
 from .._batches import batch_size_of
 from .._checks import check_file_prefix, check_positive_int, check_state_keys
 from .._schedule import EventFilter
-from ..events import BackwardEnd, BatchEnd, EpochBegin, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ..events import (
+    BackwardEnd,
+    BatchEnd,
+    EpochBegin,
+    EpochEnd,
+    EstimatorView,
+    StatefulHandler,
+    TrainBegin,
+    TrainEnd,
+    ValidationEnd,
+)
 from ..metrics.base import metric_name
 from ._event_files import carry_over_events, event_files
 from ._paths import check_output_dir, check_run_id, legacy_run_id, new_run_id, path_argument
@@ -32,7 +42,8 @@ def _claim(path: str) -> bool:
         return True
 
 
-class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd, BackwardEnd):
+class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd, BatchEnd, BackwardEnd,
+                         ValidationEnd):
     """Write training curves to TensorBoard with ``torch.utils.tensorboard.SummaryWriter``.
 
     Tags and their step axis:
@@ -46,6 +57,9 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
     - with ``log_interval=N``, every N batches: ``batch/<train metric>`` (the running value in
       the epoch), ``batch/lr`` (or ``batch/lr_group<i>``), ``batch/samples_per_sec``, at step =
       global batch count (1, 2, ... over the run).
+    - ``batch/<val metric>`` (``batch/val_loss``...): every step-level validation
+      (``ValidationHandler(batch_period=N)``), at step = the global batch count it validated
+      (as ``History.validations`` records it).
     - with ``histogram_period=N``, every N batches: ``weights/<parameter>`` (after the optimizer
       step) and ``gradients/<parameter>`` (after backward), at step = global batch count.
 
@@ -227,6 +241,15 @@ class TensorBoardHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, Epoc
         for key, value in self._split.read(estimator).items():
             writer.add_scalar(f"batch/{key}", value, step)
         self._interval_samples, self._interval_start = 0, time.perf_counter()
+
+    def validation_end(self, estimator: EstimatorView, *, values: Any, step: int, phase: str, **kwargs: Any) -> None:
+        """A step-level validation's values at the step it validated (``batch/val_loss``...);
+        one at an epoch's end is among the epoch's values."""
+        if phase == "epoch_end":
+            return
+        writer = self.writer
+        for name, value in values.items():
+            writer.add_scalar(f"batch/{name}", value, step)
 
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self.current_epoch += 1

@@ -2,7 +2,7 @@
 
 from __future__ import annotations
 
-from collections.abc import Iterable, Iterator
+from collections.abc import Iterable, Iterator, Mapping
 from typing import Any, Callable, Optional
 
 from .._checks import check_positive_int, check_state_keys
@@ -21,8 +21,19 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     for its periods (epochs, and batches over the run) are its state, restored on resume (None
     for a period not set). ``est.position`` tells where training stands.
 
+    **Every validation is recorded**, a step-level one (``batch_period``) as an epoch's: after
+    ``eval_fn`` it calls ``est.record_validation(values)`` (the values ``eval_fn`` returned, or
+    the val metrics'), which keeps them in ``History.validations`` with the step validated and
+    sends the notice ``validation_end``: ``LoggingHandler`` logs a step-level one when it runs
+    (``[Epoch 1/2][Step 30] Validation: val_loss: ...``), ``TensorBoardHandler`` and the
+    trackers write it at its step, ``EarlyStoppingHandler`` and ``CheckpointHandler(save_best=True)``
+    follow the validations of a val monitor (patience counted in validations; the best file
+    written at the boundary of the validation that found it, with the weights it measured). When
+    a handler asks to stop there (early stopping), this handler's event returns True.
+
     Args:
-        val_data: the validation batches: a re-iterable (a ``DataLoader``, a list), not empty.
+        val_data: the validation batches: a re-iterable (a ``DataLoader``, a list), not empty; or
+            a dict of named eval sets (``est.evaluate`` gives each its metrics ``val_<set>_<name>``).
         eval_fn: normally ``est.evaluate``.
         epoch_period: evaluate every this many epochs; None for never. Defaults to 1.
         batch_period: evaluate every this many batches (counted over the run). Defaults to None.
@@ -31,7 +42,9 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     Example:
         >>> calls = []
         >>> h = ValidationHandler([1], lambda data, **kw: calls.append(len(data)), epoch_period=2)
-        >>> class Est: batch_axis = 0
+        >>> class Est:
+        ...     batch_axis = 0
+        ...     def record_validation(self, values=None): return False
         >>> h.train_begin(Est())
         >>> for _ in range(4):
         ...     _ = h.epoch_end(Est())
@@ -46,13 +59,11 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
 
     def __init__(self, val_data: Iterable[Any], eval_fn: Callable[..., Any], epoch_period: Optional[int] = 1,
                  batch_period: Optional[int] = None, event_handlers: Any = None):
-        if not isinstance(val_data, Iterable) or isinstance(val_data, (str, bytes)):
-            raise TypeError(f"val_data must be an iterable of batches, got {type(val_data).__name__}")
-        if isinstance(val_data, Iterator):
-            raise TypeError(f"val_data is an iterator ({type(val_data).__name__}), which can be read only once; "
-                            "pass a list or a DataLoader")
-        if _length(val_data) == 0:
-            raise ValueError(f"val_data is empty: a {type(val_data).__name__} of length 0")
+        sets = val_data.items() if isinstance(val_data, Mapping) else [(None, val_data)]
+        if isinstance(val_data, Mapping) and not val_data:
+            raise ValueError("val_data is an empty dict: give it named eval sets, e.g. {'valid': loader}")
+        for name, data in sets:
+            _check_val_data(data, "val_data" if name is None else f"val_data[{name!r}]")
         if not callable(eval_fn):
             raise TypeError(f"eval_fn must be callable (e.g. est.evaluate), got {eval_fn!r}")
         self.val_data = val_data
@@ -82,26 +93,26 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
     def train_begin(self, estimator: EstimatorView, **kwargs: Any) -> None:
         self._reset()
 
-    def _evaluate(self, estimator: EstimatorView) -> None:
-        self.eval_fn(self.val_data, batch_axis=estimator.batch_axis, event_handlers=self.event_handlers)
+    def _evaluate(self, estimator: EstimatorView) -> bool:
+        """Validate, record it (``validation_end`` to every listener); True: one asks to stop."""
+        values = self.eval_fn(self.val_data, batch_axis=estimator.batch_axis, event_handlers=self.event_handlers)
+        return estimator.record_validation(values if isinstance(values, Mapping) else None)
 
-    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+    def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> bool:
         if self._batch_filter is None:
-            return
+            return False
         if self._batches is None:  # resumed from a state that did not count them
             self._batches = estimator.position.step
         self._batches += 1
-        if self._batch_filter(self._batches):
-            self._evaluate(estimator)
+        return self._batch_filter(self._batches) and self._evaluate(estimator)
 
-    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
+    def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> bool:
         if self._epoch_filter is None:
-            return
+            return False
         if self._epochs is None:  # resumed from a state that did not count them
             self._epochs = estimator.position.epoch
         self._epochs += 1
-        if self._epoch_filter(self._epochs):
-            self._evaluate(estimator)
+        return self._epoch_filter(self._epochs) and self._evaluate(estimator)
 
     # -- state -----------------------------------------------------------------------------
     def state_dict(self) -> dict[str, Any]:
@@ -117,6 +128,16 @@ class ValidationHandler(StatefulHandler, TrainBegin, BatchEnd, EpochEnd):
             if value is not None:
                 value = check_positive_int(value, f"state of {self.name}: {key}", minimum=0)
             setattr(self, attr, value if counted else None)
+
+
+def _check_val_data(data: Any, arg: str) -> None:
+    if not isinstance(data, Iterable) or isinstance(data, (str, bytes, Mapping)):
+        raise TypeError(f"{arg} must be an iterable of batches, got {type(data).__name__}")
+    if isinstance(data, Iterator):
+        raise TypeError(f"{arg} is an iterator ({type(data).__name__}), which can be read only once; "
+                        "pass a list or a DataLoader")
+    if _length(data) == 0:
+        raise ValueError(f"{arg} is empty: a {type(data).__name__} of length 0")
 
 
 def _length(data: Any) -> Optional[int]:

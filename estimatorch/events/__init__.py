@@ -1,7 +1,7 @@
 """The handler contract: the layer between the loop and every handler, built-in or yours.
 
 - the event mixins (:mod:`.mixins`): a handler subscribes to an event by inheriting its mixin and
-  overriding its hook; the notices ``checkpoint_saved`` and ``after_train_end`` come the same way;
+  overriding its hook; the notices ``checkpoint_saved``, ``validation_end`` and ``after_train_end`` come the same way;
 - :class:`Handler`: what a handler may declare (``priority``, :meth:`~Handler.listens_to`,
   :meth:`~Handler.check_fit`, ``state_attributes``, ``elastic_batch_counters``, capabilities), and
   :class:`StatefulHandler`, which saves the declared state;
@@ -42,6 +42,7 @@ from .mixins import (
     ForwardEnd,
     TrainBegin,
     TrainEnd,
+    ValidationEnd,
 )
 from .timing import PARTS, StepSplit, StepTimes
 from .view import EstimatorView, PositionView
@@ -70,6 +71,7 @@ __all__ = [
     "StepTimes",
     "TrainBegin",
     "TrainEnd",
+    "ValidationEnd",
     "accumulation_steps",
     "check_fit",
     "check_handlers",

@@ -149,6 +149,7 @@ class Dispatch:
     epoch_end: tuple[Callable[..., Any], ...]
     train_end: tuple[Callable[..., Any], ...]
     checkpoint_saved: tuple[Callable[..., Any], ...]
+    validation_end: tuple[Callable[..., Any], ...]
     after_train_end: tuple[Callable[..., Any], ...]
 
     def __init__(self, handlers: Sequence[Any]):

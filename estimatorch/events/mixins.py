@@ -25,7 +25,7 @@ testing a tensor would force a host-device sync).
 
 from __future__ import annotations
 
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import TYPE_CHECKING, Any, Optional
 
 if TYPE_CHECKING:  # the estimator's side of the contract; typing only
@@ -46,6 +46,7 @@ __all__ = [
     "ForwardEnd",
     "TrainBegin",
     "TrainEnd",
+    "ValidationEnd",
 ]
 
 
@@ -134,6 +135,20 @@ class CheckpointSaved:
         by a signal): keep it short, and do not assume the thread."""
 
 
+class ValidationEnd:
+    """Inherit it and override ``validation_end`` to hear that event."""
+
+    def validation_end(self, estimator: EstimatorView, *, values: Mapping[str, float], step: int, epoch: int,
+                       phase: str, **kwargs: Any) -> Optional[bool]:
+        """Called on every rank once a validation of the fit has run (``ValidationHandler``, every
+        ``epoch_period`` epochs and/or ``batch_period`` batches), with the values it measured
+        (``{"val_loss": ..., ...}``: python floats, reduced over the ranks), the ``step`` it
+        validated (the batches trained so far), the ``epoch`` it ran in (from 1) and the
+        ``phase`` it ran in: ``"batch_end"`` (a step-level validation) or ``"epoch_end"``.
+        ``History.validations`` holds it already. Return True to stop the fit at this boundary
+        (early stopping); the handler that ran the validation returns it from its event."""
+
+
 class AfterTrainEnd:
     """Inherit it and override ``after_train_end`` to hear that event."""
 
@@ -163,5 +178,6 @@ BATCH_EVENTS = ("batch_begin", "forward_begin", "forward_end", "backward_begin",
 #: notices outside the step loop: name -> mixin. Subscribed like the events.
 NOTICES: dict[str, type] = {
     "checkpoint_saved": CheckpointSaved,
+    "validation_end": ValidationEnd,
     "after_train_end": AfterTrainEnd,
 }

@@ -4,8 +4,9 @@ check of the threshold a best file waits for)."""
 
 from __future__ import annotations
 
+import logging
 import math
-from collections.abc import Sequence
+from collections.abc import Mapping, Sequence
 from typing import Any, Optional
 
 from .._checks import is_real
@@ -27,17 +28,29 @@ def check_monitor(monitor: Any, owner: str) -> Optional[str]:
     return None
 
 
-def resolve_monitors(handlers: Sequence[Any], metrics: Sequence[Any]) -> None:
+def resolve_monitors(handlers: Sequence[Any], metrics: Sequence[Any], aliases: Optional[Mapping[Any, Any]] = None,
+                     logger: Optional[logging.Logger] = None) -> None:
     """At ``fit`` start, give every handler that monitors a metric by name (its
     ``monitor_name``) the estimator's metric of that name (its ``resolve_monitor(metric)``).
+
+    ``aliases`` maps a name, or the ``id`` of a metric object, that is not among ``metrics`` to
+    the metric it stands for (several eval sets: ``"val_loss"`` and the estimator's own
+    ``val_loss`` stand for the first set's ``val_<set>_loss``); a handler following one is logged.
 
     Raises:
         ValueError: no metric has that name; the message lists the names there are.
     """
     by_name = {metric_name(m): m for m in metrics}
+    aliases = aliases or {}
     for handler in handlers:
         wanted = getattr(handler, "monitor_name", None)
         if wanted is None:
+            given = getattr(handler, "monitor", None)
+            if id(given) in aliases and callable(getattr(handler, "resolve_monitor", None)):
+                _follow(handler, metric_name(given), aliases[id(given)], logger)
+            continue
+        if wanted not in by_name and wanted in aliases:
+            _follow(handler, wanted, aliases[wanted], logger)
             continue
         if wanted not in by_name:
             hint = ""
@@ -46,6 +59,13 @@ def resolve_monitors(handlers: Sequence[Any], metrics: Sequence[Any]) -> None:
             raise ValueError(f"{type(handler).__name__}: monitor {wanted!r} is not a metric of this estimator{hint}; "
                              f"its metrics are {', '.join(repr(n) for n in by_name)}")
         handler.resolve_monitor(by_name[wanted])
+
+
+def _follow(handler: Any, given: str, metric: Any, logger: Optional[logging.Logger]) -> None:
+    handler.resolve_monitor(metric)
+    if logger is not None:
+        logger.info("%s monitors %s: the first eval set's %s (name another set's to choose it)",
+                    type(handler).__name__, given, metric_name(metric))
 
 
 def resolve_mode(mode: str, monitor: Any, owner: str, *, unresolved: bool = False) -> str:

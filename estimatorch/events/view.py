@@ -8,7 +8,7 @@ estimator (attributes starting with ``_`` above all) may change without notice.
 from __future__ import annotations
 
 import logging
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Mapping
 from typing import Any, Optional, Protocol
 
 import torch
@@ -110,6 +110,11 @@ class EstimatorView(ResumableFit, Protocol):
 
     def fire(self, event: str, **kwargs: Any) -> bool:
         """Call the current fit's handlers of ``event`` (or of a notice); True when any asked to stop."""
+
+    def record_validation(self, values: Optional[Mapping[str, float]] = None) -> bool:
+        """Record a validation that just ran (``values``: the val metrics', computed when None) in
+        ``History.validations`` at the current step, then send the notice ``validation_end`` to
+        the fit's handlers; True when one asks to stop."""
 
     def evaluate(self, val_data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None) -> dict[str, float]:
         """Run the val metrics over ``val_data``."""

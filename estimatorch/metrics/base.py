@@ -443,4 +443,26 @@ def update_metrics(loss_metrics: list[Any], other_metrics: list[Any], pred: Any,
     for metric in loss_metrics:
         metric.update(loss, label)
     for metric in other_metrics:
-        metric.update(pred, label)
+        try:
+            metric.update(pred, label)
+        except (AttributeError, TypeError) as err:  # no cost unless raised
+            hint = _model_output_hint(metric, pred)
+            if hint is None:
+                raise
+            raise TypeError(hint) from err
+
+
+def _model_output_hint(metric: Any, pred: Any) -> Optional[str]:
+    """What to do when a metric was handed a model's whole output (a ``transformers``
+    ``ModelOutput`` or a dict with ``logits``, which a custom loss read), None for anything else."""
+    if isinstance(pred, torch.Tensor):
+        return None
+    logits = pred.get("logits") if isinstance(pred, Mapping) else getattr(pred, "logits", None)
+    if not isinstance(logits, torch.Tensor):
+        return None
+    return (f"{metric_name(metric)}.update(preds, target) got a {type(pred).__name__}, the model's whole output "
+            "(it holds 'logits'), where metrics take tensors: with a loss given, the prediction is what the net "
+            "returned, handed to your loss as it is. Read its logits for the metrics: build Estimator(model, "
+            "optimizer=...) without a loss (the model's own loss; metrics then get output.logits), or give a "
+            "BatchProcessor whose fit_batch and evaluate_batch return output.logits as the prediction "
+            "(docs/migration.md, 'a compute_loss override')")

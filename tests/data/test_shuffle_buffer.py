@@ -16,6 +16,7 @@ from concurrent.futures import ThreadPoolExecutor
 os.environ.setdefault("HF_DATASETS_OFFLINE", "1")  # local files only: never the Hub
 os.environ.setdefault("HF_HUB_OFFLINE", "1")
 
+import numpy as np  # noqa: E402
 import pytest  # noqa: E402
 import torch  # noqa: E402
 from datasets import IterableDataset, load_dataset  # noqa: E402
@@ -308,3 +309,65 @@ def test_a_checkpoint_of_the_replay_resumes_on_any_num_workers():
     earlier = stream.earlier.fingerprint()  # what the replay wrote: no number of workers in it
     assert "buffer_workers" not in earlier
     stream.check_fingerprint(earlier, "the checkpoint")
+
+
+# -- what the buffer holds: numpy values, bytes, PIL images ------------------------------------------
+def image_rows(unsaveable=False):
+    """64 rows as an image dataset's generator yields them: numpy rows and scalars, bytes, a PIL
+    image, nested; or a value no checkpoint can hold (a set)."""
+    from PIL import Image
+
+    for i in range(64):
+        pixels = np.full((2, 2, 3), i * 3 % 256, dtype=np.uint8)
+        row = {"x": np.arange(4, dtype=np.float32) * (i % 7), "n": np.int64(i), "raw": bytes([i, 255 - i]),
+               "meta": {"img": Image.fromarray(pixels), "tags": [np.float32(i / 8), "t"]}}
+        if unsaveable:
+            row["odd"] = {i}
+        yield row
+
+
+def image_collate(rows):
+    inputs = torch.stack([torch.from_numpy(r["x"]) + float(r["n"] % 5) + r["raw"][1] / 255.0
+                          + float(np.asarray(r["meta"]["img"]).mean()) / 256.0 + float(r["meta"]["tags"][0])
+                          for r in rows])
+    return inputs, torch.tensor([int(r["n"]) % 3 for r in rows])
+
+
+def image_loader(num_workers, unsaveable=False):
+    def data():
+        ds = IterableDataset.from_generator(image_rows, gen_kwargs={"unsaveable": unsaveable})
+        ds = ds.shuffle(seed=1, buffer_size=16)
+        return torch.utils.data.DataLoader(ds, batch_size=4, collate_fn=image_collate, num_workers=num_workers)
+
+    return data
+
+
+def test_the_buffer_encodes_what_datasets_yields_and_gives_it_back():
+    from PIL import Image
+
+    from estimatorch.data._shuffle_buffer import decode, encode
+
+    row = next(image_rows())
+    held = encode(row)
+    torch.save(held, os.devnull)  # plain values and tensors: what a checkpoint takes
+    back = decode(held)
+    assert back["x"].dtype == np.float32 and np.array_equal(back["x"], row["x"])
+    assert type(back["n"]) is np.int64 and back["n"] == row["n"] and back["raw"] == row["raw"]
+    assert isinstance(back["meta"]["img"], Image.Image) and back["meta"]["img"].tobytes() == row["meta"]["img"].tobytes()
+    assert type(back["meta"]["tags"][0]) is np.float32 and back["meta"]["tags"][1] == "t"
+
+
+@pytest.mark.parametrize("num_workers", [0, 2])
+def test_a_buffer_of_numpy_rows_bytes_and_images_resumes_bitwise(num_workers):
+    data = image_loader(num_workers)
+    assert isinstance(open_stream(data(), 0), BufferedStream)
+    resumes_exactly(data, stops=[3, 9, 16, 20])  # no replay said
+
+
+def test_a_value_no_checkpoint_can_hold_replays_the_epoch_naming_its_type():
+    data = image_loader(0, unsaveable=True)
+    with warnings.catch_warnings(record=True) as caught:
+        warnings.simplefilter("always")
+        assert_resumable(dropout_estimator, data, epochs=2, stop_at=[3, 9], quiet=True)
+    said = [str(w.message) for w in caught if "shuffle buffer holds a set" in str(w.message)]
+    assert said and "a resume replays its epoch" in said[0]

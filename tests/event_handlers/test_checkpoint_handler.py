@@ -352,13 +352,13 @@ def test_best_with_mode_max(tmp_path, writes):
 
 
 def test_a_best_monitor_not_computed_yet_warns_once_and_writes_no_best(tmp_path):
-    # batch saves before the first validation: the val monitor is nan at each of them
+    # a val monitor is read at validations: without val_data none runs, which the fit's end says once
     estimator = make_estimator()
     handler = CheckpointHandler(tmp_path, batch_period=1, epoch_period=None, save_best=True,
                                 monitor=estimator.val_metrics[0])
-    with pytest.warns(UserWarning, match="val_loss is nan") as caught:  # in epoch 2: epoch 1 had no validation
+    with pytest.warns(UserWarning, match="no validation ran in this fit, so val_loss") as caught:
         estimator.fit(make_batches(), epochs=2, event_handlers=[handler])
-    assert sum("is nan" in str(w.message) for w in caught) == 1
+    assert sum("no validation ran" in str(w.message) for w in caught) == 1
     assert not any("best" in name for name in os.listdir(tmp_path))
     assert any(name.endswith(".pt") for name in os.listdir(tmp_path))  # the batch saves happened
 
@@ -601,12 +601,13 @@ def test_reference_files_are_all_there(reference):
 # -- handler state ---------------------------------------------------------------------------------
 def test_state_dict_round_trip(tmp_path):
     handler = CheckpointHandler(tmp_path)
-    handler.load_state_dict({"current_epoch": 2, "current_batch": 9, "best": 0.25})
+    handler.load_state_dict({"current_epoch": 2, "current_batch": 9, "best": 0.25})  # saved before best_step
+    assert handler.state_dict() == {"current_epoch": 2, "current_batch": 9, "best": 0.25, "best_step": 0}
+    handler.load_state_dict({"current_epoch": 2, "current_batch": 9, "best": 0.25, "best_step": 6})
     state = handler.state_dict()
-    assert state == {"current_epoch": 2, "current_batch": 9, "best": 0.25}
     other = CheckpointHandler(tmp_path)
     other.load_state_dict(state)
-    assert (other.current_epoch, other.current_batch, other.best) == (2, 9, 0.25)
+    assert (other.current_epoch, other.current_batch, other.best, other.best_step) == (2, 9, 0.25, 6)
 
 
 def test_the_counters_are_read_only(tmp_path):

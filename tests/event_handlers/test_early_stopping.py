@@ -8,6 +8,7 @@ import math
 import pytest
 import torch
 
+from estimatorch.estimator import Position
 from estimatorch.event_handlers import EarlyStoppingHandler, EpochEnd, LambdaHandler
 from estimatorch.metrics import Accuracy, Loss, MeanAbsoluteError, MeanSquaredError, Metric, TopKAccuracy
 from tests.conftest import make_batches, make_estimator
@@ -45,6 +46,8 @@ class Est:
     def __init__(self):
         self.logger = logging.getLogger("test")
         self.net = torch.nn.Linear(1, 1)
+        self.val_metrics = []  # the monitor is not a val metric: read once per epoch
+        self.position = Position()
 
 
 def decisions(values, **kwargs):

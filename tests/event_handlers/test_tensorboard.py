@@ -62,6 +62,18 @@ def test_epoch_scalars_match_the_history(tmp_path):
     assert not any(tag.startswith("batch/") for tag in scalars)  # no log_interval: epoch level only
 
 
+def test_step_level_validations_are_written_at_their_steps(tmp_path):
+    est = make_estimator()
+    tb = TensorBoardHandler(tmp_path)
+    val = ValidationHandler(make_batches(2, seed=1), est.evaluate, epoch_period=None, batch_period=3)
+    history = est.fit(make_batches(N_BATCHES), epochs=3, event_handlers=[tb, val])
+    scalars, _ = read_events(tb.run_dir)
+    validations = history.validations
+    assert validations.steps == [3, 6, 9, 12]
+    for name in ("val_loss", "val_accuracy"):
+        assert scalars[f"batch/{name}"] == [(s, f32(v)) for s, v in zip(validations.steps, validations[name])]
+
+
 def test_val_metrics_are_written_only_in_epochs_that_validated(tmp_path):
     est = make_estimator()
     tb = TensorBoardHandler(tmp_path)

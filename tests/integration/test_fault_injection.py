@@ -6,7 +6,8 @@ uninterrupted run (parameters, optimizer state, every later step's loss), and le
 file behind. The pointer must never name a missing file.
 
 Each process resumes the previous trial's directory, then runs the next trial and is killed:
-one python start-up per trial. The whole chain runs with synchronous saves, with
+one process per trial, forked from a server that imported torch once (``tests/forked.py``), so
+that a trial costs its fit, not an interpreter's start-up. The whole chain runs with synchronous saves, with
 ``async_save="thread"`` (the kills inside the write sequence then land in the writer thread, while
 the steps go on) and with ``async_save=True`` (the writer process: the kills inside its own
 writes, by byte count and before the checkpoint's rename, cannot be placed from the training
@@ -20,14 +21,13 @@ import collections
 import os
 import random
 import signal
-import subprocess
-import sys
 
 import pytest
 import torch
 
 from estimatorch import checkpoint
 from estimatorch.checkpoint import LOCK_NAME
+from tests import forked
 from tests.conftest import assert_tree_equal
 from tests.integration.checkpoint_worker import MAX_CHECKPOINTS, STEPS
 
@@ -39,9 +39,7 @@ STAGED = [("bytes", 3), ("replace-checkpoint", 2), ("replace-pointer", 2), ("rem
 
 
 def _run(*args, expect_kill):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = forked.run(WORKER, args, timeout=300)  # a fresh process, without a fresh interpreter's imports
     want = -signal.SIGKILL if expect_kill else 0
     assert proc.returncode == want, f"exit {proc.returncode}, wanted {want}\n{proc.stderr[-3000:]}"
     return proc

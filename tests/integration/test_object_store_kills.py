@@ -16,8 +16,6 @@ import json
 import os
 import random
 import signal
-import subprocess
-import sys
 import tempfile
 import uuid
 
@@ -27,6 +25,7 @@ import torch
 from estimatorch import CheckpointHandler, checkpoint
 from estimatorch.checkpoint import LOCK_NAME
 from estimatorch.event_handlers import BatchEnd
+from tests import forked
 from tests.conftest import assert_tree_equal
 from tests.integration.checkpoint_worker import MAX_CHECKPOINTS, STEPS, build
 from tests.s3server import BUCKET, SeaweedServer
@@ -40,10 +39,8 @@ TRIALS = [("timer", 3), ("upload", 3), ("multipart", 2), ("sigterm", 2)]
 
 
 def _run(options, *args, expect_kill):
-    env = dict(os.environ, STORAGE_OPTIONS=json.dumps(options),
-               PYTHONPATH=os.pathsep.join([os.getcwd(), *sys.path]))
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    env = dict(os.environ, STORAGE_OPTIONS=json.dumps(options))
+    proc = forked.run(WORKER, args, env=env, timeout=300)  # a fresh process, without a fresh interpreter's imports
     want = {False: 0, True: -signal.SIGKILL, "sigterm": 128 + signal.SIGTERM}[expect_kill]  # fit exits 143
     assert proc.returncode == want, f"exit {proc.returncode}, wanted {want}\n{proc.stderr[-3000:]}"
     return proc

@@ -9,13 +9,12 @@ from __future__ import annotations
 
 import os
 import signal
-import subprocess
-import sys
 from concurrent.futures import ThreadPoolExecutor
 
 import pytest
 import torch
 
+from tests import forked
 from tests.integration.resume_worker import BATCH, EPOCHS, SAMPLES
 
 WORKER = os.path.join(os.path.dirname(__file__), "resume_worker.py")
@@ -26,9 +25,7 @@ WORKERS = [(0, 0), (2, 2), (0, 2)]
 
 
 def _run(*args, expect_kill=False):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=300)
+    proc = forked.run(WORKER, args, timeout=300)  # a fresh process, without a fresh interpreter's imports
     if expect_kill:
         assert proc.returncode == -signal.SIGKILL, proc.stderr[-2000:]
     else:

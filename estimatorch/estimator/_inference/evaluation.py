@@ -20,7 +20,7 @@ from ...events import Dispatch, check_handlers, declared, order_handlers
 from ...metrics.base import split_loss_metrics, update_metrics
 from .._fit_estimator import FitEstimator
 
-__all__ = ["check_inference_args", "evaluate_batches", "run_batches"]
+__all__ = ["check_inference_args", "evaluate_batches", "evaluate_groups", "run_batches"]
 
 #: ``step(batch) -> (pred, label, loss)``: what ``batch_end`` handlers receive.
 Step = Callable[[Any], "tuple[Any, Any, Any]"]
@@ -134,12 +134,24 @@ def run_batches(estimator: FitEstimator, data: Iterable[Any], arg: str, handlers
     return shard
 
 
+def evaluate_groups(estimator: FitEstimator, groups: list[tuple[str, Any, list[Any]]], batch_axis: int,
+                    event_handlers: Any, *, limit: Optional[int] = None) -> None:
+    """``Estimator.evaluate`` over each ``(arg, data, metrics)`` group (an eval set), every
+    group's arguments checked first."""
+    checked = [check_inference_args(data, arg, batch_axis, event_handlers, check_empty=not distributed.is_distributed())
+               for arg, data, _ in groups]
+    for (_, data, metrics), handlers in zip(groups, checked):
+        evaluate_batches(estimator, data, batch_axis, handlers, limit=limit, metrics=metrics)
+
+
 def evaluate_batches(estimator: FitEstimator, val_data: Iterable[Any], batch_axis: int, handlers: list[Any], *,
-                     limit: Optional[int] = None) -> None:
-    """Reset the val metrics and update them over ``val_data`` (``Estimator.evaluate``'s loop),
-    at most ``limit`` batches of this rank's (None: all)."""
-    loss_metrics, other_metrics = split_loss_metrics(estimator.val_metrics)
-    for metric in estimator.val_metrics:
+                     limit: Optional[int] = None, metrics: Optional[list[Any]] = None) -> None:
+    """Reset the val metrics (``metrics``: one eval set's; None: the estimator's) and update them
+    over ``val_data`` (``Estimator.evaluate``'s loop), at most ``limit`` batches of this rank's
+    (None: all)."""
+    metrics = estimator.val_metrics if metrics is None else metrics
+    loss_metrics, other_metrics = split_loss_metrics(metrics)
+    for metric in metrics:
         metric.reset()
     evaluate_batch = estimator.batch_processor.evaluate_batch
 

@@ -32,6 +32,7 @@ from ...checkpoint import is_sharded_module
 from ...data import in_step, seeded_for_inference
 from ...metrics.base import Metric, split_loss_metrics, update_metrics
 from .._fit_estimator import FitEstimator
+from .._setup.eval_sets import eval_sets
 from .evaluation import _inference_mode
 
 __all__ = ["sanity_pass"]
@@ -51,8 +52,10 @@ def sanity_pass(estimator: FitEstimator, val_data: Optional[Iterable[Any]], step
     if val_data is None or steps == 0 or isinstance(val_data, Iterator):
         return
     error: Optional[Exception] = None
+    sets = eval_sets(val_data)
     try:
-        _check_batches(estimator, val_data, steps, batch_axis)
+        for data in sets.values() if sets is not None else [val_data]:  # each eval set
+            _check_batches(estimator, data, steps, batch_axis)
     except Exception as err:  # noqa: BLE001 - every rank must hear of it (a sharded net's forward is a collective)
         error = err
     distributed.raise_on_every_rank(error, "fit's sanity pass over val_data")

@@ -10,12 +10,13 @@ from typing import Any, Optional
 
 from torch.optim.lr_scheduler import (
     CosineAnnealingLR,
+    LambdaLR,
     LinearLR,
     OneCycleLR,
     SequentialLR,
 )
 
-from ..._checks import warn_user
+from ..._checks import is_int, warn_user
 from ...events import Handler
 from .._fit_estimator import FitEstimator
 from .._state.run import Run
@@ -27,7 +28,9 @@ __all__ = ["build_scheduler", "check_horizons", "schedule_length", "scheduler_ho
 def scheduler_horizon(scheduler: Any) -> Optional[int]:
     """The number of steps after which ``scheduler`` has reached its end: ``T_max`` of
     ``CosineAnnealingLR``, ``total_steps`` of ``OneCycleLR``, ``total_iters`` of ``LinearLR``,
-    the last milestone plus its last scheduler's for a ``SequentialLR``; None for others.
+    the last milestone plus its last scheduler's for a ``SequentialLR``, ``num_training_steps``
+    of a ``LambdaLR`` whose functions are partials naming it (``transformers``'
+    ``get_*_schedule_with_warmup``); None for others.
 
     Example:
         >>> import torch
@@ -46,6 +49,10 @@ def scheduler_horizon(scheduler: Any) -> Optional[int]:
     if isinstance(scheduler, SequentialLR):
         last = scheduler_horizon(scheduler._schedulers[-1])
         return None if last is None else int(scheduler._milestones[-1]) + last
+    if isinstance(scheduler, LambdaLR):  # transformers' get_*_schedule_with_warmup: a partial naming its length
+        lengths = {getattr(f, "keywords", {}).get("num_training_steps") for f in scheduler.lr_lambdas}
+        if len(lengths) == 1 and is_int(next(iter(lengths))):
+            return int(next(iter(lengths)))  # type: ignore[arg-type]
     return None
 
 
@@ -93,6 +100,9 @@ def check_horizons(estimator: FitEstimator, run: Run) -> None:
                        f"takes {ends_at} ({what}: every process's share of the data, gradient accumulation and "
                        "batches_per_epoch counted): size it with est.planned_steps(train_data, epochs=...), or "
                        "pass Estimator(lr_scheduler=lambda optimizer, total_steps: ...) to have fit size it")
+            if interval == "epoch" and horizon > ends_at:
+                message += (". A schedule counted in optimizer steps (a warm-up) is stepped per epoch here: pass "
+                            "Estimator(..., lr_scheduler_interval='batch') to step it after every optimizer step")
         warn_user(message)
 
 

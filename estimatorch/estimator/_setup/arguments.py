@@ -13,6 +13,7 @@ from torch import nn
 from ... import distributed
 from ..._checks import check_bool, check_positive_int, is_int
 from ...events import handler_name
+from .eval_sets import eval_sets
 
 __all__ = ["PRECISIONS", "check_fit_arguments", "check_iterable", "check_limits", "check_lr_scheduler",
            "check_flags", "check_optimizer", "check_unique_handlers", "precision_name", "resolve_device"]
@@ -165,28 +166,33 @@ def check_fit_arguments(train_data: Any, val_data: Any, epochs: Any, batches: An
     if not is_int(batch_axis) or batch_axis < 0:
         raise ValueError(f"batch_axis must be a non-negative int, got {batch_axis!r}")
     check_bool(resume, "resume")
-    if val_data is not None:
-        check_iterable(val_data, "val_data", reread=True)
+    sets = eval_sets(val_data)
+    for name, data in (sets.items() if sets is not None else [(None, val_data)] if val_data is not None else []):
+        check_iterable(data, "val_data" if name is None else f"val_data[{name!r}]", reread=True)
     if epochs is not None and epochs > 1 and isinstance(train_data, Iterator):
         raise TypeError(f"train_data is an iterator ({type(train_data).__name__}), which can be read only "
                         f"once, but epochs={epochs}; pass a list or a DataLoader, or train with batches=")
 
 
-def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, interval: Any) -> tuple[Any, Any]:
+def check_lr_scheduler(lr_scheduler: Any, optimizer: Any, interval: Any) -> tuple[Any, Any, str]:
     """``Estimator``'s ``lr_scheduler`` and ``lr_scheduler_interval``: returns ``(scheduler,
-    factory)``, one of them None (both without a schedule). A scheduler must be one of
-    ``optimizer``; a factory is any other callable, ``(optimizer, total_steps) -> scheduler``."""
-    if interval not in ("epoch", "batch"):
-        raise ValueError(f"lr_scheduler_interval must be 'epoch' or 'batch', got {interval!r}")
+    factory, interval)``, one of the first two None (both without a schedule). A scheduler must
+    be one of ``optimizer``; a factory is any other callable, ``(optimizer, total_steps) ->
+    scheduler``. An interval of None is a factory's unit, ``"batch"`` (its ``total_steps`` are
+    optimizer steps, as ``transformers``' ``get_*_schedule_with_warmup`` count them), and
+    ``"epoch"`` for a scheduler (PyTorch's convention: ``scheduler.step()`` after each epoch)."""
+    if interval not in (None, "epoch", "batch"):
+        raise ValueError(f"lr_scheduler_interval must be 'epoch' or 'batch' (or None: 'batch' for a callable "
+                         f"lr_scheduler, 'epoch' for a scheduler), got {interval!r}")
     if lr_scheduler is None:
-        return None, None
+        return None, None, interval or "epoch"
     if all(callable(getattr(lr_scheduler, method, None)) for method in ("step", "state_dict")):
         if getattr(lr_scheduler, "optimizer", None) is not optimizer:
             raise ValueError("lr_scheduler must schedule this estimator's optimizer")
-        return lr_scheduler, None
+        return lr_scheduler, None, interval or "epoch"
     if callable(lr_scheduler):
         _check_factory_arity(lr_scheduler)
-        return None, lr_scheduler
+        return None, lr_scheduler, interval or "batch"
     raise TypeError("lr_scheduler must be a torch LR scheduler or a callable (optimizer, total_steps) -> "
                     f"scheduler, got {lr_scheduler!r}")
 

@@ -119,6 +119,9 @@ class Run:
         self.boundary_actions: list[Callable[[], None]] = []
         self.stage = Stage.NOT_STARTED
         self.evaluated = False
+        #: True while ``epoch_begin`` or ``epoch_end`` is fired (a validation then is at the
+        #: position's step; inside a step's events, at the step being trained)
+        self.in_epoch_event = False
         self.stateless_metrics: set[str] = set()
         #: the step the loop runs in place of the batch processor (``cuda_graphs=True``), else None
         self.step: Any = None

@@ -11,7 +11,7 @@ from typing import Any, Optional, Union
 from ... import checkpoint, distributed
 from ..._checks import check_positive_int, check_state_keys, is_real, warn_user
 from ..._schedule import EventFilter
-from ...events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd
+from ...events import BatchEnd, EpochEnd, EstimatorView, StatefulHandler, TrainBegin, TrainEnd, ValidationEnd
 from ...events.monitor import improved, resolve_mode
 from ...metrics.base import metric_name
 from ._arguments import check_arguments
@@ -23,7 +23,7 @@ __all__ = ["CheckpointHandler"]
 logger = logging.getLogger("estimatorch")
 
 
-class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEnd):
+class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEnd, ValidationEnd):
     """Save resumable checkpoints every few epochs and/or batches and resume from the newest; or export weights.
 
     A checkpoint holds the model (under the plain module's keys, also for a ``torch.compile``d
@@ -97,6 +97,29 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
     ranks' states are mapped onto the new ones (:mod:`estimatorch.estimator._state.elastic_resume`). Without
     it a different world size is refused, and an elastic file resumes only an elastic fit (and
     the reverse).
+
+    **The best checkpoint** (``save_best``; ``save_best_only`` for an export) holds the weights
+    that were measured. For a val metric the monitor is read at every validation
+    (``validation_end``: each epoch's, and each step-level one of
+    ``ValidationHandler(batch_period=N)``), and when it improved ``{model_prefix}-best.pt`` is
+    written at the boundary right after that validation, whether or not a periodic save is due
+    there (one at the same boundary writes both); a periodic save never rewrites it with a value
+    measured at another step. Any other monitor (a train metric) is read at the periodic saves.
+    With ``restore_best=True`` a fit that ends by its plan or a stop (early stopping) loads the
+    best file's weights into the net at its end (Trainer's ``load_best_model_at_end``; a fit
+    stopped by a signal or an error keeps its weights, which a resume continues from).
+
+    **Adapter-only checkpoints.** For a net with frozen parameters (a PEFT LoRA model over its
+    base, a frozen backbone) a checkpoint holds, by default, the trainable parameters, every
+    buffer, the optimizer and the rest of the run's state, and a fingerprint (shape, dtype,
+    digest) of each frozen parameter instead of its values: a resume takes the frozen weights from
+    the model the script builds (the same pretrained base) and refuses one whose frozen weights
+    differ, naming the first. ``save_frozen=True`` writes them too. Why by default: frozen weights
+    never change during a fit, the script that resumes builds them anyway, and on a real base they
+    are gigabytes per checkpoint, times ``max_checkpoints``. :func:`~estimatorch.checkpoint.load_into`
+    loads such a checkpoint into a net built on the base (then ``net.save_pretrained(dir)`` writes
+    the adapter, ``net.merge_and_unload()`` gives the merged model); weights exports
+    (``save_weights_only``) hold the whole model, for inference.
 
     **Retention** deletes only periodic files of ``model_prefix`` that this fit wrote or that
     belong to the run it resumed (readable files up to the one it resumed from), never the file
@@ -187,6 +210,13 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         storage_options: for a URL ``model_dir``, fsspec's arguments of its filesystem (for S3:
             ``key``, ``secret``, ``client_kwargs={"endpoint_url": ...}``); None takes the
             environment's. Defaults to None.
+        restore_best: at the end of a fit that ran its plan or stopped early, load the weights
+            of the best file (needs ``save_best`` or ``save_best_only``), logged with its step
+            and value. Defaults to False.
+        save_frozen: for a net with frozen parameters (a PEFT LoRA model, a frozen backbone),
+            also write them into each checkpoint; by default a checkpoint holds the trainable
+            parameters, the buffers and a fingerprint of the frozen ones (see above). Defaults
+            to False.
 
     Example:
         >>> import tempfile
@@ -206,7 +236,8 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
                  resume_from_checkpoint: bool = False, *, save_best_only: bool = False,
                  save_weights_only: bool = False, initial_value_threshold: Optional[float] = None,
                  elastic: bool = False, async_save: Union[bool, str] = False, sharded: Optional[bool] = None,
-                 storage_options: Optional[dict[str, Any]] = None):
+                 storage_options: Optional[dict[str, Any]] = None, restore_best: bool = False,
+                 save_frozen: bool = False):
         self.monitor_name = check_arguments(  # each error names the argument and its value
             model_dir, model_prefix, monitor, verbose, save_best, mode, epoch_period, batch_period, max_checkpoints,
             resume_from_checkpoint, save_best_only, save_weights_only, initial_value_threshold, elastic)
@@ -228,6 +259,16 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         if sharded is not None and not isinstance(sharded, bool):
             raise TypeError(f"sharded must be None, True or False, got {sharded!r}")
         self.sharded = sharded
+        if not isinstance(restore_best, bool):
+            raise TypeError(f"restore_best must be True or False, got {restore_best!r}")
+        if restore_best and not (save_best or save_best_only):
+            raise ValueError("restore_best=True loads the best file's weights at the end: pass save_best=True (or "
+                             "save_best_only=True) with monitor=")
+        self.restore_best = restore_best
+        if not isinstance(save_frozen, bool):
+            raise TypeError(f"save_frozen must be True or False, got {save_frozen!r}")
+        self.save_frozen = save_frozen
+        self._val_monitor = False  # decided at train_begin: a val metric is read at its validations
         self._writer = checkpoint.make_writer(async_save)  # rank 0's (every rank's if sharded)
         self.initial_value_threshold = None if initial_value_threshold is None else float(initial_value_threshold)
         layout = checkpoint.Layout(self.model_dir, model_prefix, weights=save_weights_only,
@@ -254,6 +295,10 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             self.best = math.inf if self.mode == "min" else -math.inf
         self._directory.reset()
         self._saved_step = -1  # the step of this run's last periodic checkpoint
+        self.best_step = 0  # the step of the best file's validation (or save)
+        self._best_pending: Optional[float] = None  # an improvement a validation found, saved at its boundary
+        self._periodic_due = self._queued = False  # what the boundary's save writes, and that it is queued
+        self._validations = 0  # the validations this fit's monitor was read at
         self._resumed_step = -1  # the step of the checkpoint this fit resumed from
         self._warned_nan = False
 
@@ -330,10 +375,16 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         estimator = self._fitting()
         return estimator.position.step if estimator is not None else self._batches
 
+    def state_dict(self) -> dict[str, Any]:
+        """The counters, ``best`` and ``best_step`` (optional on load: states saved before it was
+        kept resume as before)."""
+        return {**super().state_dict(), "best_step": self.best_step}
+
     def load_state_dict(self, state: dict[str, Any]) -> None:
         """Restore :meth:`state_dict`'s output (during a resume the counters follow the restored
         position, which holds the same numbers); raises ``ValueError`` naming a missing key."""
         check_state_keys(state, self.state_attributes, self.name)
+        self.best_step = check_positive_int(state.get("best_step", 0), f"state of {self.name}: best_step", minimum=0)
         epochs = check_positive_int(state["current_epoch"], f"state of {self.name}: current_epoch", minimum=0)
         batches = check_positive_int(state["current_batch"], f"state of {self.name}: current_batch", minimum=0)
         best = state["best"]
@@ -349,6 +400,7 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             self._writer.reset()  # (waits for a write a second Ctrl-C left running)
         self._reset()
         self._estimator = weakref.ref(estimator)
+        self._val_monitor = self._layout.best and any(m is self.monitor for m in estimator.val_metrics)
         directory = self._directory
         directory.check_siblings(other._directory for other in estimator.handlers
                                  if other is not self and isinstance(other, CheckpointHandler))
@@ -373,6 +425,11 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         try:
             self._writes.finish(estimator)
             self._save_interrupted(estimator)
+            if self._val_monitor and not self._validations and estimator.position.step:
+                warn_user(f"CheckpointHandler: no validation ran in this fit, so {metric_name(self.monitor)} (the "
+                          "monitor) was never read and no best file was written: pass val_data to fit (or a "
+                          "ValidationHandler), or monitor a train metric")
+            self._restore_best(estimator)
         finally:
             self._epochs, self._batches = self.current_epoch, self.current_batch
             self._estimator = None
@@ -393,9 +450,39 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         estimator.logger.info("Saved checkpoint of step %d to %s (%s)", pos.step,
                               os.path.join(self.model_dir, name), reason)
 
+    def _restore_best(self, estimator: EstimatorView) -> None:
+        """``restore_best``: the best file's weights into the net, when the fit ran its plan or
+        stopped early (every rank reads the file: ``model_dir`` is one every rank sees)."""
+        if not self.restore_best or not estimator.position.stop or estimator.interruption is not None:
+            return
+        path = os.path.join(self.model_dir, self._layout.best_name())
+        if not checkpoint.exists(path):
+            estimator.logger.info("restore_best: no %s was written (%s never improved): the weights stay the "
+                                  "last step's", path, metric_name(self.monitor))
+            return
+        checkpoint.load_into(estimator.net, path)
+        estimator.logger.info("Restored the weights of step %d (best %s: %.6g) from %s", self.best_step,
+                              metric_name(self.monitor), self.best, path)
+
+    def validation_end(self, estimator: EstimatorView, *, values: Any, step: int, **kwargs: Any) -> None:
+        """A val monitor is read here: an improvement writes the best file at this boundary."""
+        if not self._val_monitor:
+            return
+        self._validations += 1
+        name = metric_name(self.monitor)
+        value = float(values[name]) if name in values else float(self.monitor.compute())
+        if math.isnan(value) and not self._warned_nan:
+            self._warned_nan = True  # once per fit
+            warn_user(f"CheckpointHandler: {name} is nan at the validation of step {step}: not an improvement, "
+                      "the best file stays as it is")
+        if not math.isnan(value) and improved(value, self.best, self.mode):
+            self._best_pending = value
+            self._queue_save(estimator)
+
     def batch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._batch_filter is not None and self._batch_filter(estimator.position.step + 1):  # with this batch
-            estimator.at_boundary(lambda: self._save(estimator))
+            self._periodic_due = True
+            self._queue_save(estimator)
 
     def epoch_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if self._epoch_filter is None:
@@ -408,13 +495,31 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
             # newest: resumed with a larger plan it continues the epoch exactly, while one written
             # after this epoch_end would start the next epoch. (The same plan redoes epoch_end.)
             return
-        estimator.at_boundary(lambda: self._save(estimator))
+        self._periodic_due = True
+        self._queue_save(estimator)
+
+    def _queue_save(self, estimator: EstimatorView) -> None:
+        """One save at the coming boundary, writing what is due there (periodic, best or both)."""
+        if not self._queued:
+            self._queued = True
+            estimator.at_boundary(lambda: self._boundary_save(estimator))
+
+    def _boundary_save(self, estimator: EstimatorView) -> None:
+        periodic, self._periodic_due, self._queued = self._periodic_due, False, False
+        self._save(estimator, periodic=periodic)
 
     # -- saving ----------------------------------------------------------------------------
     def _check_best(self, position: Any) -> tuple[bool, Optional[float]]:
-        """Whether ``monitor`` improved on the best (a collective), and its value."""
+        """Whether ``monitor`` improved on the best, and its value: for a val metric, what the
+        validation before this boundary found (:meth:`validation_end`); for another, its value
+        now (a collective)."""
         if not self._layout.best:
             return False, None
+        if self._val_monitor:
+            value, self._best_pending = self._best_pending, None
+            if value is not None:
+                self.best_step = position.step
+            return value is not None, value
         value = float(self.monitor.compute())
         if math.isnan(value):
             # a batch save in the first epoch, before its validation: nan is expected there
@@ -425,21 +530,26 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
                           "is updated only with a value: monitor a metric validation computes before the save "
                           "(ValidationHandler's epoch_period), or save at epoch ends")
             return False, value
-        return improved(value, self.best, self.mode), value
+        better = improved(value, self.best, self.mode)
+        if better:
+            self.best_step = position.step
+        return better, value
 
-    def _save(self, estimator: EstimatorView, background: bool = True) -> None:
+    def _save(self, estimator: EstimatorView, background: bool = True, periodic: bool = True) -> None:
         """Write what is due at the current boundary (with ``async_save``, and ``background``,
-        hand it to the writer): :class:`CheckpointWrites` writes it. A collective: every rank calls it."""
+        hand it to the writer): the periodic file when ``periodic``, the best one when the monitor
+        improved; :class:`CheckpointWrites` writes it. A collective: every rank calls it."""
         pos = estimator.position
         is_best, value = self._check_best(pos)
-        names = self._writes.due(pos, is_best)
+        names = self._writes.due(pos, is_best, periodic=periodic)
         if not names:
             return
         best = value if is_best else None
         if best is not None:
             self.best = best  # before the payload: the checkpoint holds it
-        if self._layout.resumable:
+        if self._layout.resumable and periodic:
             self._saved_step = pos.step
         note = f" (best {metric_name(self.monitor)}: {best:.6g})" if best is not None else ""
-        self._writes.save(estimator, names, note=note if self.verbose else None, background=background)
+        self._writes.save(estimator, names, note=note if self.verbose else None, background=background,
+                          periodic=periodic, save_frozen=self.save_frozen)
 

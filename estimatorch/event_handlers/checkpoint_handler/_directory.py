@@ -151,11 +151,12 @@ class CheckpointDirectory:
                               if checkpoint.is_url(self.model_dir) else os.path.abspath(self.model_dir))
         return found
 
-    def settle(self, paths: list[str], step_now: int) -> list[str]:
-        """On rank 0, once a save's files (``paths``, the periodic one first) are written at step
-        ``step_now``: the pointer, retention and orphaned temporaries. Returns the files removed."""
+    def settle(self, paths: list[str], step_now: int, periodic: bool = True) -> list[str]:
+        """On rank 0, once a save's files (``paths``, the periodic one first, when ``periodic``)
+        are written at step ``step_now``: the pointer, retention and orphaned temporaries.
+        Returns the files removed."""
         kept = list(self.saved)
-        if self.layout.resumable:
+        if self.layout.resumable and periodic:
             if paths[0] in self.saved:
                 self.saved.remove(paths[0])
             self.saved.append(paths[0])

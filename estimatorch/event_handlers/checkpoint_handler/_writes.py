@@ -63,12 +63,12 @@ class CheckpointWrites:
         self.directory = directory
         self.writer = writer
 
-    def due(self, pos: PositionView, is_best: bool) -> list[str]:
-        """The names of the files due at the boundary ``pos`` (``is_best``: the monitor improved);
-        raises ``FileExistsError`` (the same on every rank: nothing is written anywhere) where one
-        is an export of another run."""
+    def due(self, pos: PositionView, is_best: bool, periodic: bool = True) -> list[str]:
+        """The names of the files due at the boundary ``pos`` (``periodic``: the periodic file is
+        due; ``is_best``: the monitor improved); raises ``FileExistsError`` (the same on every
+        rank: nothing is written anywhere) where one is an export of another run."""
         directory = self.directory
-        names = directory.layout.due(pos.epoch, pos.step, is_best)
+        names = directory.layout.due(pos.epoch, pos.step, is_best, periodic=periodic)
         clash = [name for name in names if name in directory.foreign]
         if clash:
             raise FileExistsError(
@@ -78,10 +78,13 @@ class CheckpointWrites:
                 "away, or choose another model_prefix")
         return names
 
-    def save(self, estimator: EstimatorView, names: list[str], *, note: Optional[str], background: bool = True) -> None:
-        """Write ``names`` (:meth:`due`) at the current boundary, with the handler's state as it is
-        now (with ``async_save`` and ``background``, handed to the writer); ``note``: what the log
-        line of a save says after the path (None: no log line). A collective: every rank calls it."""
+    def save(self, estimator: EstimatorView, names: list[str], *, note: Optional[str], background: bool = True,
+             periodic: bool = True, save_frozen: bool = False) -> None:
+        """Write ``names`` (:meth:`due`; the periodic file first when ``periodic``) at the current
+        boundary, with the handler's state as it is now (with ``async_save`` and ``background``,
+        handed to the writer); ``note``: what the log line of a save says after the path (None: no
+        log line); ``save_frozen``: a net's frozen parameters too (else their fingerprints). A
+        collective: every rank calls it."""
         step = estimator.position.step  # the boundary's: a background write runs later
         layout = self.directory.layout
         if layout.sharded and not layout.weights:  # every rank writes its part
@@ -90,16 +93,16 @@ class CheckpointWrites:
         if layout.weights:  # a sharded net's weights are gathered: a collective
             state = checkpoint.weights_state(estimator.net) if layout.sharded or distributed.is_main_process() else None
         else:
-            state = checkpoint.build_payload(estimator)  # a collective: every rank contributes
+            state = checkpoint.build_payload(estimator, save_frozen=save_frozen)  # a collective
         writer = self.writer if background else None
         if writer is None:  # a full disk on rank 0 stops every rank, never a hang
-            distributed.run_on_main(lambda: self._write(estimator, state, names, note, step),
+            distributed.run_on_main(lambda: self._write(estimator, state, names, note, step, periodic=periodic),
                                     "CheckpointHandler writing a checkpoint")
         else:  # the previous background write's failure too
             paths = [os.path.join(self.directory.model_dir, name) for name in names]
             distributed.run_on_main(lambda: submit_background_write(
                 writer, state, paths, lambda staged, written: self._write(estimator, staged, names, note, step,
-                                                                          written=written)),
+                                                                          written=written, periodic=periodic)),
                                     "CheckpointHandler writing a checkpoint")
 
     def finish(self, estimator: EstimatorView) -> None:
@@ -123,14 +126,14 @@ class CheckpointWrites:
         checkpoint.save_fit_checkpoint(estimator, path, writer=self.writer if background else None, then=settle)
 
     def _write(self, estimator: EstimatorView, state: Any, names: list[str], note: Optional[str], step_now: int,
-               written: bool = False) -> None:
+               written: bool = False, periodic: bool = True) -> None:
         """On rank 0: the files of one save (at step ``step_now``; already ``written`` by the
-        writer process, or for a sharded checkpoint), the periodic one first, then the best one;
-        then the pointer, retention and orphaned temporaries."""
+        writer process, or for a sharded checkpoint), the periodic one first (when ``periodic``),
+        then the best one; then the pointer, retention and orphaned temporaries."""
         paths = [os.path.join(self.directory.model_dir, name) for name in names]
         for path in paths if not written else ():
             checkpoint.atomic_save(state, path)
-        removed = self.directory.settle(paths, step_now)
+        removed = self.directory.settle(paths, step_now, periodic=periodic)
         estimator.fire("checkpoint_saved", written=[absolute(path) for path in paths],
                        removed=[absolute(path) for path in removed])
         if note is not None:

@@ -38,6 +38,7 @@ from ...events import (
     StatefulHandler,
     TrainBegin,
     TrainEnd,
+    ValidationEnd,
     handler_name,
 )
 from ...metrics.base import metric_name
@@ -190,7 +191,8 @@ def param_texts(params: dict[str, Any]) -> dict[str, str]:
     return {key: text for key, text in texts.items() if text is not None}
 
 
-class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd, CheckpointSaved, AfterTrainEnd):
+class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd, CheckpointSaved, AfterTrainEnd,
+                      ValidationEnd):
     """Base of the experiment-tracker handlers (see :class:`~.MLflowHandler` for what they log).
 
     Subclasses implement :meth:`_check_tracker` (checks before any work, on rank 0) and
@@ -282,6 +284,16 @@ class TrackingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochEnd, BatchEnd,
         if distributed.is_main_process():
             self._pending.append(Row(row.step, row.batch, {EPOCH_PREFIX + k: v for k, v in row.values.items()}))
             self._send()
+
+    def validation_end(self, estimator: EstimatorView, *, values: Any, step: int, phase: str, **kwargs: Any) -> None:
+        """A step-level validation's values at the step it validated (``batch/val_loss``...);
+        one at an epoch's end is among the epoch's values."""
+        if phase == "epoch_end":
+            return
+        if distributed.is_main_process():
+            self._pending.append(Row(step, step, {f"{BATCH_PREFIX}{name}": value for name, value in values.items()}))
+            if time.perf_counter() - self._sent >= SEND_SECS:
+                self._send()
 
     def _record(self, values: dict[str, float]) -> None:
         """Add an epoch to :attr:`history` (``nan`` where a metric was not computed)."""

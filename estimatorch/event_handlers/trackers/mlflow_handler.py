@@ -77,6 +77,7 @@ class MLflowHandler(TrackingHandler):
       :class:`~estimatorch.History` records, at step = epoch number.
     - with ``log_interval=N``, every N batches: ``batch/<train metric>`` (the running value in
       the epoch) and ``batch/lr``, at step = global batch count.
+    - ``batch/<val metric>``: every step-level validation, at the step it validated.
     - at the end: the History as the artifact ``history.json``; the checkpoint and weights
       files this fit's :class:`CheckpointHandler` handlers wrote, as the tag
       ``estimatorch.checkpoints`` (and, with ``log_checkpoints=True``, as artifacts under

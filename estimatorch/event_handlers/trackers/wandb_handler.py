@@ -55,11 +55,11 @@ class WandbHandler(TrackingHandler):
     It logs what :class:`MLflowHandler` logs, on global rank 0 only: the run's parameters as
     its config; ``epoch/<metric>`` and ``epoch/lr`` at each epoch's end (with an ``epoch`` key,
     the x-axis W&B is told to use for ``epoch/*``); with ``log_interval=N``, ``batch/<train
-    metric>`` and ``batch/lr`` every N batches. W&B's own step is the global batch count. At the
-    end: ``history.json`` (the History) among the run's files, the checkpoint paths in the
-    summary (``checkpoints``) and, with ``log_checkpoints=True``, the files as a ``model``
-    artifact; the exit code 0, 1 after an error, or 128 + the signal after SIGTERM (marked
-    preempted) or Ctrl-C.
+    metric>`` and ``batch/lr`` every N batches; ``batch/<val metric>`` at every step-level
+    validation's step. W&B's own step is the global batch count. At the end: ``history.json``
+    (the History) among the run's files, the checkpoint paths in the summary (``checkpoints``)
+    and, with ``log_checkpoints=True``, the files as a ``model`` artifact; the exit code 0, 1
+    after an error, or 128 + the signal after SIGTERM (marked preempted) or Ctrl-C.
 
     Values are read when an epoch ends or at a ``log_interval`` boundary and handed to W&B
     (which writes in its own process) at each epoch's end. The run opens at the first step's

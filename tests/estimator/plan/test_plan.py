@@ -170,9 +170,26 @@ def test_a_callable_lr_scheduler_is_built_at_fit_start_with_the_planned_steps():
     assert seen == [planned] == [8]  # 10 batches by 3: 3 steps and a leftover, twice
     assert est.lr_scheduler.last_epoch == planned  # stepped with every optimizer step, the leftovers too
     assert est.optimizer.param_groups[0]["lr"] == pytest.approx(0.0, abs=1e-12)
-    per_epoch = make_estimator(lr_scheduler=schedule)
+    per_epoch = make_estimator(lr_scheduler=schedule, lr_scheduler_interval="epoch")
     per_epoch.fit(batches(10), epochs=4)
     assert seen[-1] == 4 and per_epoch.lr_scheduler.last_epoch == 4
+
+
+def test_a_callable_lr_scheduler_counts_optimizer_steps_by_default():
+    """``lr_scheduler=lambda opt, total: ...`` without an interval: sized and stepped in optimizer
+    steps, the unit of ``total_steps``; a scheduler object keeps PyTorch's per-epoch convention."""
+    seen = []
+
+    def schedule(optimizer, total_steps):
+        seen.append(total_steps)
+        return CosineAnnealingLR(optimizer, T_max=total_steps)
+
+    est = make_estimator(lr_scheduler=schedule)
+    assert est.lr_scheduler_interval == "batch"
+    est.fit(batches(5), epochs=2)
+    assert seen == [10] and est.lr_scheduler.last_epoch == 10
+    assert make_estimator(lr_scheduler=CosineAnnealingLR, T_max=3).lr_scheduler_interval == "epoch"
+    assert make_estimator().lr_scheduler_interval == "epoch"
 
 
 def test_a_callable_lr_scheduler_that_returns_no_scheduler_is_an_error():
@@ -192,7 +209,7 @@ def test_lr_scheduler_interval_batch_steps_every_batch_with_no_handler_of_yours(
     est = make_estimator(lr_scheduler=CosineAnnealingLR, T_max=6, lr_scheduler_interval="batch")
     est.fit(batches(3), epochs=2, event_handlers=[Rates()])
     assert len(set(rates)) == 6  # a new rate every batch
-    with pytest.raises(ValueError, match="lr_scheduler_interval must be 'epoch' or 'batch', got 'step'"):
+    with pytest.raises(ValueError, match=r"lr_scheduler_interval must be 'epoch' or 'batch' \(or None.*got 'step'"):
         make_estimator(lr_scheduler_interval="step")
     with pytest.raises(TypeError, match="lr_scheduler must be a torch LR scheduler or a callable"):
         make_estimator(lr_scheduler=3)
