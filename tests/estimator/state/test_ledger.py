@@ -3,8 +3,9 @@ step 10 the newest), stopped by SIGTERM at step 27, then run to the end, each at
 its own. The ledger every later attempt reads, ``inspect`` and ``inspect --json`` print and the
 History holds: how each ended, the steps trained again, where the time went and the goodput; the
 line a resumed fit starts with says what the attempt before lost. In one process: a
-``fit(resume=True)`` is an attempt too, a failed attempt is named, and a checkpoint of an earlier
-version (no ledger) resumes with a ledger that starts there."""
+``fit(resume=True)`` is an attempt too, a failed attempt is named, a Ctrl-C ends one with a
+``signal``, validation (and with ``SpeedMonitor`` the data waits) are parts of its time, and a
+checkpoint of an earlier version (no ledger) resumes with a ledger that starts there."""
 
 from __future__ import annotations
 
@@ -233,3 +234,25 @@ def test_validation_and_with_speed_monitor_the_data_waits_are_parts_of_the_time(
     assert history.goodput == history.ledger["goodput"] and 0 < history.goodput < 1
     est, data = estimator()
     assert est.fit(data, epochs=1).ledger["attempts"][0]["times"]["data"] is None  # not measured without it
+
+
+class CtrlC(BatchEnd):
+    def batch_end(self, est, **kw):
+        if est.position.step + 1 == 7:
+            signal.raise_signal(signal.SIGINT)
+
+
+def test_a_ctrl_c_is_a_signal_ending_its_boundary_saved_nothing_to_train_again(tmp_path):
+    saved = signal.signal(signal.SIGINT, signal.default_int_handler)  # Python's default: fit installs its own
+    try:
+        est, data = estimator()
+        with pytest.raises(KeyboardInterrupt):
+            est.fit(data, epochs=1, event_handlers=[CheckpointHandler(tmp_path, batch_period=4), CtrlC()])
+    finally:
+        signal.signal(signal.SIGINT, saved)
+    est, data = estimator()
+    history = est.fit(data, epochs=1, event_handlers=[CheckpointHandler(tmp_path, batch_period=4,
+                                                                        resume_from_checkpoint=True)])
+    first, second = history.ledger["attempts"]
+    assert (first["ended"], first["reason"], first["last_step"], first["steps_lost"]) == ("signal", "SIGINT", 7, 0)
+    assert (second["resumed_from"], second["ended"]) == (7, "finished")
