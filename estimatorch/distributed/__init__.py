@@ -26,13 +26,15 @@ import torch.distributed as dist
 
 from . import cluster
 from ._rank_watch import RankWatch, Watchdog, mark_agreed
+from ._replicas import ReplicaDivergenceError, differing_ranks, gather_fingerprints, state_fingerprint, state_tensors
 from ._spawn import RankFailedError, portable_exception, spawn
 
 __all__ = ["REDUCTIONS", "all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum",
            "barrier", "broadcast_object", "collective_device", "gather_objects", "gather_to_main",
            "get_local_rank", "get_rank", "get_world_size", "init_from_env", "is_distributed", "is_main_process",
            "NullWriter", "on_group", "PendingMax", "RankFailedError", "RankWatch", "raise_on_every_rank",
-           "rank_zero_writer", "run_on_main", "share_outcome", "side_group", "spawn", "Watchdog"]
+           "rank_zero_writer", "run_on_main", "share_outcome", "side_group", "spawn", "Watchdog",
+           "ReplicaDivergenceError", "differing_ranks", "gather_fingerprints", "state_fingerprint", "state_tensors"]
 
 
 

@@ -41,6 +41,8 @@ from .._fit_estimator import FitEstimator
 from .._stopping.agreement import StopAgreement
 from .._stopping.interrupts import SignalGuard
 from ..history import History
+from .fingerprint import check_restored
+from .ledger import RunLedger
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "Stage", "check_snapshot",
            "check_positions", "describe_plan", "record_history", "restore_snapshot", "resume_plan", "take_snapshot"]
@@ -129,6 +131,10 @@ class Run:
         self.step_times: Optional[StepTimes] = None
         #: the snapshot ``fit(..., resume=True)`` continues from, taken as the fit ends
         self.final_snapshot: Optional[dict[str, Any]] = None
+        #: the run's ledger, kept by this attempt (rank 0): see ``_state/ledger.py``
+        self.ledger = RunLedger()
+        #: the replica check (``Estimator(check_replicas_every=...)``), None when off or in one process
+        self.replicas: Any = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
@@ -178,6 +184,8 @@ def take_snapshot(estimator: FitEstimator, run: Run, partial: bool = False) -> d
         "rng": rng.get_state(cuda=estimator.device.type == "cuda", numpy_global=True),
         "pending_stop": run.agreement.pending_stop,
         "shared": [name for name, h in run.dispatch.by_name.items() if declared(h, "shared_state")],
+        "ledger": run.ledger.state(run),
+        "state_fingerprint": None,  # taken by a store's save (``payload.payload_of``)
     }
     assert tuple(snapshot) == tuple(SNAPSHOT), "SNAPSHOT declares what a snapshot holds"
     return snapshot
@@ -272,8 +280,10 @@ def resume_plan(run: Run, snapshot: dict[str, Any], source: str) -> dict[str, An
 def restore_snapshot(estimator: FitEstimator, run: Run, snapshot: dict[str, Any]) -> None:
     """Put a snapshot's state into this fit's handlers, metrics, data and generators."""
     pos = snapshot["position"]
-    estimator.logger.info("Resuming from %s: %d epochs and %d batches done", snapshot["source"], pos["epoch"],
-                          pos["step"])
+    check_restored(estimator, snapshot.get("state_fingerprint"), snapshot["source"])  # before anything changes
+    note = run.ledger.previous_note
+    estimator.logger.info("Resuming from %s: %d epochs and %d batches done%s", snapshot["source"], pos["epoch"],
+                          pos["step"], f"; {note}" if note else "")
     saved = snapshot["handlers"]
     for name, handler in run.dispatch.by_name.items():
         if not callable(getattr(handler, "load_state_dict", None)):
