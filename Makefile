@@ -14,7 +14,7 @@ demo: $(VENV)/.demo-installed
 	$(PY) -m estimatorch demo $(DEMO_ARGS)
 
 test: lint $(VENV)/.dev-installed
-	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile
+	$(PY) -m pytest -n $(TEST_WORKERS) --dist loadfile --durations=15
 
 # The habits CI keeps: ruff (ruff.toml) and mypy (setup.cfg) over estimatorch/, both clean.
 lint: $(VENV)/.dev-installed

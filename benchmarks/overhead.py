@@ -32,6 +32,9 @@ Configurations:
   the data laid out in global steps (as ``CheckpointHandler(elastic=True)`` lays it out, without
   its files), and ``Estimator(world_size_invariant=True)`` (in one process: the elastic layout,
   each micro-batch's gradient folded into the tree and finished, the step's items divided).
+- ``default+ema`` and ``default-nobar+ema`` (only with ``--configs``): default (without the bar)
+  + ``EMAHandler()`` (one ``_foreach_lerp_`` of the parameters into their average after every
+  step).
 - ``default+mlflow`` and ``default+wandb`` (only with ``--configs``; they need the ``mlflow``
   and ``wandb`` extras): default + ``MLflowHandler`` (a sqlite store in a temporary directory,
   created before the clock starts, as a store is once) or ``WandbHandler`` (offline, silent),
@@ -81,7 +84,8 @@ from estimatorch import event_handlers as eh  # noqa: E402
 from estimatorch.events import Handler  # noqa: E402
 
 REQUIRED = ["raw", "bare", "default", "default+tb+ckpt", "default+50noop"]
-EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed", "nobar-elastic", "nobar-invariant"]
+EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed", "default+ema", "default-nobar+ema",
+         "nobar-elastic", "nobar-invariant"]
 
 
 class NullStream(io.TextIOBase):
@@ -142,6 +146,8 @@ class Setup:
             return []
         if config == "nobar-elastic":
             return [ElasticLayout()]
+        if config == "default-nobar+ema":  # (a bar's redraws follow wall time, which valgrind stretches)
+            return [eh.EMAHandler()]
         handlers: list[Any] = [eh.ProgressBarHandler(file=NullStream())]
         if config == "default":
             return handlers
@@ -152,6 +158,8 @@ class Setup:
             return handlers + [NoOpHandler() for _ in range(50)]
         if config == "default+speed":
             return handlers + [eh.SpeedMonitor()]
+        if config == "default+ema":
+            return handlers + [eh.EMAHandler()]
         if config == "default+mlflow":
             uri = f"sqlite:///{os.path.join(self._tmpdir(), 'runs.db')}"
             handler = eh.MLflowHandler(uri, experiment_name="bench", log_interval=50, artifact_location=self._tmpdir())

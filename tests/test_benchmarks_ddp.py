@@ -60,3 +60,16 @@ def test_ddp_overhead_calibrates_what_a_microsecond_of_cpu_per_step_costs_and_ti
 def test_ddp_overhead_refuses_a_negative_calibration():
     done = subprocess.run([sys.executable, SCRIPT, "--calibrate", "-1"], capture_output=True, text=True, timeout=60)
     assert done.returncode == 2 and "--calibrate must be a non-negative number of µs, got -1.0" in done.stderr
+
+
+def test_replica_check_reports_a_checks_cost_against_a_step_and_its_collectives():
+    script = os.path.join(os.path.dirname(SCRIPT), "replica_check.py")
+    done = subprocess.run([sys.executable, script, "--steps", "20", "--repeats", "1", "--samples", "1280", "--json"],
+                          capture_output=True, text=True, timeout=300)
+    assert done.returncode == 0, done.stderr
+    out = json.loads(done.stdout)
+    assert list(out["us_per_step"]) == ["off", "every-50", "every-1"]
+    assert all(math.isfinite(us) and us > 0 for us in out["us_per_step"].values())
+    assert out["all_gathers_per_check"] == 1  # every check: one all_gather (20 with every-1, none with every-50)
+    assert math.isfinite(out["us_per_check"]) and out["check_over_step"] > 0
+    assert sorted(out["overhead"]) == ["every-1", "every-50"]

@@ -53,6 +53,15 @@ def test_the_default_set_makes_no_sync_on_the_step_path():
     assert len(history["train_loss"]) == 2
 
 
+def test_an_exponential_moving_average_makes_no_sync_on_the_step_path():
+    from estimatorch import EMAHandler
+
+    est, ema = _estimator(), EMAHandler(0.99, warmup=True, update_every=2, start_step=3)
+    history = est.fit(_loader(), val_data=_loader(), epochs=2, event_handlers=[SyncGuard(), ema])
+    assert len(history["val_loss"]) == 2 and ema.updates > 0
+    assert all(t.is_cuda for t in ema.raw_state_dict().values())  # the average lives on the device
+
+
 def test_batches_arrive_on_the_device():
     seen = []
 

@@ -145,3 +145,18 @@ def test_hf_pretrain_lm_under_torchrun_with_two_processes(tmp_path):
     assert proc.returncode == 0 or teardown, proc.stderr[-3000:]
     assert proc.stdout.count("Training begin") == 1 and "2 processes" in proc.stdout
     assert ": 2 epochs, 16 batches." in proc.stdout and proc.stdout.count("Greedy sample:") == 1
+
+
+def test_weight_averaging_compares_the_trained_weights_with_their_average(tmp_path):
+    """examples/weight_averaging.py, briefly: both runs train the same bits (the script checks),
+    the table has a row per epoch, and the end compares the two weights on the same data."""
+    env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "weight_averaging.py"), "--epochs", "2",
+                           "--batches-per-epoch", "20", "--hidden", "32", "--max-chars", "50000", "--decay", "0.9",
+                           "--val-windows", "500"],
+                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    table = proc.stdout.split("EMAHandler(0.9, warmup=True):\n")[1].splitlines()
+    assert table[0].startswith("epoch") and [row.split()[0] for row in table[1:3]] == ["1", "2"]
+    assert "(val on the EMA weights)" in proc.stdout
+    assert re.search(r"at the end: val_loss \d+\.\d+ \(trained weights\) -> \d+\.\d+ \(average\)", proc.stdout)

@@ -12,16 +12,20 @@ A checkpoint is one ``torch.save`` file holding only tensors and plain python va
   ``plan``, ``handlers`` (every handler's state by name), ``metrics`` (accumulators),
   ``history``, ``data`` (data-stream state), ``fingerprint`` (what shapes the data stream:
   dataset length, batch size, drop_last, world size, seed, sampler) and ``rng`` (every
-  generator of that rank).
+  generator of that rank); since the ledger, ``ledger`` (the run's attempts, on rank 0: see
+  ``_ledger.py``) and ``state_fingerprint`` (the parameters' and optimizer state's bitwise
+  fingerprint, checked after a restore). Files without them load as before.
 
 Version 1 (estimatorch's first layout) held one process's snapshot at the top level;
 :func:`migrate` upgrades it. A file newer than this library is refused
 (:class:`NewerFormatError`), never skipped, pruned or overwritten.
 
 A directory written by :class:`~estimatorch.CheckpointHandler` holds
-``{prefix}-epoch{E}batch{B}.pt`` files, ``{prefix}-best.pt``, the ``{prefix}-latest`` pointer and,
-while a fit writes, the lock file ``.estimatorch.lock``; with ``save_weights_only=True`` it writes
-weights exports instead, ``{prefix}-epoch{E}batch{B}.weights.pt`` and ``{prefix}-best.weights.pt``:
+``{prefix}-epoch{E}batch{B}.pt`` files, ``{prefix}-best.pt``, the ``{prefix}-latest`` pointer, the
+progress mark ``.estimatorch-progress`` (``_progress.py``: the last attempt's last step, for the
+run's ledger) and, while a fit writes, the lock file ``.estimatorch.lock``; with
+``save_weights_only=True`` it writes weights exports instead,
+``{prefix}-epoch{E}batch{B}.weights.pt`` and ``{prefix}-best.weights.pt``:
 the model's state dict alone (plain module keys, CPU tensors), which plain PyTorch loads with
 ``torch.load(path, weights_only=True)``. :func:`load_weights` returns that state dict from any
 checkpoint, export, pointer or directory.
@@ -77,9 +81,21 @@ from ._format import (
 from ._frozen import frozen_keys
 from ._layout import Layout
 from ._lease import LeaseLostError
+from ._ledger import (
+    ENDINGS,
+    PARTS,
+    attempt_times,
+    check_ledger,
+    ledger_summary,
+    ledger_table,
+    merge_ledgers,
+    scale_steps,
+    settle,
+)
 from ._locate import Located, load_into, load_weights, locate, saved_files
 from ._lock import LOCK_NAME, DirectoryLock, DirectoryLockedError
 from ._model import is_sharded_module, load_model_state, model_state, plain_key, plain_module
+from ._progress import PROGRESS_NAME, ProgressMark, progress_path, read_progress
 from ._resume import agree_on_checkpoint, choose_checkpoint, find_latest, format_versions, refuse_newer
 from ._run_state import PHASES, PLAN_KEYS, POSITION_KEYS, SNAPSHOT, check_positions, check_snapshot_structure
 from ._seam import ResumableFit
@@ -91,6 +107,19 @@ from ._weights import is_weights, read_saved, weights_state
 from ._writer_process import ProcessWriter, SharedStaging, WriterProcessError, make_writer, process_writer_supported
 
 __all__ = [
+    "ENDINGS",
+    "PARTS",
+    "PROGRESS_NAME",
+    "ProgressMark",
+    "attempt_times",
+    "check_ledger",
+    "merge_ledgers",
+    "progress_path",
+    "read_progress",
+    "scale_steps",
+    "settle",
+    "ledger_summary",
+    "ledger_table",
     "FORMAT_VERSION",
     "PHASES",
     "PLAN_KEYS",

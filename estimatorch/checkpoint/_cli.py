@@ -17,8 +17,10 @@ import torch
 
 from ._files import atomic_save
 from ._format import FORMAT_VERSION, CheckpointError, migrate, validate
+from ._ledger import ledger_summary, ledger_table, merge_ledgers
 from ._locate import Located, locate
 from ._lock import DirectoryLock, DirectoryLockedError
+from ._progress import alive, progress_path, read_progress
 from ._sharded import read_rank_state, sharded_tensors
 from ._sharded_run import read_sharded_payload
 from ._weights import is_weights
@@ -96,10 +98,60 @@ def storage_options(pairs: list[str]) -> Optional[dict[str, Any]]:
     return options or None
 
 
-def _inspect(path: str, options: Optional[dict[str, Any]] = None) -> int:
+def run_ledger(payload: dict[str, Any], path: str) -> Optional[dict[str, Any]]:
+    """The run's ledger as known from the checkpoint ``payload`` (read from ``path``) and the progress
+    mark beside it (``_progress.py``): the totals of :func:`._ledger.ledger_summary`; None for a file
+    of an earlier version. An attempt the mark shows still running is ``"running"`` while its
+    process lives on this host, else ``"killed"``; without a mark, what the checkpoint says."""
+    saved = payload["ranks"][0].get("ledger") if payload.get("ranks") else None
+    if saved is None:
+        return None
+    progress = read_progress(progress_path(os.path.dirname(path.rstrip("/"))))
+    same = progress is not None and progress["ledger"]["run_id"] == saved["run_id"]
+    over = same and not alive(progress)  # type: ignore[arg-type]
+    ledger = merge_ledgers(saved, progress["ledger"] if same else None, over=over)  # type: ignore[index]
+    return ledger_summary(ledger) if ledger is not None else None
+
+
+def _description(found: Located, payload: Optional[dict[str, Any]]) -> dict[str, Any]:
+    """What ``inspect --json`` prints: the file, its kind, and for a checkpoint the position, plan,
+    world size, state fingerprint and the run's ledger."""
+    out: dict[str, Any] = {"path": found.path, "kind": found.kind}
+    if payload is None:
+        return {**out, "ledger": None}
+    first = payload["ranks"][0]
+    return {**out, "format_version": payload.get("format_version"), "world_size": payload.get("world_size"),
+            "position": first.get("position"), "plan": first.get("plan"),
+            "state_fingerprint": _state_fingerprint(first.get("state_fingerprint")),
+            "ledger": run_ledger(payload, found.path)}
+
+
+def _state_fingerprint(value: Any) -> Optional[str]:
+    """A saved state fingerprint in hex (None when none was saved); an object's header holds
+    tensors without their values."""
+    if value is None:
+        return None
+    if isinstance(value, torch.Tensor) and value.is_meta:
+        return "(a tensor in the file: not read from the header)"
+    return f"{int(value) & (2**64 - 1):#018x}"
+
+
+def _inspect(path: str, options: Optional[dict[str, Any]] = None, as_json: bool = False) -> int:
     found: Located = locate(path, options, header=True)  # an object's tensors are not downloaded
     for reason in found.skipped:
         print(f"warning: skipped {reason}", file=sys.stderr)
+    if as_json:
+        payload = None
+        if found.kind == "checkpoint":
+            payload = found.content
+        elif found.kind == "sharded":
+            try:
+                payload = read_sharded_payload(found.path)
+            except CheckpointError:
+                if "snapshot" in (read_rank_state(found.path, 0) or {}):
+                    raise  # a fit's, damaged: what a resume refuses
+        print(json.dumps(_description(found, payload), indent=2))
+        return 0
     if found.how:
         print(f"{found.path} ({found.how})")
     if found.kind == "sharded":
@@ -117,7 +169,7 @@ def _inspect(path: str, options: Optional[dict[str, Any]] = None) -> int:
             if isinstance(rank_state, dict) and "snapshot" in rank_state:
                 raise  # a fit's, damaged: what a resume refuses
             return 0  # the storage layer alone wrote it: no run state
-        _print_run(payload)
+        _print_run(payload, found.path)
         print(f"optimizer {payload.get('optimizer_class', 'of unknown class')}")
         return 0
     if found.kind == "weights":
@@ -129,18 +181,25 @@ def _inspect(path: str, options: Optional[dict[str, Any]] = None) -> int:
     print(f"{found.path}: checkpoint, format {payload['format_version']}, "
           f"estimatorch {payload['estimatorch_version']}, torch {payload['torch_version']}, "
           f"world size {payload['world_size']}")
-    _print_run(payload)
+    _print_run(payload, found.path)
     print(f"model {_size(payload['model'])}; optimizer {payload.get('optimizer_class', 'of unknown class')}")
     return 0
 
 
-def _print_run(payload: dict[str, Any]) -> None:
-    """The run's part of rank 0's snapshot, as saved (the store checks only its envelope)."""
+def _print_run(payload: dict[str, Any], path: str) -> None:
+    """The run's part of rank 0's snapshot, as saved (the store checks only its envelope), and
+    the run's ledger."""
     first, missing = payload["ranks"][0], "(missing)"
     print(f"position {first.get('position', missing)}, plan {first.get('plan', missing)}")
     print(f"fingerprint {first.get('fingerprint', missing)}")
     print(f"handlers {sorted(first['handlers'])}")
     _print_metrics(first)
+    state = _state_fingerprint(first.get("state_fingerprint"))
+    if state is not None:
+        print(f"state fingerprint {state} (parameters and optimizer state, checked on resume)")
+    ledger = run_ledger(payload, path)
+    for line in ledger_table(ledger) if ledger is not None else ["ledger: none (written before the run ledger)"]:
+        print(line)
 
 
 def _print_metrics(snapshot: dict[str, Any]) -> None:
@@ -173,6 +232,9 @@ def _parser() -> argparse.ArgumentParser:
     p_inspect = sub.add_parser("inspect", help=INSPECT_HELP, description=INSPECT_HELP)
     p_inspect.add_argument("path", help="A checkpoint or export file, a {prefix}-latest pointer, or a directory; "
                            "or an fsspec URL of one (s3://bucket/run/model-latest).")
+    p_inspect.add_argument("--json", action="store_true",
+                           help="Print one JSON object instead: path, kind, position, plan, state fingerprint and the "
+                           "run's ledger (attempts, steps_lost, seconds_lost, goodput); see docs/checkpoints.md.")
     p_inspect.add_argument("--storage-option", action="append", default=[], metavar="KEY=VALUE",
                            help="For a URL: an fsspec argument of its filesystem (repeat it; a VALUE in JSON is "
                            "parsed: client_kwargs='{\"endpoint_url\": \"http://host:8333\"}'). Also read from "
@@ -203,7 +265,7 @@ def main(argv: Optional[list[str]] = None) -> int:
                 return _migrate_dir(args.directory)
             finally:
                 lock.release()
-        return _inspect(args.path, storage_options(args.storage_option))
+        return _inspect(args.path, storage_options(args.storage_option), as_json=args.json)
     except FileNotFoundError as err:
         print(f"error: {err.filename!r} does not exist" if err.filename else f"error: {err}", file=sys.stderr)
         return 2

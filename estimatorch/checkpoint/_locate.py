@@ -10,14 +10,16 @@ import os
 import re
 from typing import Any, Optional
 
+import torch
 from torch import nn
 
 from . import _store
 from ._files import PathLike
-from ._format import CheckpointError
+from ._format import CheckpointError, rank_snapshot
 from ._frozen import load_partial_state
 from ._model import load_model_state
-from ._sharded import check_sharded, is_directory, is_sharded, read_sharded_weights
+from ._sharded import check_sharded, is_directory, is_sharded, read_rank_state, read_sharded_weights, sharded_tensors
+from ._sharded_run import HANDLERS
 from ._weights import read_saved
 
 __all__ = ["Located", "load_into", "load_weights", "locate", "saved_files"]
@@ -146,7 +148,8 @@ def _newest(directory: str, header: bool = False) -> Located:
                           + "; ".join(skipped[:3]) + ("; ..." if len(skipped) > 3 else ""))
 
 
-def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> Any:
+def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = None, *,
+                 handler: Optional[str] = None) -> Any:
     """The model's weights as a plain state dict (tensors on the CPU, the plain module's keys) from
     a checkpoint, a weights export, a sharded checkpoint directory (gathered in full in this
     process; no process group needed), a ``{prefix}-latest`` pointer or a directory (its newest
@@ -160,6 +163,11 @@ def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = Non
         storage_options: for a URL, fsspec's arguments of its filesystem (endpoint, credentials),
             e.g. ``{"key": ..., "secret": ..., "client_kwargs": {"endpoint_url": ...}}``;
             without them the environment's (``AWS_ACCESS_KEY_ID``...).
+        handler: the name of a handler whose state in the checkpoint holds weights of the model
+            (under its key ``"weights"``, by parameter name: an ``EMAHandler``'s or
+            ``SWAHandler``'s average): the model's state with those in place of its parameters.
+            Only a resumable checkpoint holds handler states. Defaults to None (the model's own
+            weights).
 
     Returns:
         A state dict for ``net.load_state_dict(...)`` on the plain module (not compiled, not
@@ -186,8 +194,44 @@ def load_weights(path: PathLike, storage_options: Optional[dict[str, Any]] = Non
     if found.how:
         logger.info("load_weights: %s (%s)", found.path, found.how)
     if found.kind == "sharded":
-        return read_sharded_weights(found.path)
-    return found.content["model"] if found.kind == "checkpoint" else found.content
+        model = read_sharded_weights(found.path)
+    else:
+        model = found.content["model"] if found.kind == "checkpoint" else found.content
+    if handler is None:
+        return model
+    if found.kind == "weights":
+        raise CheckpointError(f"{found.path!r} is a weights export, which holds no handler state: "
+                              f"load_weights(handler={handler!r}) reads a checkpoint")
+    weights = _handler_weights(found, handler)
+    out = type(model)(model)
+    for name, tensor in weights.items():
+        if name not in out:
+            raise CheckpointError(f"the weights of handler {handler!r} in {found.path!r} name {name!r}, which the "
+                                  "model's state does not hold")
+        out[name] = tensor.detach().cpu()
+    return out
+
+
+def _handler_weights(found: Located, handler: str) -> dict[str, Any]:
+    """The ``weights`` entry of ``handler``'s state in a checkpoint (through DCP for the shards of
+    a sharded checkpoint's)."""
+    if found.kind == "sharded":
+        key = f"{HANDLERS}.{handler}.weights"
+        if sharded_tensors(found.path, key):
+            return read_sharded_weights(found.path, key)
+        snapshot = read_rank_state(found.path, 0).get("snapshot", {})
+    else:
+        snapshot = rank_snapshot(found.content, 0)
+    states = snapshot.get("handlers", {}) if isinstance(snapshot, dict) else {}
+    state = states.get(handler)
+    weights = state.get("weights") if isinstance(state, dict) else None
+    if not isinstance(weights, dict) or not all(isinstance(t, torch.Tensor) for t in weights.values()):
+        holding = sorted(name for name, s in states.items()
+                         if isinstance(s, dict) and isinstance(s.get("weights"), dict))
+        raise CheckpointError(f"{found.path!r} holds no weights of a handler {handler!r}"
+                              + (f"; these handlers' states hold some: {holding}" if holding else
+                                 "; no handler state of it holds weights"))
+    return weights
 
 
 def load_into(net: nn.Module, path: PathLike, storage_options: Optional[dict[str, Any]] = None) -> nn.Module:

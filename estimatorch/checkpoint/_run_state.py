@@ -19,6 +19,7 @@ import torch
 from .. import rng
 from .._checks import is_int
 from .._saved import MISSING, CheckpointError, check_count, check_dict, check_keys, kind, show
+from ._ledger import check_ledger
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "check_positions", "check_run_state",
            "check_snapshot_structure"]
@@ -44,8 +45,11 @@ SNAPSHOT = {
     "rng": "rng.get_state(numpy_global=True): every generator of this rank, numpy's legacy global one included",
     "pending_stop": "optional: this rank asked to stop, not agreed yet (waiting for the next exchange or in flight)",
     "shared": "optional: the handlers whose state is the same on every rank (stored once)",
+    "ledger": "optional: the run's ledger (its attempts, see checkpoint/_ledger.py) on rank 0, None on the others",
+    "state_fingerprint": "optional: the fingerprint of this rank's parameters and optimizer state at the save "
+                         "(an int, or an int64 tensor: see distributed.state_fingerprint), None where not taken",
 }
-_OPTIONAL = ("pending_stop", "shared")
+_OPTIONAL = ("pending_stop", "shared", "ledger", "state_fingerprint")
 
 
 def check_positions(ranks: list[Any]) -> None:
@@ -161,6 +165,12 @@ def check_snapshot_structure(snapshot: dict[str, Any]) -> None:
     if not all(isinstance(key, str) for key in fingerprint):
         raise CheckpointError(f"fingerprint keys must be strings, got {list(fingerprint)}")
     _check_history(snapshot["history"])
+    check_ledger(snapshot.get("ledger"))  # absent in files of earlier versions
+    state = snapshot.get("state_fingerprint")
+    if state is not None and not is_int(state) and not (
+            isinstance(state, torch.Tensor) and state.dtype == torch.int64 and state.numel() == 1):
+        raise CheckpointError(f"'state_fingerprint' must be an int, an int64 tensor of one value or None, "
+                              f"got {show(state)}")
     check_dict(snapshot["data"], "data")
     check_dict(snapshot["handlers"], "handlers")
     check_dict(snapshot["metrics"], "metrics")

@@ -61,6 +61,7 @@ __all__ = [
     "SHARDED_FORMAT",
     "is_sharded",
     "load_sharded",
+    "load_sharded_tensors",
     "read_sharded_weights",
     "save_sharded",
     "sharded_digest",
@@ -406,6 +407,12 @@ def load_sharded(path: PathLike, template: Mapping[str, Any]) -> tuple[dict[str,
     rank = distributed.get_rank()
     rank_state = _read(os.path.join(path, _rank_file(rank))) if rank < marker["world_size"] else None
     return _merge(template, common), rank_state
+
+
+def load_sharded_tensors(path: PathLike, template: Mapping[str, Any]) -> None:
+    """Fill ``template``'s tensors (DTensors included) in place from the sharded checkpoint at
+    ``path`` (a collective, as :func:`load_sharded`; checked by the caller)."""
+    _dcp(_dcp_module().load, flatten_tensors(template), storage_reader=_reader(os.fspath(path)))
 
 
 def read_rank_state(path: PathLike, rank: int) -> Any:

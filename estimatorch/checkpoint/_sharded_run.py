@@ -10,7 +10,12 @@ Written by every rank at a save (a collective):
 - ``common.pt``: their non-tensor parts (optimizer hyper-parameters, each group's parameter
   names), the format version and the optimizer's class;
 - ``rank-{r}.pt``: rank ``r``'s snapshot of the run (``Estimator.state_payload(gather=False)``),
-  with the LR scheduler's and grad scaler's states (the same on every rank).
+  with the LR scheduler's and grad scaler's states (the same on every rank);
+- the DTensors of handler states (an ``EMAHandler``'s average of a sharded net: each rank holds
+  its shards) go through DCP with the model's, under ``handlers.{handler}.{key}...``, so that they
+  reshard too; the rank's snapshot holds ``{"__in_dcp__": that key}`` in their place. Read back,
+  the snapshot holds an empty tensor on the meta device there (the saved global shape and dtype,
+  what a resume checks), and :func:`restore_handler_tensors` loads them into the fit's own.
 
 Read back (:func:`read_checkpoint`) as a payload of the single file's layout, whose ``model``
 and ``optimizer`` are left out (``None`` and the tensor-less structure) and whose ``sharded``
@@ -37,6 +42,7 @@ from ._format import (
     _check_safe,
     file_digest,
     load,
+    rank_snapshot,
     read_format_version,
     validate,
 )
@@ -47,10 +53,12 @@ from ._sharded import (
     begin_sharded,
     check_sharded,
     is_directory,
+    load_sharded_tensors,
     read_rank_state,
     save_sharded,
     sharded_digest,
     sharded_marker,
+    sharded_tensors,
     write_sharded,
 )
 from ._sharded import _read as read_part
@@ -58,10 +66,15 @@ from ._sharded import _read as read_part
 if TYPE_CHECKING:  # heavy (DTensor and DCP take about a third of torch's own import): typing only
     from torch.distributed.tensor import DTensor
 
-__all__ = ["SHARDED", "digest_of", "read_checkpoint", "save_fit_checkpoint", "version_of"]
+__all__ = ["HANDLERS", "IN_DCP", "SHARDED", "digest_of", "read_checkpoint", "restore_handler_tensors",
+           "save_fit_checkpoint", "version_of"]
 
 #: the payload entry naming the directory a sharded checkpoint was read from (absent for a file).
 SHARDED = "sharded"
+#: the DCP entry holding the DTensors of handler states (``handlers.{handler}.{key}...``).
+HANDLERS = "handlers"
+#: the key of what a rank's file holds in place of such a DTensor: ``{IN_DCP: its DCP key}``.
+IN_DCP = "__in_dcp__"
 
 
 def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Optional[BackgroundWriter] = None,
@@ -86,9 +99,12 @@ def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Opti
     model, optimizer = get_state_dict(estimator.net, estimator.optimizer)
     header = {"format_version": FORMAT_VERSION, "estimatorch_version": __version__,
               "torch_version": str(torch.__version__)}
+    snapshot, handler_tensors = _split_handler_tensors(part["snapshot"])
     state = {**header, "model": model, "optimizer": optimizer, "optimizer_class": part["optimizer_class"]}
+    if handler_tensors:
+        state[HANDLERS] = handler_tensors
     rank_state = {**header, "lr_scheduler": part["lr_scheduler"], "grad_scaler": part["grad_scaler"],
-                  "snapshot": part["snapshot"]}
+                  "snapshot": snapshot}
     _check_safe(rank_state, "payload")
     if writer is None:
         save_sharded(state, rank_state, path)
@@ -113,6 +129,108 @@ def save_fit_checkpoint(estimator: ResumableFit, path: PathLike, *, writer: Opti
                 then()
 
     writer.submit((local, rank_state), write)
+
+
+# -- the DTensors of handler states ---------------------------------------------------------------
+def _handler_key(path: tuple) -> str:
+    """The DCP key (after ``handlers.``) of a handler state's tensor at ``path`` (its name first)."""
+    return ".".join(str(part) for part in path)
+
+
+def _split_handler_tensors(snapshot: dict[str, Any]) -> tuple[dict[str, Any], dict[str, DTensor]]:
+    """``snapshot`` with every DTensor of a handler state replaced by ``{IN_DCP: key}``, and those
+    DTensors by key (what DCP writes under ``handlers.``)."""
+    from torch.distributed.tensor import DTensor  # heavy: only for a sharded checkpoint
+
+    tensors: dict[str, DTensor] = {}
+
+    def walk(value: Any, path: tuple) -> Any:
+        if isinstance(value, DTensor):
+            key = _handler_key(path)
+            tensors[key] = value
+            return {IN_DCP: key}
+        if isinstance(value, dict):
+            return {k: walk(v, (*path, k)) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v, (*path, i)) for i, v in enumerate(value))
+        return value
+
+    handlers = {name: walk(state, (name,)) for name, state in snapshot.get("handlers", {}).items()}
+    return ({**snapshot, "handlers": handlers} if tensors else snapshot), tensors
+
+
+def _meta_in_place_of(snapshot: Any, saved: dict[str, tuple[tuple[int, ...], torch.dtype]], source: str) -> Any:
+    """A rank's snapshot read back: each ``{IN_DCP: key}`` replaced by an empty tensor on the meta
+    device of the saved global shape and dtype."""
+
+    def walk(value: Any) -> Any:
+        if isinstance(value, dict) and len(value) == 1 and IN_DCP in value:
+            key = value[IN_DCP]
+            if key not in saved:
+                raise CheckpointError(f"{source} holds no tensor handlers.{key}, which a handler state refers to")
+            shape, dtype = saved[key]
+            return torch.empty(shape, dtype=dtype, device="meta")
+        if isinstance(value, dict):
+            return {k: walk(v) for k, v in value.items()}
+        if isinstance(value, (list, tuple)):
+            return type(value)(walk(v) for v in value)
+        return value
+
+    if not isinstance(snapshot, dict) or not isinstance(snapshot.get("handlers"), dict):
+        return snapshot  # validate() names what is wrong
+    return {**snapshot, "handlers": walk(snapshot["handlers"])}
+
+
+def restore_handler_tensors(estimator: ResumableFit, payload: dict[str, Any]) -> None:
+    """Load the handler tensors of a sharded checkpoint into this fit's own (a collective: every
+    rank loads its slices, on any world size): each meta tensor in the snapshot this rank resumes
+    is replaced by a tensor laid out as the fit's at the same place of the same handler's state
+    (from ``state_payload(gather=False)``: on this world size, its shards), filled from DCP's
+    files, which the handler's ``load_state_dict`` then takes as it resumes (as it takes a
+    file's: nothing of the handler changes before).
+
+    Raises:
+        CheckpointError: this fit has no such tensor, or one of another shape or dtype.
+    """
+    path = payload.get(SHARDED)
+    if path is None or not sharded_tensors(path, HANDLERS):
+        return  # (its metadata, read once more: small)
+    snapshot = rank_snapshot(payload, distributed.get_rank())
+    part = estimator.state_payload(gather=False)
+    assert part is not None, "gather=False gives every rank its own part"
+    live = part["snapshot"]["handlers"]
+    targets: dict[str, torch.Tensor] = {}
+    places: list[tuple[Any, Any, str]] = []
+
+    def walk(value: Any, current: Any, path: tuple) -> None:
+        items = value.items() if isinstance(value, dict) else enumerate(value) \
+            if isinstance(value, list) else ()
+        for k, v in items:
+            where = (*path, k)
+            mine = current.get(k) if isinstance(current, dict) else \
+                current[k] if isinstance(current, (list, tuple)) and k < len(current) else None
+            if isinstance(v, torch.Tensor) and v.is_meta:
+                if not isinstance(mine, torch.Tensor):
+                    raise CheckpointError(f"the state of handler {path[0]!r} holds a tensor at "
+                                          f"{list(where[1:])} that this fit's handler does not have")
+                targets[_handler_key(where)] = torch.empty_like(mine)  # laid out as this fit's, filled by DCP
+                places.append((value, k, _handler_key(where)))
+            else:
+                walk(v, mine, where)
+
+    for name, state in snapshot["handlers"].items():
+        if name in live:  # a saved handler this fit has not: its state is not read
+            walk(state, live[name], (name,))
+    saved = sharded_tensors(path, HANDLERS)
+    for key, tensor in targets.items():
+        shape, dtype = saved[key]  # (the snapshot's meta tensors came from there)
+        if shape != tuple(tensor.shape) or dtype != tensor.dtype:
+            raise CheckpointError(f"sharded checkpoint {path!r}: handlers.{key} is {dtype} of shape {list(shape)}; "
+                                  f"this fit's is {tensor.dtype} of shape {list(tensor.shape)}")
+    if targets:  # the same on every rank: the same handlers read the same snapshot layout
+        load_sharded_tensors(path, {HANDLERS: targets})
+    for container, k, key in places:
+        container[k] = targets[key]
 
 
 def _local_shards(state: Any, path: tuple = ()) -> tuple[Any, dict[tuple, DTensor]]:
@@ -178,6 +296,7 @@ def read_sharded_payload(path: PathLike) -> dict[str, Any]:
     common = _checked_version(read_part(os.path.join(path, _COMMON)), repr(os.path.join(path, _COMMON)))
     ranks = [_checked_version(read_rank_state(path, rank), f"rank {rank}'s file in {path!r}")
              for rank in range(marker["world_size"])]
+    handler_tensors = sharded_tensors(path, HANDLERS)
     payload = {
         "format_version": FORMAT_VERSION,
         "estimatorch_version": marker.get("estimatorch_version"),
@@ -188,7 +307,7 @@ def read_sharded_payload(path: PathLike) -> dict[str, Any]:
         "optimizer_class": common.get("optimizer_class"),
         "lr_scheduler": ranks[0].get("lr_scheduler"),
         "grad_scaler": ranks[0].get("grad_scaler"),
-        "ranks": [part.get("snapshot") for part in ranks],
+        "ranks": [_meta_in_place_of(part.get("snapshot"), handler_tensors, repr(path)) for part in ranks],
         SHARDED: path,
     }
     validate(payload, source=repr(path))

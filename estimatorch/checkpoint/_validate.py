@@ -26,6 +26,7 @@ from ._frozen import check_frozen, load_partial_state
 from ._model import is_sharded_module, model_state, plain_module
 from ._seam import ResumableFit
 from ._sharded import check_sharded, load_sharded, sharded_tensors
+from ._sharded_run import restore_handler_tensors
 
 __all__ = ["check_against_fit", "check_training_state", "restore_training_state"]
 
@@ -234,6 +235,7 @@ def restore_training_state(estimator: ResumableFit, payload: dict[str, Any]) -> 
         state, _ = load_sharded(payload["sharded"], {"model": model, "optimizer": optimizer})
         set_state_dict(estimator.net, estimator.optimizer, model_state_dict=state["model"],
                        optim_state_dict=state["optimizer"])
+        restore_handler_tensors(estimator, payload)  # an EMAHandler's shards, say
     else:
         load_partial_state(estimator.net, payload["model"], payload.get("frozen"))
         estimator.optimizer.load_state_dict(_in_this_mode(payload["optimizer"], estimator.optimizer))

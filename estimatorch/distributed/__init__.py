@@ -29,16 +29,18 @@ from ._fsdp_slots import FsdpSlotReduction
 from ._grad_norm import clip_by_rows_
 from ._groups import gloo_group
 from ._rank_watch import RankWatch, Watchdog, mark_agreed
+from ._replicas import ReplicaDivergenceError, differing_ranks, gather_fingerprints, state_fingerprint, state_tensors
 from ._slot_reduction import SlotReduction, slot_reduction
 from ._spawn import RankFailedError, portable_exception, spawn
 from ._step_items import StepItems
 
 __all__ = ["all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum", "barrier",
-           "broadcast_object", "clip_by_rows_", "collective_device", "FsdpSlotReduction", "gather_objects",
-           "gather_to_main", "get_local_rank", "get_rank", "get_world_size", "init_from_env", "is_distributed",
-           "is_main_process", "NullWriter", "on_group", "PendingMax", "raise_on_every_rank", "rank_zero_writer",
-           "RankFailedError", "RankWatch", "REDUCTIONS", "run_on_main", "share_outcome", "side_group",
-           "slot_reduction", "SlotReduction", "spawn", "StepItems", "Watchdog"]
+           "broadcast_object", "clip_by_rows_", "collective_device", "differing_ranks", "FsdpSlotReduction",
+           "gather_fingerprints", "gather_objects", "gather_to_main", "get_local_rank", "get_rank", "get_world_size",
+           "init_from_env", "is_distributed", "is_main_process", "NullWriter", "on_group", "PendingMax",
+           "raise_on_every_rank", "rank_zero_writer", "RankFailedError", "RankWatch", "REDUCTIONS",
+           "ReplicaDivergenceError", "run_on_main", "share_outcome", "side_group", "slot_reduction", "SlotReduction",
+           "spawn", "state_fingerprint", "state_tensors", "StepItems", "Watchdog"]
 
 
 def is_distributed() -> bool:

@@ -30,4 +30,6 @@ class FitEstimator(StepEstimator, Protocol):
     watchdog: Optional[Watchdog]
     #: steps between the ranks' stop-flag exchanges (None: the default)
     agree_every: Optional[int]
+    #: optimizer steps between the replica checks (``Estimator(check_replicas_every=)``), None: off
+    check_replicas_every: Optional[int]
     lr_scheduler_interval: str

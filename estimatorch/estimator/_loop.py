@@ -10,6 +10,7 @@ per step in locals: its cost per step is the handlers' and the step's.
 
 from __future__ import annotations
 
+import time
 from collections.abc import Iterator
 from typing import Any, Optional
 
@@ -30,6 +31,7 @@ def run_loop(estimator: FitEstimator, run: Run) -> None:
     done, pending = begin(estimator, run)
     if done:
         return
+    run.ledger.loop_began()
     marked = rank_identical_stops(run.dispatch.batch_end)  # stops needing no exchange under DDP
     while True:
         epoch = run.pos.epoch
@@ -79,6 +81,7 @@ def train_epoch(estimator: FitEstimator, run: Run, epoch: int, marked: frozenset
     processor = run.step or estimator.batch_processor  # run.step: the captured step (cuda_graphs)
     device, axis, multi = estimator.device, run.batch_axis, agreement.multi
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
+    batch_end = (*batch_end, *step_hooks(run))  # the replica check, the progress mark: none when off
     move = batch_mover(device)  # on CUDA, the copy of the next batch overlaps this step
     # (a processor of the user's may pass backward no count: its batch's samples, when a step weighs them)
     fit_batch, clock = counting_step(processor.fit_batch, processor, run.items), None
@@ -162,23 +165,40 @@ def stop_for(run: Run, code: int) -> None:
     raise stop_exception(run.signals.stopped)
 
 
+def step_hooks(run: Run) -> tuple[Any, ...]:
+    """What the loop calls after every ``batch_end`` handler, when on: the replica check
+    (``Estimator(check_replicas_every=...)``), then the progress mark's step counter."""
+    hooks = (run.replicas.batch_end if run.replicas is not None else None, run.ledger.step_hook)
+    return tuple(hook for hook in hooks if hook is not None)
+
+
 def run_boundary_actions(run: Run) -> None:
-    """Run the work handlers registered with ``at_boundary`` for this boundary."""
+    """Run the work handlers registered with ``at_boundary`` for this boundary (timed for the
+    ledger: checkpoint saves, mostly)."""
     actions, run.boundary_actions = run.boundary_actions, []
-    for action in actions:
-        action()
+    started = time.perf_counter_ns()
+    try:
+        for action in actions:
+            action()
+    finally:
+        run.ledger.add("save", time.perf_counter_ns() - started)
 
 
-def end_run(estimator: FitEstimator, run: Run, failed: bool) -> None:
-    """Record the final snapshot, fire ``train_end``, release the data (also on failure)."""
+def end_run(estimator: FitEstimator, run: Run, failed: bool, error: Optional[BaseException] = None) -> None:
+    """Record the final snapshot, fire ``train_end``, release the data (also on failure), close
+    the attempt's entry in the run's ledger (``error``: what ended the fit, if anything did)."""
+    run.ledger.decide(run, failed, error)
     snapshot_error = _final_snapshot(estimator, run, failed)
+    started = time.perf_counter_ns()
     try:
         if run.stage.began:
             run.dispatch.fire_train_end(estimator, failed or snapshot_error is not None)
     finally:
+        run.ledger.add("end", time.perf_counter_ns() - started)
         run.stream.close()
         if run.stage.holds_state:
             run.stage = Stage.ENDED
+        run.ledger.close(estimator, run)  # also for a fit that failed before it trained: an attempt all the same
     if snapshot_error is not None and not failed:
         raise snapshot_error
 

@@ -96,6 +96,14 @@ class RunView:
                                  epoch=epoch, phase=phase)
 
     @property
+    def evaluated_on(self) -> Optional[str]:
+        """The name of the weights the current epoch's validation ran on when a handler put its
+        own into the net for it (``"EMA"``: see :meth:`~estimatorch.events.Handler.evaluation_weights`),
+        None for the net's own weights or before any validation of the epoch."""
+        run = self._active
+        return run.evaluated_on if run is not None and run.evaluated else None
+
+    @property
     def interruption(self) -> Optional[str]:
         """``"SIGINT"`` or ``"SIGTERM"`` when the current (or last) fit ends because of that
         signal at a step boundary, so that its state is exactly resumable (``CheckpointHandler``

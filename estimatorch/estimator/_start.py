@@ -24,6 +24,7 @@ from ._state.run import Run, resume_plan
 from ._step.capture import check_capture
 from ._step.weighing import step_items
 from ._stopping.agreement import agreement_period
+from ._stopping.replicas import check_replica_setting
 from ._stopping.stop_messages import signal_guard
 
 __all__ = ["start_run"]
@@ -57,6 +58,7 @@ def start_run(estimator: FitEstimator, train_data: Iterable[Any], val_data: Opti
     check_metric_references(handlers, estimator.train_metrics + estimator.val_metrics)
     check_fit(handlers, estimator, resume)
     check_capture(estimator, handlers, distributed.get_world_size())  # cuda_graphs=True
+    check_replica_setting(estimator)  # check_replicas_every under FSDP2
     stream = open_train_stream(estimator, train_data, handlers)  # laid out for CheckpointHandler(..., elastic=True)
     resumes = resume or any(declared(h, "resumes_run") or declared(h, "checkpoint_location") is not None
                             for h in handlers)

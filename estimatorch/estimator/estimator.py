@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import contextlib
+import time
 from collections.abc import Iterable
 from typing import Any, Callable, Optional, Union
 
@@ -10,6 +11,7 @@ import torch
 from torch import nn
 
 from .. import distributed, rng
+from .._checks import check_positive_int
 from ..distributed import Watchdog
 from ..events import Dispatch
 from ..metrics.base import metric_name
@@ -33,6 +35,7 @@ from ._step.strategy import check_strategy, train_wrapper, wraps
 from ._step.torch_flags import torch_flags
 from ._stopping.interrupts import drop_data_frames, stop_exception
 from ._stopping.oom import describe_out_of_memory
+from ._stopping.replicas import replica_check
 from ._stopping.stop_messages import describe_stop
 from ._stopping.watch import publish_failure, watching
 from .batch_processor import BatchProcessor
@@ -115,6 +118,14 @@ class Estimator(RunView):
             micro-batches, whatever process holds which (docs/distributed.md, "The same bits on
             any number of processes"). Every process must run torch on the same number of
             threads. Defaults to False.
+        check_replicas_every: under torch.distributed, every this many optimizer steps and
+            before every checkpoint save, the ranks compare an exact fingerprint of their
+            parameters and optimizer state in one small collective (an ``all_gather`` of one
+            int64; nothing between checks): a rank whose state differs stops the run with
+            :class:`~estimatorch.distributed.ReplicaDivergenceError` naming it and the steps,
+            before any checkpoint of that state is written. Under FSDP2 the ranks of the
+            replicated mesh dimension are compared; a net sharded without one is refused at
+            ``fit`` start. Its cost: docs/observability.md. Defaults to None (off).
 
     Example:
         >>> import torch
@@ -149,8 +160,9 @@ class Estimator(RunView):
                  precision: Union[str, int] = "32", deterministic: bool = False, cudnn_benchmark: bool = False,
                  strategy: Optional[str] = None,
                  cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None,
-                 world_size_invariant: bool = False):
+                 world_size_invariant: bool = False, check_replicas_every: Optional[int] = None):
         checks.check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
+        self.check_replicas_every = check_positive_int(check_replicas_every, "check_replicas_every", allow_none=True)
         precision = checks.precision_name(precision)
         checks.check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs,
                            world_size_invariant=world_size_invariant)
@@ -402,7 +414,11 @@ class Estimator(RunView):
                     self.net.train()
                     build_scheduler(self, run)
                     run.stage = Stage.SETTING_UP
+                    pending, began = run.pending is not None, time.perf_counter_ns()
                     run.dispatch.fire("train_begin", self)
+                    run.ledger.open(self, run, time.perf_counter_ns() - began,
+                                    resumed_from_files=not pending and run.pending is not None)
+                    run.replicas = replica_check(self, run)
                     check_horizons(self, run)
                     run.step = graphed_step(self, run)  # cuda_graphs=True: the captured step
                     run_loop(self, run)
@@ -417,7 +433,7 @@ class Estimator(RunView):
                         raise drop_data_frames(err)  # noqa: B904 - the same error, without its frames
                     raise
                 finally:
-                    end_run(self, run, failed)
+                    end_run(self, run, failed, stopping if failed else None)
                     describe_stop(stopping, self, run.dispatch.handlers)  # a clean Ctrl-C stop's one line
                 if run.signals.received is not None:  # it came after the last agreed boundary
                     raise describe_stop(stop_exception(run.signals.received), self, run.dispatch.handlers)
@@ -478,7 +494,9 @@ class Estimator(RunView):
         training mode and every random generator afterwards (validating or not never changes
         a training run's random stream). Under torch.distributed, every rank calls it; a
         map-style DataLoader is shared out so that each sample counts once, as in one process;
-        other data is each rank's own (see :mod:`estimatorch.data._sharding`).
+        other data is each rank's own (see :mod:`estimatorch.data._sharding`). During ``fit``
+        it runs on the weights a handler keeps for evaluation, if one does (``EMAHandler``'s
+        average: see :meth:`~estimatorch.events.Handler.evaluation_weights`).
 
         ``val_data`` may be a dict of named eval sets, each with its metrics ``val_<set>_<name>``
         (then ``est.val_metrics``, outside ``fit``), and with ``batch_size`` (and ``collate_fn``)
@@ -487,15 +505,18 @@ class Estimator(RunView):
         Returns:
             ``{metric name: value}`` for every val metric (of every set).
         """
+        began = time.perf_counter_ns()
         groups, val_metrics = self._eval_sets.groups(self.val_metrics, as_batches(self, val_data, "val_data",
                                                                                   batch_size, collate_fn))
         run = self._active
         if run is None:  # outside fit: the val metrics are those of this data
             self.val_metrics = val_metrics
-        evaluate_groups(self, groups, batch_axis, event_handlers, limit=run.limits[1] if run is not None else None)
+        weights = evaluate_groups(self, groups, batch_axis, event_handlers,
+                                  limit=run.limits[1] if run is not None else None)
         self._eval_count += 1
         if run is not None:
-            run.evaluated = True
+            run.evaluated, run.evaluated_on = True, weights
+            run.ledger.add("validation", time.perf_counter_ns() - began)
         return {metric_name(m): float(m.compute()) for _, _, metrics in groups for m in metrics}
 
     def predict(self, data: Iterable[Any], batch_axis: int = 0, event_handlers: Any = None, *,

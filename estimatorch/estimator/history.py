@@ -110,6 +110,17 @@ class History:
         self._values: dict[str, list[float]] = {}
         #: every validation with its step (:class:`Validations`)
         self.validations = Validations()
+        #: the run's ledger once ``fit`` returned or raised, on global rank 0 (None elsewhere and
+        #: before): every attempt of the run (also those before a resume) and the totals, as
+        #: ``python -m estimatorch.checkpoint inspect DIR --json`` prints them under ``ledger``
+        #: (docs/observability.md). Not part of :meth:`state_dict`.
+        self.ledger: Optional[dict[str, Any]] = None
+
+    @property
+    def goodput(self) -> Optional[float]:
+        """The share of the run's wall time spent on training steps that were kept (every
+        attempt of the run counted), from :attr:`ledger`; None before ``fit`` ended or off rank 0."""
+        return self.ledger["goodput"] if self.ledger is not None else None
 
     def record(self, epoch: int, values: dict[str, float]) -> None:
         """Append one epoch's values; metrics missing from ``values`` get ``nan``."""

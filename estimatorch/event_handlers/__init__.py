@@ -22,6 +22,7 @@ from ..events import (
 from .checkpoint_handler import CheckpointHandler
 from .csv_logger import CSVLoggerHandler
 from .early_stopping import EarlyStoppingHandler
+from .ema import EMAHandler
 from .gradient_update import GradientUpdateHandler
 from .lambda_handler import LambdaHandler
 from .logging_handler import LoggingHandler
@@ -32,6 +33,7 @@ from .profiler import ProfilerHandler
 from .progress_bar import ProgressBarHandler
 from .speed_monitor import SpeedMonitor
 from .stopping import StoppingHandler
+from .swa import SWAHandler
 from .tensorboard import TensorBoardHandler
 from .terminate_on_nan import NonFiniteError, TerminateOnNaNHandler
 from .trackers.mlflow_handler import MLflowHandler
@@ -46,6 +48,7 @@ __all__ = [
     "BatchEnd",
     "CSVLoggerHandler",
     "CheckpointHandler",
+    "EMAHandler",
     "EarlyStoppingHandler",
     "EpochBegin",
     "EpochEnd",
@@ -63,6 +66,7 @@ __all__ = [
     "ProgressBarHandler",
     "SpeedMonitor",
     "StatefulHandler",
+    "SWAHandler",
     "StoppingHandler",
     "TrainBegin",
     "TrainEnd",

@@ -86,7 +86,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
     epochs that validated, and the epoch line ends with the learning rate the epoch trained with
     (``lr``, or ``lr_group<i>`` per param group: the values ``History`` records). Runs last
     (priority +inf), after validation and checkpoints. The start line ends with a summary of
-    the model (:func:`model_summary`). What a run prints::
+    the model (:func:`model_summary`). When the validation ran on weights a handler put into the
+    net for it (an ``EMAHandler``'s average) the epoch line says so after the metrics: ``val_loss:
+    0.9123 (val on the EMA weights)``. What a run prints::
 
         Training begin: SGD (lr 0.1) on cpu, 3 epochs, seed 0, 1 process. Model: Sequential, 67 parameters (...
         [Epoch 1/3][Batch 50][Samples 400] 0.120s/50 batches, train_loss: 1.0321, ...
@@ -275,6 +277,8 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
         elapsed = time.perf_counter() - self._epoch_start
         self._validated = self._validated or estimator.validated
         values = format_metrics(self._values(self._shown(estimator, with_val=estimator.validated)))
+        if estimator.evaluated_on is not None and values:  # val metrics of a handler's weights (an average)
+            values += f" (val on the {estimator.evaluated_on} weights)"
         rates = _format_rates(epoch_learning_rates(estimator))
         speed = format_speed(epoch_speed_values(estimator))
         batches = estimator.position.batch
@@ -291,8 +295,9 @@ class LoggingHandler(StatefulHandler, TrainBegin, TrainEnd, EpochBegin, EpochEnd
             return
         shown = values if self.metrics is None else \
             {name: value for name, value in values.items() if name in {metric_name(m) for m in self.metrics}}
-        estimator.logger.info("%s[Step %d] Validation: %s", self._epoch_label(estimator), step,
-                              format_metrics(shown))
+        weights = f" (on the {estimator.evaluated_on} weights)" if estimator.evaluated_on is not None else ""
+        estimator.logger.info("%s[Step %d] Validation: %s%s", self._epoch_label(estimator), step,
+                              format_metrics(shown), weights)
 
     def train_end(self, estimator: EstimatorView, **kwargs: Any) -> None:
         if not self._in_fit:  # an earlier handler's train_begin failed (a refused resume): its error says it all

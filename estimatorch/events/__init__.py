@@ -9,7 +9,8 @@
 - :class:`Dispatch`: the per-event lists a step walks, decided once per ``fit``;
 - :mod:`.timing`: where the steps' time goes (``estimator.step_times``), for a handler that
   declares ``times_steps``;
-- :mod:`.monitor`: the rule a handler monitoring a metric follows.
+- :mod:`.monitor`: the rule a handler monitoring a metric follows;
+- :mod:`.weights`: the weights an evaluation during ``fit`` runs on (a handler's average).
 
 The built-in handlers (:mod:`estimatorch.event_handlers`) use nothing else.
 """
@@ -46,6 +47,7 @@ from .mixins import (
 )
 from .timing import PARTS, StepSplit, StepTimes
 from .view import EstimatorView, PositionView
+from .weights import evaluation_weights
 
 __all__ = [
     "BATCH_EVENTS",
@@ -77,6 +79,7 @@ __all__ = [
     "check_handlers",
     "check_metric_references",
     "declared",
+    "evaluation_weights",
     "handler_name",
     "order_handlers",
     "is_rank_identical_stop",

@@ -6,10 +6,12 @@
 (``state_attributes``) and which of those count batches (``elastic_batch_counters``); and its
 capabilities (``checkpoint_location``, ``resumes_run``, ``elastic_checkpoints``,
 ``accumulation_steps``, ``times_steps``, :meth:`~Handler.stop_limits`, ``capturable_batch_end``
-with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, and what it measured of
+with :meth:`~Handler.record_batch_end`, :meth:`~Handler.stepped_schedule`, what it measured of
 an epoch: :meth:`~Handler.epoch_rates`, :meth:`~Handler.epoch_readings`; the handlers it attaches
-to every evaluation during ``fit``: :meth:`~Handler.evaluation_handlers`). :class:`StatefulHandler`
-adds the ``state_dict`` / ``load_state_dict`` of the declared state.
+to every evaluation during ``fit``: :meth:`~Handler.evaluation_handlers`; the weights those
+evaluations run on: :meth:`~Handler.evaluation_weights`; and the check of a saved state before
+any is loaded: :meth:`~Handler.check_state_dict`). :class:`StatefulHandler` adds the
+``state_dict`` / ``load_state_dict`` of the declared state.
 
 The loop reads each of them through :func:`declared`, never ``getattr``: a name the loop reads is
 a member of :class:`Handler` (``tests/test_layers.py`` checks).
@@ -23,6 +25,7 @@ import copy
 import inspect
 import warnings
 from collections.abc import Iterable, Mapping, Sequence
+from contextlib import AbstractContextManager
 from typing import TYPE_CHECKING, Any, Callable, ClassVar, Optional, TypeVar
 
 import torch
@@ -211,6 +214,23 @@ class Handler:
         bar. ``batches`` is this rank's share of the data evaluated (its ``len`` when it has one).
         Called once per evaluation, never per step. Defaults to none."""
         return ()
+
+    def evaluation_weights(self, estimator: EstimatorView) -> Optional[AbstractContextManager[str]]:
+        """A context in which ``estimator.net`` holds the weights this handler keeps for
+        evaluation (an average of the weights), None to leave the net's own. Every evaluation
+        during ``fit`` (the validation, an ``evaluate`` a handler calls) and the weights export a
+        ``CheckpointHandler`` writes run inside it (:func:`~estimatorch.events.weights.evaluation_weights`);
+        what it enters as names those weights in the logs (``"EMA"``). It must leave the net's own
+        weights back, bit for bit, when it exits. Called once per evaluation, never per step.
+        Defaults to None."""
+        return None
+
+    def check_state_dict(self, state: Any) -> None:
+        """Check a saved state of this handler (from a checkpoint a resume considers) against
+        this fit before any state is loaded, after every ``train_begin`` of the fit: raise
+        ``ValueError`` saying what does not fit (a tensor by name and shape), so that the resume
+        refuses that checkpoint (and tries an older one) instead of failing when it loads it.
+        Defaults to nothing (``load_state_dict`` is the judge)."""
 
 
 class StatefulHandler(Handler):

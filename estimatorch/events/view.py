@@ -98,6 +98,11 @@ class EstimatorView(ResumableFit, Protocol):
         """True when validation ran during the current epoch (val metrics hold its values)."""
 
     @property
+    def evaluated_on(self) -> Optional[str]:
+        """The name of the weights the current epoch's validation ran on (``"EMA"``) when a
+        handler put its own into the net for it, else None."""
+
+    @property
     def interruption(self) -> Optional[str]:
         """``"SIGINT"`` or ``"SIGTERM"`` when the fit ends because of that signal at a step boundary."""
 

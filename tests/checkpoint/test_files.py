@@ -97,7 +97,8 @@ def test_a_failed_save_during_fit_keeps_earlier_checkpoints_and_pointer(tmp_path
         fit_run(tmp_path, max_checkpoints=None)
     assert info.value.errno == errno.EIO
     monkeypatch.undo()
-    assert sorted(os.listdir(tmp_path)) == sorted([name(1), name(2), "model-latest"])  # no temporary, no lock
+    # no temporary, no lock; the progress mark of the failed attempt, for the run's ledger
+    assert sorted(os.listdir(tmp_path)) == sorted([name(1), name(2), "model-latest", checkpoint.PROGRESS_NAME])
     assert open(tmp_path / "model-latest").read().strip() == name(2)
     for step in (1, 2):
         checkpoint.load(tmp_path / name(step))

@@ -33,7 +33,8 @@ def _adam_estimator():
 
 
 def _files_in(directory):
-    return sorted(os.listdir(directory))
+    """The files in ``directory``, but the progress mark (a failed attempt leaves it for the ledger)."""
+    return sorted(name for name in os.listdir(directory) if name != checkpoint.PROGRESS_NAME)
 
 
 class AtStep(BatchBegin, BatchEnd):

@@ -16,9 +16,10 @@ from typing import Any
 import torch
 from torch import nn
 from torch.distributed.checkpoint.state_dict import StateDictOptions, get_state_dict
+from torch.distributed.tensor import DTensor
 
-from estimatorch import CheckpointHandler, Estimator, GradientUpdateHandler, StoppingHandler, distributed
-from estimatorch.event_handlers import BatchBegin, BatchEnd
+from estimatorch import CheckpointHandler, EMAHandler, Estimator, GradientUpdateHandler, StoppingHandler, distributed
+from estimatorch.event_handlers import BatchBegin, BatchEnd, TrainBegin
 
 N, BATCH, WIDTH = 48, 4, 17  # 17 rows: the shards of two ranks are uneven
 
@@ -69,12 +70,58 @@ def full_state(est) -> dict[str, Any]:
     return {"model": {k: v.clone() for k, v in model.items()}, "optimizer": optim}
 
 
+class Scaled(nn.Sequential):
+    """The layers, then a parameter of the root module itself (FSDP2 shards it with the root)."""
+
+    def __init__(self, *layers):
+        super().__init__(*layers)
+        self.scale = nn.Parameter(torch.linspace(0.5, 1.5, 3))
+
+    def forward(self, x):
+        return super().forward(x) * self.scale
+
+
+class Trajectory(TrainBegin, BatchEnd):
+    """The full trainable parameters at the start and after every optimizer step (a collective
+    under FSDP2), named: what a reference average is computed from."""
+
+    priority = -1800  # after the optimizer's step (-2000), before the EMAHandler (-1500)
+
+    def __init__(self):
+        self.weights = []
+
+    def _record(self, est):
+        self.weights.append({n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone()
+                             for n, p in est.net.named_parameters()})
+
+    def train_begin(self, est, **kw):
+        self._record(est)
+
+    def batch_end(self, est, **kw):
+        if next(h for h in est.handlers if isinstance(h, GradientUpdateHandler)).stepped:
+            self._record(est)
+
+
+def _full(state):
+    return {k: (v.full_tensor() if isinstance(v, DTensor) else v).detach().clone() for k, v in state.items()}
+
+
+VAL = [(torch.randn(6, 4, generator=torch.Generator().manual_seed(i)), torch.arange(6) % 3) for i in range(2)]
+
+
 def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
     """One rank of the fit; ``options``: resume, batches, accumulation, elastic, period,
     max_checkpoints, kill_at, signal_at, agree_every, kill_in (stage, n), strategy, handler (extra kwargs),
     scribble (background writes held until the next step has scribbled over the parameters),
     slow_write (seconds each background write waits first), full_disk (rank 0's own file of the
-    n-th save fails as on a full disk)."""
+    n-th save fails as on a full disk), ema (EMAHandler's kwargs: its trained weights come back as
+    ``raw``, the net then holding the average), val (validate every epoch), scaled (a parameter on
+    the root module), trajectory (the weights after every step, as ``trajectory``), plain_first
+    (the same fit without ema first, in these processes: its losses as ``plain_losses``)."""
+    plain = None
+    if options.get("plain_first"):
+        plain = fit(ckpt_dir + "-plain" if ckpt_dir else "",
+                    {**options, "ema": None, "trajectory": False, "plain_first": False})["losses"]
     torch.manual_seed(0)
     torch.set_num_threads(1)
     if options.get("kill_in"):
@@ -83,7 +130,8 @@ def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
         hold_writes(options.get("slow_write"), options.get("batches", 10))
     if options.get("full_disk"):
         fill_rank_file_at(options["full_disk"])
-    net = nn.Sequential(nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))
+    layers = (nn.Linear(4, WIDTH), nn.ReLU(), nn.Dropout(0.3), nn.Linear(WIDTH, 3))
+    net = Scaled(*layers) if options.get("scaled") else nn.Sequential(*layers)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.AdamW(net.parameters(), lr=0.01), seed=11,
                     strategy=options.get("strategy", "fsdp"))
     if options.get("agree_every"):
@@ -100,17 +148,29 @@ def fit(ckpt_dir: str, options: dict[str, Any]) -> dict[str, Any]:
             max_checkpoints=options.get("max_checkpoints"), resume_from_checkpoint=options.get("resume", False),
             elastic=options.get("elastic", False), **options.get("handler", {})))
     scribble = Scribble(handlers[-1]) if options.get("scribble") else None
+    ema = EMAHandler(**options["ema"]) if options.get("ema") is not None else None
+    trajectory = Trajectory() if options.get("trajectory") else None
+    extra = [h for h in (scribble, ema, trajectory) if h is not None]
+    history = None
     try:
-        est.fit(loader, batches=options.get("batches", 10), event_handlers=handlers + ([scribble] if scribble else []))
+        history = est.fit(loader, VAL if options.get("val") else None, batches=options.get("batches", 10),
+                          event_handlers=handlers + extra)
         outcome = "returned"
     except SystemExit as exit:
         outcome = f"SystemExit({exit.code})"
     except OSError as err:
         return {"outcome": "OSError", "errno": err.errno, "message": str(err), "step": est.position.step,
                 "files": _listing(ckpt_dir)}
+    averaged = {}
+    if ema is not None:
+        averaged = {"raw": _full(ema.raw_state_dict()), "updates": ema.updates,
+                    "local_numel": sum((w.to_local() if isinstance(w, DTensor) else w).numel()
+                                       for w in ema.state_dict()["weights"].values()),
+                    "history": history.to_dict() if history is not None else None}
     return {"outcome": outcome, "step": est.position.step, "losses": record.losses, **full_state(est),
             "log": lines.messages, "files": _listing(ckpt_dir) if ckpt_dir else [],
-            "states": scribble.states if scribble else None, "scribbled": scribble.scribbled if scribble else 0}
+            "states": scribble.states if scribble else None, "scribbled": scribble.scribbled if scribble else 0,
+            "trajectory": trajectory.weights if trajectory else None, "plain_losses": plain, **averaged}
 
 
 def _listing(ckpt_dir: str) -> list[str]:

@@ -69,7 +69,9 @@ def test_the_whole_job_killed_after_a_checkpoint_relaunches_bit_identically(refe
     ckpt = tmp_path / "ckpt"
     with pytest.raises(RankFailedError):
         _spawn(2, ckpt, batches=BATCHES, period=2, max_checkpoints=2, kill_at=5)
-    assert sorted(os.listdir(ckpt)) == [checkpoint.LOCK_NAME, _name(2), _name(4), "model-latest"]  # lock: killed
+    # the lock and the progress mark: killed
+    assert sorted(os.listdir(ckpt)) == [checkpoint.LOCK_NAME, checkpoint.PROGRESS_NAME, _name(2), _name(4),
+                                        "model-latest"]
     again = _spawn(2, ckpt, batches=BATCHES, period=2, max_checkpoints=2, resume=True)
     _same_run(again, full, since=4)
     assert again[0]["files"] == [_name(10), _name(8), "model-latest"]  # retention
@@ -81,7 +83,8 @@ def test_sigterm_on_one_rank_saves_the_agreed_step_and_the_rerun_is_bit_identica
     # agree_every=1: the flags are exchanged after every step (gloo's default is every 16)
     stopped = _spawn(2, ckpt, batches=BATCHES, period=3, signal_at={1: 3}, agree_every=1)
     assert [(r["outcome"], r["step"]) for r in stopped] == [("SystemExit(143)", 4)] * 2
-    assert stopped[0]["files"] == ["model-epoch0batch3.dcp", "model-epoch0batch4.dcp", "model-latest"]
+    assert stopped[0]["files"] == [checkpoint.PROGRESS_NAME, "model-epoch0batch3.dcp", "model-epoch0batch4.dcp",
+                                   "model-latest"]  # the mark: the stop's entry with its train_end
     again = _spawn(2, _copy(ckpt, tmp_path, "model-epoch0batch4.dcp"), batches=BATCHES, period=3, resume=True)
     _same_run(again, full, since=4)
 

@@ -89,6 +89,10 @@ FACTORIES = {
     "EarlyStoppingHandler[baseline]": lambda est, d: eh.EarlyStoppingHandler(
         est.val_metrics[0], baseline=1e-6, patience=5, restore_best_weights=True, start_from_epoch=1),
     "LambdaHandler": lambda est, d: eh.LambdaHandler(batch_end=lambda e, **kw: None, every=3),
+    # counters that a resume must bring back: the warm-up's updates, a period, a start step
+    "EMAHandler": lambda est, d: eh.EMAHandler(0.9, update_every=2, start_step=3, warmup=True),
+    "EMAHandler[raw]": lambda est, d: eh.EMAHandler(0.9, evaluate=False, final="raw"),
+    "SWAHandler": lambda est, d: eh.SWAHandler(swa_start=1),
     "LRSchedulerHandler": lambda est, d: eh.LRSchedulerHandler(),
     "LRSchedulerHandler[plateau]": lambda est, d: _plateau(est),
     "CheckpointHandler": lambda est, d: eh.CheckpointHandler(d / "ckpt", batch_period=3, save_best=True,

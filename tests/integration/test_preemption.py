@@ -16,6 +16,7 @@ import sys
 import pytest
 import torch
 
+from estimatorch import checkpoint
 from tests.conftest import assert_tree_equal
 
 pytestmark = pytest.mark.slow
@@ -135,13 +136,16 @@ def test_a_preempted_job_loses_no_step_and_its_rerun_ends_bit_identical(signame,
         assert f"the signal came during the write of model-epoch1batch{STEP - 1}.pt" in proc.stdout
     assert "finally ran" in proc.stdout  # the user's finally blocks ran
     assert stopped["step"] == STEP and stopped["interruption"] == signame
+    # and the progress mark: the attempt's entry with the time of its train_end (the stop's save), for the ledger
     assert sorted(os.listdir(model_dir)) == sorted(["model-epoch0batch4.pt", "model-epoch1batch8.pt",
-                                                    f"model-epoch1batch{STEP}.pt", "model-latest"])
+                                                    f"model-epoch1batch{STEP}.pt", "model-latest",
+                                                    checkpoint.PROGRESS_NAME])
     assert f"Saved checkpoint of step {STEP} to {model_dir / f'model-epoch1batch{STEP}.pt'} ({signame})" in proc.stdout
 
     proc, resumed = run_script(tmp_path, model_dir, workers=workers, tag="resumed", async_save=async_save)
     assert proc.returncode == 0, proc.stderr[-3000:]
-    assert f"Resuming from {model_dir / f'model-epoch1batch{STEP}.pt'}: 1 epochs and {STEP} batches done" in proc.stdout
+    assert (f"Resuming from {model_dir / f'model-epoch1batch{STEP}.pt'}: 1 epochs and {STEP} batches done; the last "
+            f"attempt stopped for {signame} after step {STEP}, no step to train again") in proc.stdout
     assert resumed["step"] == reference["step"] == 21 and resumed["interruption"] is None
     assert_tree_equal(resumed["model"], reference["model"], "model")
     assert_tree_equal(resumed["optimizer"], reference["optimizer"], "optimizer")

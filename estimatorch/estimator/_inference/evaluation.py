@@ -16,7 +16,7 @@ from ..._batches import to_device
 from ..._checks import is_int
 from ...checkpoint import is_sharded_module
 from ...data import InferenceData, for_inference, in_step, seeded_for_inference
-from ...events import Dispatch, check_handlers, declared, order_handlers
+from ...events import Dispatch, check_handlers, declared, evaluation_weights, order_handlers
 from ...metrics.base import split_loss_metrics, update_metrics
 from .._fit_estimator import FitEstimator
 
@@ -135,13 +135,17 @@ def run_batches(estimator: FitEstimator, data: Iterable[Any], arg: str, handlers
 
 
 def evaluate_groups(estimator: FitEstimator, groups: list[tuple[str, Any, list[Any]]], batch_axis: int,
-                    event_handlers: Any, *, limit: Optional[int] = None) -> None:
+                    event_handlers: Any, *, limit: Optional[int] = None) -> Optional[str]:
     """``Estimator.evaluate`` over each ``(arg, data, metrics)`` group (an eval set), every
-    group's arguments checked first."""
+    group's arguments checked first. During ``fit`` the net holds the weights a handler keeps for
+    evaluation meanwhile (an average: :func:`~estimatorch.events.evaluation_weights`); returns
+    their name, None for the net's own."""
     checked = [check_inference_args(data, arg, batch_axis, event_handlers, check_empty=not distributed.is_distributed())
                for arg, data, _ in groups]
-    for (_, data, metrics), handlers in zip(groups, checked):
-        evaluate_batches(estimator, data, batch_axis, handlers, limit=limit, metrics=metrics)
+    with evaluation_weights(estimator) as weights:
+        for (_, data, metrics), handlers in zip(groups, checked):
+            evaluate_batches(estimator, data, batch_axis, handlers, limit=limit, metrics=metrics)
+    return weights
 
 
 def evaluate_batches(estimator: FitEstimator, val_data: Iterable[Any], batch_axis: int, handlers: list[Any], *,

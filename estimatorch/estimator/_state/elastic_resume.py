@@ -27,6 +27,8 @@ per optimizer step, the same samples in each step (anything else is refused). Th
   from the generators ``fit`` seeds at its start; every micro-batch reseeds from its position
   anyway (:func:`estimatorch.rng.seed_position`).
 - **Stops.** A stop request in flight on any saved rank is carried to every new rank.
+- **The ledger** (rank 0's) goes on, its steps scaled like the position; the state's fingerprint
+  is kept for a file (the same state, restored on every rank), dropped for a sharded directory.
 """
 
 from __future__ import annotations
@@ -37,7 +39,7 @@ from typing import Any, Callable
 from ... import distributed, rng
 from ..._checks import is_int, warn_user
 from ..._saved import CheckpointError
-from ...checkpoint import rank_snapshot
+from ...checkpoint import rank_snapshot, scale_steps
 from ...data import ElasticLayout, is_elastic
 from ...events import declared
 from ...metrics.base import Metric, metric_name
@@ -101,6 +103,11 @@ def _remap(estimator: FitEstimator, run: Run, payload: dict[str, Any], layout: E
     metrics = _combined_metrics(estimator, [s["metrics"] for s in snapshots], new_world)
     handlers = _scaled_handlers(run.dispatch.by_name, first["handlers"], scale)
     cuda = estimator.device.type == "cuda"
+    ledger = first.get("ledger")
+    if ledger is not None:  # rank 0's: its steps counted like the position
+        ledger = {"run_id": ledger["run_id"], "attempts": scale_steps(ledger["attempts"], scale)}
+    # a sharded checkpoint's shards are laid out anew: its ranks' fingerprints no longer apply
+    fingerprint = None if payload.get("sharded") else first.get("state_fingerprint")
     ranks = []
     for rank in range(new_world):
         seed = estimator.seed if new_world == 1 else rng.derive_seed(estimator.seed, rank)
@@ -113,6 +120,8 @@ def _remap(estimator: FitEstimator, run: Run, payload: dict[str, Any], layout: E
             "rng": rng.seeded_state(seed, cuda=cuda),  # as fit seeds this rank; each micro-batch reseeds
             "pending_stop": any(s.get("pending_stop", False) for s in snapshots),
             "shared": [],
+            "ledger": ledger,
+            "state_fingerprint": fingerprint,
         })
     estimator.logger.info("Elastic resume: %s was written by %d processes x %d accumulation steps; mapped onto "
                           "%d x %d", source, old_world, old_k, new_world, new_k)

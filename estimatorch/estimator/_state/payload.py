@@ -4,12 +4,15 @@ store interface is described in docs/architecture.md)."""
 
 from __future__ import annotations
 
-from typing import Any, Optional
+from typing import Any, Optional, Union
+
+import torch
 
 from ... import checkpoint, distributed
 from ..._saved import CheckpointError
 from .._fit_estimator import FitEstimator
 from .elastic_resume import map_payload, world_size_error
+from .fingerprint import training_fingerprint
 from .run import Run, check_positions, check_snapshot, take_snapshot
 
 __all__ = ["check_payload", "payload_of", "snapshot_to_resume"]
@@ -21,6 +24,8 @@ def payload_of(estimator: FitEstimator, run: Run, gather: bool = True) -> Option
     ``world_size`` and the training state but ``model`` and ``optimizer`` (a sharded store
     writes those through DCP)."""
     snapshot = take_snapshot(estimator, run)
+    snapshot["state_fingerprint"] = _saved_fingerprint(estimator, run)
+    run.ledger.saved(snapshot["ledger"])
     rest = {
         "optimizer_class": type(estimator.optimizer).__name__,
         "lr_scheduler": estimator.lr_scheduler.state_dict() if estimator.lr_scheduler is not None else None,
@@ -39,6 +44,19 @@ def payload_of(estimator: FitEstimator, run: Run, gather: bool = True) -> Option
         **rest,
         "ranks": ranks,
     }
+
+
+def _saved_fingerprint(estimator: FitEstimator, run: Run) -> Union[int, torch.Tensor]:
+    """The fingerprint of the state this save holds (an int); with the replica check on, once
+    every rank has the same (else the save raises ``ReplicaDivergenceError`` before anything is
+    written). On a CUDA device in one process it stays there, a tensor (staged with the state: no
+    synchronisation)."""
+    if run.replicas is not None:
+        pos = run.pos
+        return int(run.replicas.check(estimator, pos.step, f"the check before the checkpoint of step {pos.step} "
+                                      "(not written)"))
+    fingerprint = training_fingerprint(estimator)
+    return int(fingerprint) if fingerprint.device.type == "cpu" or distributed.is_distributed() else fingerprint
 
 
 def check_payload(estimator: FitEstimator, run: Run, payload: dict[str, Any], source: str, rank: int) -> dict[str, Any]:
@@ -65,6 +83,8 @@ def snapshot_to_resume(estimator: FitEstimator, payload: dict[str, Any], source:
     if payload["world_size"] != distributed.get_world_size():
         raise world_size_error(source, payload)
     snapshot = checkpoint.rank_snapshot(payload, distributed.get_rank())
+    if not payload.get("sharded"):  # a file holds rank 0's state: every rank restores that
+        snapshot["state_fingerprint"] = payload["ranks"][0].get("state_fingerprint")
     if snapshot["position"]["step"] > 0 and estimator.optimizer is not None:
         # The optimizer stepped before the checkpoint (in the process that wrote it): tell the LR
         # scheduler's "step() before optimizer.step()" check, which reads this torch marker.

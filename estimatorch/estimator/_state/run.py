@@ -41,6 +41,8 @@ from .._fit_estimator import FitEstimator
 from .._stopping.agreement import StopAgreement
 from .._stopping.interrupts import SignalGuard
 from ..history import History
+from .fingerprint import check_restored
+from .ledger import RunLedger
 
 __all__ = ["PHASES", "PLAN_KEYS", "POSITION_KEYS", "SNAPSHOT", "Position", "Run", "Stage", "check_snapshot",
            "check_positions", "describe_plan", "record_history", "restore_snapshot", "resume_plan", "take_snapshot"]
@@ -117,6 +119,8 @@ class Run:
         self.boundary_actions: list[Callable[[], None]] = []
         self.stage = Stage.NOT_STARTED
         self.evaluated = False
+        #: the name of the weights this epoch's validation ran on (a handler's average), else None
+        self.evaluated_on: Optional[str] = None
         #: True while ``epoch_begin`` or ``epoch_end`` is fired (a validation then is at the
         #: position's step; inside a step's events, at the step being trained)
         self.in_epoch_event = False
@@ -129,6 +133,10 @@ class Run:
         self.final_snapshot: Optional[dict[str, Any]] = None
         #: the items of each optimizer step, when a step spans several micro-batches (else None)
         self.items: Optional[distributed.StepItems] = None
+        #: the run's ledger, kept by this attempt (rank 0): see ``_state/ledger.py``
+        self.ledger = RunLedger()
+        #: the replica check (``Estimator(check_replicas_every=...)``), None when off or in one process
+        self.replicas: Any = None
 
 
 def describe_plan(plan: Mapping[str, Optional[int]]) -> str:
@@ -142,7 +150,7 @@ def record_history(estimator: FitEstimator, run: Run, epoch: int) -> None:
     values = {metric_name(m): m.compute() for m in estimator.train_metrics}
     if run.evaluated:
         values.update((metric_name(m), m.compute()) for m in estimator.val_metrics)
-        run.evaluated = False
+        run.evaluated, run.evaluated_on = False, None
     values.update(epoch_learning_rates(estimator))
     values.update(epoch_readings(estimator))
     run.history.record(epoch + 1, values)
@@ -178,6 +186,8 @@ def take_snapshot(estimator: FitEstimator, run: Run, partial: bool = False) -> d
         "rng": rng.get_state(cuda=estimator.device.type == "cuda", numpy_global=True),
         "pending_stop": run.agreement.pending_stop,
         "shared": [name for name, h in run.dispatch.by_name.items() if declared(h, "shared_state")],
+        "ledger": run.ledger.state(run),
+        "state_fingerprint": None,  # taken by a store's save (``payload.payload_of``)
     }
     assert tuple(snapshot) == tuple(SNAPSHOT), "SNAPSHOT declares what a snapshot holds"
     return snapshot
@@ -212,6 +222,10 @@ def _check_handlers(saved: dict[str, Any], handlers: Mapping[str, Any]) -> None:
     for name, handler in handlers.items():
         if name not in saved or not callable(getattr(handler, "load_state_dict", None)):
             continue  # a handler without saved state starts fresh (the estimator warns)
+        try:
+            declared(handler, "check_state_dict")(saved[name])
+        except ValueError as err:
+            raise CheckpointError(f"the state of handler {name!r} does not fit this fit: {err}") from None
         attrs = state_attributes(handler)
         if not attrs:
             continue  # a handler of yours: its load_state_dict is the judge
@@ -268,8 +282,10 @@ def resume_plan(run: Run, snapshot: dict[str, Any], source: str) -> dict[str, An
 def restore_snapshot(estimator: FitEstimator, run: Run, snapshot: dict[str, Any]) -> None:
     """Put a snapshot's state into this fit's handlers, metrics, data and generators."""
     pos = snapshot["position"]
-    estimator.logger.info("Resuming from %s: %d epochs and %d batches done", snapshot["source"], pos["epoch"],
-                          pos["step"])
+    check_restored(estimator, snapshot.get("state_fingerprint"), snapshot["source"])  # before anything changes
+    note = run.ledger.previous_note
+    estimator.logger.info("Resuming from %s: %d epochs and %d batches done%s", snapshot["source"], pos["epoch"],
+                          pos["step"], f"; {note}" if note else "")
     saved = snapshot["handlers"]
     for name, handler in run.dispatch.by_name.items():
         if not callable(getattr(handler, "load_state_dict", None)):

@@ -10,8 +10,10 @@ import os
 import sys
 from typing import Any, Callable, Optional
 
+import torch
+
 from ... import checkpoint, distributed
-from ...events import EstimatorView, PositionView
+from ...events import EstimatorView, PositionView, evaluation_weights
 from ._directory import CheckpointDirectory, absolute
 
 __all__ = ["CheckpointWrites", "finish_background_write", "submit_background_write"]
@@ -54,6 +56,15 @@ def finish_background_write(writer: Optional[checkpoint.BackgroundWriter], shard
         writer.wait()
 
 
+def _own_copy(state: Any) -> Any:
+    """A weights state whose tensors are copies (on the CPU, ``weights_state`` refers to the net's)."""
+    out = type(state)((k, v.clone() if isinstance(v, torch.Tensor) else v) for k, v in state.items())
+    metadata = getattr(state, "_metadata", None)
+    if metadata is not None:
+        out._metadata = metadata
+    return out
+
+
 class CheckpointWrites:
     """The saves of one :class:`~estimatorch.CheckpointHandler`: the files of its ``directory``
     (the lock, pointer and retention are the directory's) and its background ``writer`` (None
@@ -91,7 +102,11 @@ class CheckpointWrites:
             self._save_sharded(estimator, names, note, step, background)
             return
         if layout.weights:  # a sharded net's weights are gathered: a collective
-            state = checkpoint.weights_state(estimator.net) if layout.sharded or distributed.is_main_process() else None
+            with evaluation_weights(estimator) as averaged:  # the weights validation runs on (an average)
+                state = checkpoint.weights_state(estimator.net) if layout.sharded or distributed.is_main_process() \
+                    else None
+                if averaged is not None and state is not None:
+                    state = _own_copy(state)  # the net's own weights come back when the block ends
         else:
             state = checkpoint.build_payload(estimator, save_frozen=save_frozen)  # a collective
         writer = self.writer if background else None

@@ -50,7 +50,7 @@ def _train(ckpt_dir, accumulation, resume, plan, batch_period=None):
     history = est.fit(loader, batches=plan, event_handlers=handlers)
     return {"losses": record.losses, "labels": record.labels, "history": history.to_dict(),
             "model": {k: v.clone() for k, v in est.net.state_dict().items()}, "step": est.position.step,
-            "counters": (handlers[-1].current_batch, stopping.current_batch)}
+            "counters": (handlers[-1].current_batch, stopping.current_batch), "ledger": history.ledger}
 
 
 def _in_process(*args, **kwargs):
@@ -100,6 +100,13 @@ def test_two_ranks_resume_on_one_with_accumulation_bit_identically(tmp_path):
     assert resumed["labels"] == _slots([r["labels"] for r in reference], 1)[2 * k:]
     assert resumed["step"] == 20 and resumed["counters"] == (20, 20)  # batches of this topology
     _history_close(resumed["history"], reference[0]["history"])
+    # the run's ledger goes on, its steps counted in this topology's batches like the position
+    # (the attempt that wrote the file left no progress mark here: counted to that checkpoint)
+    first, second = resumed["ledger"]["attempts"]
+    assert resumed["ledger"]["run_id"] == reference[0]["ledger"]["run_id"]
+    assert (first["world_size"], first["last_step"], first["exact"], first["ended"]) == (2, 2 * k, False, "killed")
+    assert (second["world_size"], second["resumed_from"], second["last_step"], second["ended"]) == \
+        (1, 2 * k, 20, "finished")
 
 
 @pytest.mark.distributed

@@ -20,7 +20,7 @@ import pytest
 import torch
 from torch import nn
 
-from estimatorch import CheckpointHandler, Estimator, StoppingHandler, distributed
+from estimatorch import CheckpointHandler, Estimator, StoppingHandler, checkpoint, distributed
 from estimatorch.event_handlers import BatchEnd
 from tests.conftest import Count, assert_tree_equal
 
@@ -131,7 +131,9 @@ def test_sigterm_on_one_rank_checkpoints_the_agreed_step_and_both_resume_bit_ide
     ckpt = tmp_path / "ckpt"
     stopped = distributed.spawn(_fit, 2, "SIGTERM", {1: 3}, str(ckpt), False, 3, backend="gloo")
     assert [r["step"] for r in stopped] == [4, 4]
-    assert sorted(os.listdir(ckpt)) == ["model-epoch0batch3.pt", "model-epoch0batch4.pt", "model-latest"]
+    # (and the progress mark: the stopped attempt's entry, with its train_end, for the run's ledger)
+    assert sorted(os.listdir(ckpt)) == [checkpoint.PROGRESS_NAME, "model-epoch0batch3.pt", "model-epoch0batch4.pt",
+                                        "model-latest"]
     resume_dir = tmp_path / "resume"
     resume_dir.mkdir()
     shutil.copy(ckpt / "model-epoch0batch4.pt", resume_dir)  # written in train_end (every 3 batches: 3, 6...)
