@@ -32,6 +32,14 @@ skips the agreement altogether (unsafe in real use, where ranks could then stop 
 steps; nothing asks to stop here), which shows what the remaining exchanges still cost. Run the
 script from an older checkout for the "before".
 
+``--invariant`` adds ``fit-elastic`` (the data laid out in global steps, as
+``CheckpointHandler(elastic=True)`` lays it out: one reseed of every generator per micro-batch)
+and ``fit-invariant`` (``Estimator(world_size_invariant=True)``: each micro-batch's gradient
+alone, no DDP synchronisation, the canonical tree's exchange after the backward) and reports
+``fit-invariant / fit`` (against the default fit, the issue's figure) and ``fit-invariant /
+fit-elastic`` (what the reduction adds to an elastic fit), the median of per-round ratios, and
+the bytes each rank sent per step against a ring all-reduce's ``2 (W - 1)/W`` times the gradient.
+
 ``--calibrate US`` adds ``raw+cpu``: the raw loop with ``US`` microseconds of busy CPU work per
 step on each rank (a spin on ``time.perf_counter``), to read how much wall time a microsecond of
 per-step CPU costs on this machine. Where the two processes and gloo's threads have no spare core
@@ -43,6 +51,7 @@ Usage::
     python benchmarks/ddp_overhead.py                      # 2000 steps, 7 rounds
     python benchmarks/ddp_overhead.py --hidden 1024 --json
     python benchmarks/ddp_overhead.py --calibrate 50       # + the raw loop with 50 µs of CPU per step
+    python benchmarks/ddp_overhead.py --invariant --no-ab  # + world_size_invariant=True against fit
 """
 
 from __future__ import annotations
@@ -146,16 +155,37 @@ def _raw(steps: int, dataset: Any, hidden: int, cpu_s: float = 0.0, metrics: boo
     return running.logged if running is not None else 0
 
 
-def _fit(steps: int, dataset: Any, hidden: int, agree_every: Optional[int] = None) -> None:
-    from estimatorch import Estimator
+def _fit(steps: int, dataset: Any, hidden: int, agree_every: Optional[int] = None, layout: str = "default") -> int:
+    """``fit``; ``layout``: ``"elastic"`` (global steps) or ``"invariant"`` (world_size_invariant).
+    Returns the bytes this rank sent in the invariant reduction (0 otherwise)."""
+    from estimatorch import Estimator, GradientUpdateHandler
 
     net = _net(hidden)
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=common.LR),
-                    device="cpu", seed=common.SEED)  # as the raw loops, also where a GPU exists
+                    device="cpu", seed=common.SEED,  # as the raw loops, also where a GPU exists
+                    **({"world_size_invariant": True} if layout == "invariant" else {}))
     if agree_every is not None:
         est.agree_every = agree_every
+    update = GradientUpdateHandler()
+    handlers = [update] + ([_elastic_layout()] if layout == "elastic" else [])
     with contextlib.redirect_stdout(_NULL):
-        est.fit(common.make_loader(dataset), batches=steps)
+        est.fit(common.make_loader(dataset), batches=steps, event_handlers=handlers)
+    reduction = getattr(update, "reduction", None)
+    return reduction.bytes_sent if reduction is not None else 0
+
+
+def _elastic_layout() -> Any:
+    """A handler that only asks for the elastic layout (``CheckpointHandler(elastic=True)``'s,
+    without its files)."""
+    from estimatorch.event_handlers import TrainBegin
+    from estimatorch.events import Handler
+
+    class ElasticLayout(Handler, TrainBegin):
+        @property
+        def elastic_checkpoints(self) -> bool:
+            return True
+
+    return ElasticLayout()
 
 
 def _fit_unagreed(steps: int, dataset: Any, hidden: int) -> None:
@@ -201,22 +231,30 @@ def _worker(settings: dict[str, Any]) -> dict[str, Any]:
             configs["fit-unagreed"] = lambda: _fit_unagreed(steps, dataset, hidden)
     if settings["calibrate"]:
         configs["raw+cpu"] = lambda: _raw(steps, dataset, hidden, settings["calibrate"] * 1e-6)
+    if settings["invariant"]:
+        configs["fit-elastic"] = lambda: _fit(steps, dataset, hidden, layout="elastic")
+        configs["fit-invariant"] = lambda: _fit(steps, dataset, hidden, layout="invariant")
     names = list(configs)
     times: dict[str, list[float]] = {name: [] for name in names}
+    cpu: dict[str, list[float]] = {name: [] for name in names}
     metric_reads: list[int] = []
+    sent: list[int] = []
     for round_ in range(settings["repeats"] + 1):  # round 0 warms up
         shift = round_ % len(names)
         for name in names[shift:] + names[:shift]:
             dist.barrier()
-            start = time.perf_counter()
+            start, cpu_start = time.perf_counter(), time.process_time()
             done = configs[name]()
-            elapsed = time.perf_counter() - start
+            elapsed, cpu_elapsed = time.perf_counter() - start, time.process_time() - cpu_start
             if round_:
                 times[name].append(elapsed)
+                cpu[name].append(cpu_elapsed)
                 if name == "raw+metrics":
                     metric_reads.append(done)
-    return {"rank": distributed.get_rank(), "times": times, "metric_reads": metric_reads,
-            "machine": common.machine_info()}
+                if name == "fit-invariant":
+                    sent.append(done)
+    return {"rank": distributed.get_rank(), "times": times, "cpu": cpu, "metric_reads": metric_reads,
+            "machine": common.machine_info(), "invariant_bytes": sent}
 
 
 def _against(fit: list[float], baseline: list[float], steps: int) -> dict[str, Any]:
@@ -231,12 +269,31 @@ def _against(fit: list[float], baseline: list[float], steps: int) -> dict[str, A
     }
 
 
+def _invariant(per_run: dict[str, list[float]], ranks: list[dict[str, Any]], steps: int, hidden: int) -> dict[str, Any]:
+    """``fit-invariant`` against ``fit`` and ``fit-elastic``, and its bytes per rank and step
+    against a ring all-reduce of the same gradient."""
+    params = sum(p.numel() for p in _net(hidden).parameters())
+    world = len(ranks)
+    ring = 2 * (world - 1) / world * params * 4
+    per_step = [max(b) / steps for b in zip(*(r["invariant_bytes"] for r in ranks))]
+    cpu = {name: [max(r["cpu"][name][i] for r in ranks) for i in range(len(per_run[name]))]
+           for name in ("fit", "fit-elastic", "fit-invariant")}
+    return {"against_fit": _against(per_run["fit-invariant"], per_run["fit"], steps),
+            "cpu_against_fit": _against(cpu["fit-invariant"], cpu["fit"], steps),
+            "cpu_us_per_step": {name: statistics.median(v) / steps * 1e6 for name, v in cpu.items()},
+            "against_elastic": _against(per_run["fit-invariant"], per_run["fit-elastic"], steps),
+            "elastic_against_fit": _against(per_run["fit-elastic"], per_run["fit"], steps),
+            "bytes_per_step": statistics.median(per_step), "ring_bytes_per_step": ring,
+            "gradient_floats": params}
+
+
 def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, ab: bool,
-            calibrate: float = 0.0) -> dict[str, Any]:
+            calibrate: float = 0.0, invariant: bool = False) -> dict[str, Any]:
     """Returns the figures; ``against`` holds ``fit``'s ratios to each of :data:`BASELINES`, in
-    that order, and ``ratio`` the first's (``fit`` / the same-job loop)."""
+    that order, and ``ratio`` the first's (``fit`` / the same-job loop); with ``invariant``,
+    ``invariant`` holds ``fit-invariant``'s ratios and bytes."""
     settings = dict(steps=steps, repeats=repeats, samples=samples, hidden=hidden, threads=threads, ab=ab,
-                    calibrate=calibrate)
+                    calibrate=calibrate, invariant=invariant)
     ranks = distributed.spawn(_worker, 2, settings, backend="gloo")
     names = list(ranks[0]["times"])
     per_run = {name: [max(r["times"][name][i] for r in ranks) for i in range(repeats)] for name in names}
@@ -261,6 +318,7 @@ def measure(steps: int, repeats: int, samples: int, hidden: int, threads: int, a
         "metric_reads_per_run": [r["metric_reads"] for r in ranks],
         "every_step_minus_fit_us_per_step": out_ab,
         "calibration": calibration,
+        "invariant": _invariant(per_run, ranks, steps, hidden) if invariant else None,
     }
 
 
@@ -280,6 +338,16 @@ def table(out: dict[str, Any]) -> str:
     if out["every_step_minus_fit_us_per_step"] is not None:
         lines.append("fit-every-step - fit, median of per-round differences: "
                      f"{out['every_step_minus_fit_us_per_step']:.1f} µs/step")
+    inv = out.get("invariant")
+    if inv is not None:
+        lines.append(f"fit-invariant / fit, median of per-round ratios: {inv['against_fit']['ratio']:.3f} "
+                     f"({inv['against_fit']['added_us_per_step']:.1f} µs/step); fit-invariant / fit-elastic: "
+                     f"{inv['against_elastic']['ratio']:.3f}; fit-elastic / fit: {inv['elastic_against_fit']['ratio']:.3f}")
+        lines.append(f"process CPU time (every thread, the busier rank): fit-invariant / fit "
+                     f"{inv['cpu_against_fit']['ratio']:.3f} ({inv['cpu_against_fit']['added_us_per_step']:.1f} µs/step; "
+                     + ", ".join(f"{k} {v:.0f}" for k, v in inv["cpu_us_per_step"].items()) + " µs/step)")
+        lines.append(f"fit-invariant: {inv['bytes_per_step']:.0f} bytes sent per rank and step; a ring all-reduce of the "
+                     f"{inv['gradient_floats']} floats: {inv['ring_bytes_per_step']:.0f}")
     cal = out["calibration"]
     if cal is not None:
         lines.append(f"raw+cpu - raw: {cal['added_us_per_step']:.1f} µs/step of wall time for "
@@ -297,6 +365,8 @@ def main(argv: Optional[list[str]] = None) -> int:
     parser.add_argument("--no-ab", action="store_true", help="skip the fit-every-step and fit-unagreed diagnostics")
     parser.add_argument("--calibrate", type=float, default=0.0, metavar="US",
                         help="add raw+cpu: the raw loop with US µs of busy CPU per step (default: off)")
+    parser.add_argument("--invariant", action="store_true",
+                        help="add fit-elastic and fit-invariant (world_size_invariant=True) against fit")
     parser.add_argument("--json", action="store_true", help="print JSON instead of a table")
     args = parser.parse_args(argv)
     for name in ("steps", "repeats", "samples", "hidden", "threads"):
@@ -304,7 +374,8 @@ def main(argv: Optional[list[str]] = None) -> int:
             parser.error(f"--{name} must be a positive int, got {getattr(args, name)}")
     if not (math.isfinite(args.calibrate) and args.calibrate >= 0):
         parser.error(f"--calibrate must be a non-negative number of µs, got {args.calibrate}")
-    out = measure(args.steps, args.repeats, args.samples, args.hidden, args.threads, not args.no_ab, args.calibrate)
+    out = measure(args.steps, args.repeats, args.samples, args.hidden, args.threads, not args.no_ab, args.calibrate,
+                  args.invariant)
     if args.json:
         print(json.dumps(out, indent=2))
     else:

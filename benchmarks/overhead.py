@@ -28,6 +28,10 @@ Configurations:
   terminal, i.e. no progress bar.
 - ``default+speed`` (only with ``--configs``): default + ``SpeedMonitor()`` (the step-time
   split, FLOPs counted in the first batch).
+- ``nobar-elastic`` and ``nobar-invariant`` (only with ``--configs``): ``default-nobar`` with
+  the data laid out in global steps (as ``CheckpointHandler(elastic=True)`` lays it out, without
+  its files), and ``Estimator(world_size_invariant=True)`` (in one process: the elastic layout,
+  each micro-batch's gradient folded into the tree and finished, the step's items divided).
 - ``default+ema`` and ``default-nobar+ema`` (only with ``--configs``): default (without the bar)
   + ``EMAHandler()`` (one ``_foreach_lerp_`` of the parameters into their average after every
   step).
@@ -77,9 +81,11 @@ import _common as common
 
 from estimatorch import Estimator  # noqa: E402  (after _common puts the checkout on the path)
 from estimatorch import event_handlers as eh  # noqa: E402
+from estimatorch.events import Handler  # noqa: E402
 
 REQUIRED = ["raw", "bare", "default", "default+tb+ckpt", "default+50noop"]
-EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed", "default+ema", "default-nobar+ema"]
+EXTRA = ["default-nobar", "default+mlflow", "default+wandb", "default+speed", "default+ema", "default-nobar+ema",
+         "nobar-elastic", "nobar-invariant"]
 
 
 class NullStream(io.TextIOBase):
@@ -99,6 +105,14 @@ class NoOpHandler(eh.BatchEnd):
         return None
 
 
+class ElasticLayout(Handler, eh.TrainBegin):
+    """Asks for the elastic layout only (``CheckpointHandler(elastic=True)``'s, without its files)."""
+
+    @property
+    def elastic_checkpoints(self) -> bool:
+        return True
+
+
 class Setup:
     """One configuration's run: everything built before the clock starts, then ``run()``."""
 
@@ -114,8 +128,9 @@ class Setup:
         self.loss = nn.CrossEntropyLoss()
         if config == "raw":
             return
+        invariant = {"world_size_invariant": True} if config == "nobar-invariant" else {}
         self.estimator = Estimator(self.net, self.loss, optimizer=self.optimizer, device=device,
-                                   seed=common.SEED)
+                                   seed=common.SEED, **invariant)
         self.handlers = self._handlers(config)
 
     def _tmpdir(self) -> str:
@@ -127,8 +142,10 @@ class Setup:
         if config == "bare":
             return [eh.StoppingHandler(), eh.GradientUpdateHandler(), eh.MetricHandler([]),
                     eh.LoggingHandler(metrics=[])]
-        if config == "default-nobar":
+        if config in ("default-nobar", "nobar-invariant"):
             return []
+        if config == "nobar-elastic":
+            return [ElasticLayout()]
         if config == "default-nobar+ema":  # (a bar's redraws follow wall time, which valgrind stretches)
             return [eh.EMAHandler()]
         handlers: list[Any] = [eh.ProgressBarHandler(file=NullStream())]

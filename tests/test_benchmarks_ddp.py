@@ -37,12 +37,18 @@ def test_ddp_overhead_reports_fit_against_the_same_job_first_then_a_loop_computi
     assert out["calibration"] is None
 
 
-def test_ddp_overhead_calibrates_what_a_microsecond_of_cpu_per_step_costs():
+def test_ddp_overhead_calibrates_what_a_microsecond_of_cpu_per_step_costs_and_times_world_size_invariant():
     done = subprocess.run([sys.executable, SCRIPT, "--steps", "20", "--repeats", "2", "--samples", "1280",
-                           "--no-ab", "--calibrate", "20000", "--json"], capture_output=True, text=True, timeout=300)
+                           "--no-ab", "--calibrate", "20000", "--invariant", "--json"], capture_output=True, text=True,
+                          timeout=300)
     assert done.returncode == 0, done.stderr
     out = json.loads(done.stdout)
-    assert list(out["us_per_step"]) == ["raw+metrics", "raw", "fit", "raw+cpu"]
+    assert list(out["us_per_step"]) == ["raw+metrics", "raw", "fit", "raw+cpu", "fit-elastic", "fit-invariant"]
+    inv = out["invariant"]
+    assert all(math.isfinite(inv[key]["ratio"]) for key in ("against_fit", "against_elastic", "elastic_against_fit"))
+    params = 32 * 64 + 64 + 64 * 10 + 10  # the benchmark MLP: one all_to_all and one all_gather of half of it
+    assert inv["gradient_floats"] == params and inv["ring_bytes_per_step"] == params * 4
+    assert inv["bytes_per_step"] == 2 * (-(-params // 2)) * 4
     cal = out["calibration"]
     assert cal["cpu_us_per_step"] == 20000 and math.isfinite(cal["added_us_per_step"])
     assert cal["wall_per_cpu"] == cal["added_us_per_step"] / 20000

@@ -33,7 +33,7 @@ _CORE = ("_paths", "_bars", "_event_files")
 #: module name prefix -> layer (the longest matching prefix decides).
 LAYERS: dict[str, int] = {
     "estimatorch._version": 1, "estimatorch._checks": 1, "estimatorch._schedule": 1, "estimatorch._saved": 1, "estimatorch._batches": 1,
-    "estimatorch._shadow": 1, "estimatorch._model_loss": 1, "estimatorch.collate": 1, "estimatorch.distributed": 1, "estimatorch.cluster": 1,
+    "estimatorch._shadow": 1, "estimatorch._model_loss": 1, "estimatorch._items": 1, "estimatorch.collate": 1, "estimatorch.distributed": 1, "estimatorch.cluster": 1,
     "estimatorch.rng": 1, "estimatorch._console": 1,
     "estimatorch.metrics": 2,
     "estimatorch.samplers": 3,

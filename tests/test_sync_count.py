@@ -90,6 +90,36 @@ def test_the_same_cadence_over_more_steps_adds_only_the_extra_firings(tmp_path, 
     assert sum(long.values()) - sum(short.values()) == (firings[100] - firings[50]) * per_firing
 
 
+@pytest.mark.parametrize("invariant", [False, True], ids=["items", "world_size_invariant"])
+def test_the_items_rule_and_the_slot_tree_read_nothing_on_the_host_per_step(syncs, invariant):
+    """A token loss with padding (labels -100), 2 accumulation steps, clipping: the window's count
+    of labels stays a device tensor, and under world_size_invariant the tree's folds and the clip
+    by rows read nothing either. Only the default handlers, which fire at the epoch's end; SGD (AdamW
+    reads its step count with .item() on the CPU)."""
+    from torch import nn
+
+    from estimatorch import Estimator
+    from estimatorch.event_handlers import GradientUpdateHandler
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3), _ClassesFirst())
+    est = Estimator(net, nn.CrossEntropyLoss(ignore_index=-100), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                    world_size_invariant=invariant)
+    labels = (torch.arange(16 * 5) % 3).view(16, 5).masked_fill(torch.arange(16 * 5).view(16, 5) % 7 == 0, -100)
+    data = torch.utils.data.TensorDataset(torch.randn(16, 5, 4), labels)
+    per_step: list[int] = []
+    mark = []
+    first = LambdaHandler(batch_begin=lambda e, **kw: mark.append(sum(syncs.values())), priority=-float("inf"))
+    last = LambdaHandler(batch_end=lambda e, **kw: per_step.append(sum(syncs.values()) - mark[-1]),
+                         priority=float("inf"))
+    update = GradientUpdateHandler(accumulation_steps=2, clip_grad_norm=0.5)
+    syncs.clear()
+    est.fit(torch.utils.data.DataLoader(data, batch_size=2), epochs=2, event_handlers=[first, update, last])
+    assert est.step_items is None and len(per_step) == 16  # weighed during the fit (2 steps per window)
+    assert per_step == [0] * 16
+    assert sum(syncs.values()) > 0  # the counting works: the epochs' ends read the metrics
+
+
 # -- collectives under torch.distributed ------------------------------------------------------------
 COLLECTIVES = ("all_reduce", "broadcast", "all_gather", "all_gather_object", "gather_object", "broadcast_object_list",
                "barrier", "reduce", "gather", "scatter", "reduce_scatter", "all_to_all")
@@ -109,10 +139,11 @@ class _CountedWork:
         return self._work.is_completed()
 
 
-def _count_collectives_per_step(every):
+def _count_collectives_per_step(every, tokens=False):
     """Count every torch.distributed collective a 2-rank fit makes (a blocking call, an async
     start, a wait on its work) and return the counts between consecutive batch_begins of one
-    epoch: what one step costs, its epoch's end excluded."""
+    epoch: what one step costs, its epoch's end excluded. ``tokens``: a per-token loss whose
+    labels are partly -100 (each rank's items differ: the items rule sums them)."""
     import torch.distributed as dist
     from torch import nn
 
@@ -151,12 +182,39 @@ def _count_collectives_per_step(every):
     torch.manual_seed(0)
     torch.set_num_threads(1)
     net = nn.Sequential(nn.Linear(4, 16), nn.ReLU(), nn.Linear(16, 3))
+    if tokens:  # (N, T, 4) -> per-token logits (N, 3, T), labels (N, T) with padding
+        net = nn.Sequential(net, _ClassesFirst())
     est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
     est.agree_every = every
     data = torch.utils.data.TensorDataset(torch.randn(80, 4), torch.arange(80) % 3)
+    if tokens:
+        labels = (torch.arange(80 * 5) % 3).view(80, 5).masked_fill(torch.arange(80 * 5).view(80, 5) % 7 == 0, -100)
+        data = torch.utils.data.TensorDataset(torch.randn(80, 5, 4), labels)
     probe = Probe()
     est.fit(torch.utils.data.DataLoader(data, batch_size=4, shuffle=True), epochs=3, event_handlers=[probe])
     return {"steps": probe.steps, "total": dict(counts)}
+
+
+class _ClassesFirst(torch.nn.Module):
+    def forward(self, x):
+        return x.movedim(-1, 1)
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+def test_a_token_loss_sums_its_items_in_one_collective_per_step_started_before_the_backward():
+    """The items rule's cost under DDP: one all-reduce of one integer per optimizer step, started
+    asynchronously (before the step's backward, on a gloo group of its own) and waited for at the
+    step; no blocking collective per step, and no host-device sync is needed for it."""
+    from estimatorch import distributed
+
+    for result in distributed.spawn(_count_collectives_per_step, 2, None, True, backend="gloo"):
+        steps = result["steps"]
+        assert [step.get("all_reduce started", 0) for step in steps] == \
+            [1 + int((epoch * 10 + i) % 16 == 0) for epoch in range(3) for i in range(1, 10)]
+        assert all(not k.endswith("blocking") for step in steps for k in step)
+        assert [step.get("waits", 0) for step in steps] == \
+            [1 + int(i > 1 and (epoch * 10 + i - 1) % 16 == 0) for epoch in range(3) for i in range(1, 10)]
 
 
 @pytest.mark.distributed

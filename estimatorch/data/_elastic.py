@@ -129,6 +129,19 @@ class ElasticLayout:
         step, slot = self.slot(batch)
         return step * self.slots + slot
 
+    def step_samples(self, step: int) -> int:
+        """The samples the ``S`` slots of step ``step`` of an epoch hold together (a sample repeated
+        to fill a slot counts each time): ``b * S``, but in an epoch's last, incomplete step.
+
+        Example:
+            >>> layout = ElasticLayout(None, [], 10, 2, 1, 0, 2, False, 0)
+            >>> [layout.step_samples(s) for s in range(3)]
+            [4, 4, 2]
+        """
+        size = self.batch_size * self.slots
+        left = self.n - step * size
+        return size if left >= size else max(left, self.slots)
+
     def index_batches(self, epoch: int, start: int) -> Iterator[list[int]]:
         """This rank's batches of sample indices in ``epoch``, from its batch ``start``."""
         order = self._order(epoch)

@@ -20,6 +20,7 @@ from __future__ import annotations
 
 from typing import Any
 
+from .. import distributed
 from ..samplers import check_permutation
 
 __all__ = ["LAYOUT_KEY", "compare_fingerprints", "is_elastic"]
@@ -57,9 +58,15 @@ def compare_fingerprints(saved: dict[str, Any], now: dict[str, Any], source: str
     if is_elastic(now) and saved.get("micro_batches_per_step") != now.get("micro_batches_per_step"):
         before, after = (f"{fp.get('batch_size')!r} samples x {fp.get('micro_batches_per_step')!r} micro-batches"
                          for fp in (saved, now))
+        slots, world = saved.get("micro_batches_per_step"), distributed.get_world_size()
+        split = (f"accumulation_steps={slots // world} on {world} process{'es' if world > 1 else ''}"
+                 if isinstance(slots, int) and slots % world == 0 else
+                 f"no accumulation_steps keeps {slots!r} micro-batches on {world} processes: resume on a number of "
+                 f"processes that divides {slots!r}")
         raise ValueError(f"cannot resume from {source}: the global batch would change (saved {before} per optimizer "
                          f"step, now {after}, from batch_size x world_size x accumulation_steps). Elastic resume keeps "
-                         "the samples of every optimizer step: keep batch_size, and world_size x accumulation_steps")
+                         f"the samples of every optimizer step: keep batch_size, and world_size x accumulation_steps "
+                         f"({split})")
     diffs = [f"{k}: saved {saved.get(k)!r}, now {now.get(k)!r}"
              for k in sorted(set(saved) | set(now)) if saved.get(k) != now.get(k)]
     if diffs:

@@ -42,6 +42,9 @@ class TrainStream:
         layout: the :class:`~estimatorch.data.ElasticLayout` of the batches once
             :meth:`use_elastic` laid them out in global optimizer steps, else None.
         kind: what the user passed, in words, for messages ("a list or tuple of batches").
+        batch_size: the samples of a full batch, when known (a DataLoader's ``batch_size``).
+        even_shares: True when every process's batch ``i`` of an epoch holds as many samples as
+            every other process's (a distributed sampler's equal, padded shares).
         stops_while_fetching: whether a signal may stop the fit at once while the next batch is
             being made (the loop's ``signals.stoppable``). False where the training process makes
             it itself and a half-made batch would advance what the checkpoint saves (the dataset's
@@ -53,6 +56,8 @@ class TrainStream:
     exact: bool = True
     layout: Optional[ElasticLayout] = None
     kind: str = "an iterable of batches"
+    batch_size: Optional[int] = None
+    even_shares: bool = False
     stops_while_fetching: bool = True
 
     def __init__(self, seed: int):

@@ -168,6 +168,7 @@ class _LoaderStream(TrainStream):
             inner = cast(BatchSampler, batch_sampler).sampler if plain_batches else torch_sampler(loader.sampler)
             self.sampler = self._resumable_sampler(inner, unit)
         if self.sampler is not None:
+            self.even_shares = isinstance(self.sampler, ResumableDistributedSampler)
             per_epoch = self.sampler.num_samples
             length = per_epoch // unit if self.drop_last and auto_collate else -(-per_epoch // unit)
             index_batches = self._sampler_batches

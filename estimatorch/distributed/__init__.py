@@ -25,17 +25,22 @@ import torch
 import torch.distributed as dist
 
 from . import cluster
+from ._fsdp_slots import FsdpSlotReduction
+from ._grad_norm import clip_by_rows_
+from ._groups import gloo_group
 from ._rank_watch import RankWatch, Watchdog, mark_agreed
 from ._replicas import ReplicaDivergenceError, differing_ranks, gather_fingerprints, state_fingerprint, state_tensors
+from ._slot_reduction import SlotReduction, slot_reduction
 from ._spawn import RankFailedError, portable_exception, spawn
+from ._step_items import StepItems
 
-__all__ = ["REDUCTIONS", "all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum",
-           "barrier", "broadcast_object", "collective_device", "gather_objects", "gather_to_main",
-           "get_local_rank", "get_rank", "get_world_size", "init_from_env", "is_distributed", "is_main_process",
-           "NullWriter", "on_group", "PendingMax", "RankFailedError", "RankWatch", "raise_on_every_rank",
-           "rank_zero_writer", "run_on_main", "share_outcome", "side_group", "spawn", "Watchdog",
-           "ReplicaDivergenceError", "differing_ranks", "gather_fingerprints", "state_fingerprint", "state_tensors"]
-
+__all__ = ["all_reduce_max_async", "all_reduce_mean_", "all_reduce_states", "all_reduce_sum", "barrier",
+           "broadcast_object", "clip_by_rows_", "collective_device", "differing_ranks", "FsdpSlotReduction",
+           "gather_fingerprints", "gather_objects", "gather_to_main", "get_local_rank", "get_rank", "get_world_size",
+           "init_from_env", "is_distributed", "is_main_process", "NullWriter", "on_group", "PendingMax",
+           "raise_on_every_rank", "rank_zero_writer", "RankFailedError", "RankWatch", "REDUCTIONS",
+           "ReplicaDivergenceError", "run_on_main", "share_outcome", "side_group", "slot_reduction", "SlotReduction",
+           "spawn", "state_fingerprint", "state_tensors", "StepItems", "Watchdog"]
 
 
 def is_distributed() -> bool:
@@ -210,19 +215,6 @@ def all_reduce_states(values: Mapping[str, Any], reductions: Mapping[str, str],
 
 
 _THREAD = threading.local()  # .group: the group this thread's collectives use (see on_group)
-#: the one cache of the groups this module creates: (id of the default group, purpose) -> (that
-#: default group, a gloo group of every rank). A new process group gets new ones.
-_GROUPS: dict[tuple[int, str], tuple[Any, Any]] = {}
-
-
-def _gloo_group(purpose: str) -> Any:
-    """The gloo group of every rank for ``purpose`` under the current default group: created at
-    the first call (a collective: every rank calls it at the same point), then reused."""
-    world = dist.group.WORLD
-    cached = _GROUPS.get((id(world), purpose))
-    if cached is None or cached[0] is not world:  # (an id a destroyed group had is no match)
-        cached = _GROUPS[(id(world), purpose)] = (world, dist.new_group(backend="gloo"))
-    return cached[1]
 
 
 def side_group() -> Any:
@@ -230,7 +222,7 @@ def side_group() -> Any:
     the steps go on): its collectives never interleave with those of the training thread, which
     use the default group. Created at the first call (a collective: every rank calls it at the
     same point), then reused; None without a process group."""
-    return _gloo_group("side") if _initialized() else None
+    return gloo_group("side") if _initialized() else None
 
 
 @contextlib.contextmanager
@@ -252,7 +244,7 @@ def _flag_group() -> Any:
     override = getattr(_THREAD, "group", None)
     if override is not None:
         return override
-    return None if dist.get_backend() == "gloo" else _gloo_group("flags")
+    return None if dist.get_backend() == "gloo" else gloo_group("flags")
 
 
 class PendingMax:

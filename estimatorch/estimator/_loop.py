@@ -19,6 +19,7 @@ from ._fit_estimator import FitEstimator
 from ._plan.counts import limited
 from ._state.run import Run, Stage, describe_plan, record_history, restore_snapshot, take_snapshot
 from ._step.clock import StepClock
+from ._step.weighing import counting_step
 from ._stopping.agreement import rank_identical_stops
 from ._stopping.interrupts import stop_exception
 
@@ -82,7 +83,8 @@ def train_epoch(estimator: FitEstimator, run: Run, epoch: int, marked: frozenset
     batch_begin, batch_end = run.dispatch.batch_begin, run.dispatch.batch_end
     batch_end = (*batch_end, *step_hooks(run))  # the replica check, the progress mark: none when off
     move = batch_mover(device)  # on CUDA, the copy of the next batch overlaps this step
-    fit_batch, clock = processor.fit_batch, None
+    # (a processor of the user's may pass backward no count: its batch's samples, when a step weighs them)
+    fit_batch, clock = counting_step(processor.fit_batch, processor, run.items), None
     if run.step_times is not None:  # the step-time split: pieces wrapped per epoch, none when off
         clock = StepClock(run.step_times)
         move, fit_batch, batch_end = clock.wrap(move, fit_batch, batch_end)

@@ -22,6 +22,7 @@ from ._setup.optimizer import warn_default_optimizer
 from ._setup.train_stream import open_train_stream
 from ._state.run import Run, resume_plan
 from ._step.capture import check_capture
+from ._step.weighing import step_items
 from ._stopping.agreement import agreement_period
 from ._stopping.replicas import check_replica_setting
 from ._stopping.stop_messages import signal_guard
@@ -69,6 +70,7 @@ def start_run(estimator: FitEstimator, train_data: Iterable[Any], val_data: Opti
     run = Run(Dispatch(handlers), stream, {"epochs": epochs, "batches": batches}, batch_axis,
               signal_guard(handlers, estimator.logger), limits)
     run.agreement.period = agreement_period(estimator.agree_every)
+    run.items = step_items(estimator, handlers, stream)
     if any(declared(h, "times_steps") for h in handlers):
         run.step_times = StepTimes(events=estimator.device.type == "cuda")
     run.counts = plan_counts(stream.batches_per_epoch, handlers, epochs, batches, limits[0])

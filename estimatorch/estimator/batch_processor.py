@@ -10,6 +10,7 @@ from torch import nn
 
 from .._batches import call_loss, call_net, split_batch, split_inputs
 from .._checks import check_bool, is_real
+from .._items import loss_items, own_loss_items, passes_num_items, sums_items
 from .._model_loss import is_causal_lm, logits_of, model_inputs, own_loss_step
 from ..events import Dispatch, EstimatorView
 
@@ -32,11 +33,18 @@ class StepEstimator(EstimatorView, Protocol):
     def dispatch(self) -> Dispatch:
         """The current fit's handlers per event: ``dispatch.forward_end`` is falsy when none listens."""
 
+    @property
+    def weighs_items(self) -> bool:
+        """Whether :meth:`backward` weighs the loss by its items (an optimizer step of several
+        micro-batches): a processor then counts them (:mod:`estimatorch._items`)."""
+
     def autocast(self) -> contextlib.AbstractContextManager[Any]:
         """The mixed-precision context of the estimator's ``precision``."""
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled under ``"16-mixed"``."""
+    def backward(self, loss: torch.Tensor, items: Any = None, *, mean: bool = True) -> None:
+        """``loss.backward()``, scaled under ``"16-mixed"``, weighed by ``items`` where a step
+        spans several micro-batches (None: the batch's samples; ``mean=False``: ``loss`` is
+        their sum)."""
 
 
 class BatchProcessor:
@@ -49,6 +57,11 @@ class BatchProcessor:
     uses ``estimator.autocast()`` and ``estimator.backward(loss)`` to keep mixed precision
     working (and may skip an event nobody listens to: ``if estimator.dispatch.forward_end:``). It
     does not step the optimizer: ``GradientUpdateHandler`` does, at ``batch_end``.
+    Where an optimizer step spans several micro-batches (``estimator.weighs_items``), the step
+    trains on the mean over all its items: ``estimator.backward(loss, items)`` weighs the loss
+    by its count (``fit_batch`` passes the count of :mod:`estimatorch._items`: labels other than
+    the loss's ``ignore_index``, else samples); a custom ``fit_batch`` that passes none gets
+    its batch's samples, and one whose loss is a sum passes ``mean=False``.
     A processor that reads batches its own way overrides ``predict_batch`` too (``predict``
     calls it; one without a ``predict_batch`` method gets ``evaluate_batch``'s ``pred``).
 
@@ -103,20 +116,29 @@ class BatchProcessor:
         listeners = estimator.dispatch  # events nobody listens to are not fired at all
         if listeners.forward_begin:
             estimator.fire("forward_begin", batch=batch)
+        items, mean, loss_fn = None, True, estimator.loss
         with estimator.autocast():
-            if estimator.loss is None:
-                data = batch
-                pred, label, loss = own_loss_step(estimator.train_net, estimator.net, batch, "train_data",
-                                                  self._shift(estimator.net), self.label_smoothing)
+            if loss_fn is None:
+                data, shift = batch, self._shift(estimator.net)
+                if estimator.weighs_items:  # the model divides its loss by these items (as Trainer has it)
+                    items = own_loss_items(batch, shift, batch_axis)
+                    if not self.label_smoothing and passes_num_items(estimator.net, batch):
+                        batch = {**batch, "num_items_in_batch": items.clamp(min=1)
+                                 if isinstance(items, torch.Tensor) else max(items, 1)}
+                pred, label, loss = own_loss_step(estimator.train_net, estimator.net, batch, "train_data", shift,
+                                                  self.label_smoothing)
+                batch = data
             else:
                 data, label = split_batch(batch)
                 pred = call_net(estimator.train_net, data)
-                loss = call_loss(estimator.loss, pred, label, "train_data")
+                loss = call_loss(loss_fn, pred, label, "train_data")
+                if estimator.weighs_items or sums_items(loss_fn):
+                    items, mean = loss_items(loss_fn, label, batch_axis), not sums_items(loss_fn)
         if listeners.forward_end:
             estimator.fire("forward_end", batch=batch, pred=pred, loss=loss)
         if listeners.backward_begin:
             estimator.fire("backward_begin", batch=batch, loss=loss)
-        estimator.backward(loss)
+        estimator.backward(loss, items, mean=mean)
         if listeners.backward_end:
             estimator.fire("backward_end", batch=batch)
         return data, label, pred, loss

@@ -109,6 +109,15 @@ class Estimator(RunView):
             a :class:`~estimatorch.Watchdog` (``action="raise"`` ends the run). Every rank's
             stacks go to the run's directory and the log, with a one-line summary of where each
             rank is. Defaults to None (off).
+        world_size_invariant: train the same bits for any split of an optimizer step's
+            ``S = world_size x accumulation_steps`` micro-batches of ``b`` samples (the loader's
+            ``batch_size``) over processes and accumulation steps, DDP and FSDP2, and resume
+            bit-identically on any such split: the data is laid out in global steps (as
+            ``CheckpointHandler(elastic=True)`` lays it out), each micro-batch's gradient is
+            computed alone and the step's gradient is their sum in one fixed tree over the
+            micro-batches, whatever process holds which (docs/distributed.md, "The same bits on
+            any number of processes"). Every process must run torch on the same number of
+            threads. Defaults to False.
         check_replicas_every: under torch.distributed, every this many optimizer steps and
             before every checkpoint save, the ranks compare an exact fingerprint of their
             parameters and optimizer state in one small collective (an ``all_gather`` of one
@@ -151,11 +160,12 @@ class Estimator(RunView):
                  precision: Union[str, int] = "32", deterministic: bool = False, cudnn_benchmark: bool = False,
                  strategy: Optional[str] = None,
                  cuda_graphs: bool = False, watchdog: Union[float, Watchdog, None] = None,
-                 check_replicas_every: Optional[int] = None):
+                 world_size_invariant: bool = False, check_replicas_every: Optional[int] = None):
         checks.check_estimator_arguments(net, loss, val_net, val_loss, optimizer, batch_processor)
         self.check_replicas_every = check_positive_int(check_replicas_every, "check_replicas_every", allow_none=True)
         precision = checks.precision_name(precision)
-        checks.check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs)
+        checks.check_flags(deterministic=deterministic, cudnn_benchmark=cudnn_benchmark, cuda_graphs=cuda_graphs,
+                           world_size_invariant=world_size_invariant)
 
         seed = rng.DEFAULT_SEED if seed is None else rng.check_seed(seed)
         self.watchdog = Watchdog.of(watchdog)
@@ -169,6 +179,7 @@ class Estimator(RunView):
         self.deterministic = deterministic
         self.cudnn_benchmark = cudnn_benchmark
         self.cuda_graphs = cuda_graphs
+        self.world_size_invariant = world_size_invariant
         self.batch_processor = batch_processor if batch_processor is not None else BatchProcessor()
         self.logger = _default_logger()
 
@@ -195,6 +206,7 @@ class Estimator(RunView):
         self._last: Optional[dict[str, Any]] = None
         self._ddp: Optional[nn.Module] = None
         self._eval_count = 0
+        self._step_items: Optional[distributed.StepItems] = None  # the current fit's, when it weighs
 
     def planned_steps(self, train_data: Iterable[Any], epochs: Optional[int] = None, batches: Optional[int] = None,
                       batches_per_epoch: Optional[int] = None, *, event_handlers: Any = None) -> int:
@@ -226,10 +238,51 @@ class Estimator(RunView):
         # a captured step (cuda_graphs) keeps no cast weights across the graph: PyTorch's advice
         return torch.autocast(self.device.type, dtype=self._amp_dtype, cache_enabled=not self.cuda_graphs)
 
-    def backward(self, loss: torch.Tensor) -> None:
-        """``loss.backward()``, scaled under ``"16-mixed"``; a per-sample loss is averaged."""
+    @property
+    def weighs_items(self) -> bool:
+        """True during a fit whose optimizer steps span several micro-batches (accumulation, or
+        several processes): :meth:`backward` then weighs each micro-batch's loss by its items, so
+        that a step trains on the mean over every item of its micro-batches (see :meth:`backward`)."""
+        return self._step_items is not None
+
+    @property
+    def step_items(self) -> Optional[distributed.StepItems]:
+        """The items of the optimizer step under way, which ``GradientUpdateHandler`` divides the
+        step's summed gradient by; None outside ``fit`` or when a step is one micro-batch."""
+        return self._step_items
+
+    def backward(self, loss: torch.Tensor, items: Any = None, *, mean: bool = True) -> None:
+        """``loss.backward()``, scaled under ``"16-mixed"``; a per-sample loss is averaged.
+
+        Where an optimizer step spans several micro-batches (:attr:`weighs_items`), the loss is
+        weighed by its items first, so that the step's gradient, which ``GradientUpdateHandler``
+        divides by the step's items on every rank, is that of the mean over all of them.
+
+        Args:
+            loss: the micro-batch's loss.
+            items: how many items ``loss`` is over: a device tensor (labels other than the
+                loss's ``ignore_index``, say) or an int. Defaults to None: the micro-batch's
+                samples, counted along ``batch_axis`` from the batch ``fit`` passed to
+                ``fit_batch`` (``BatchProcessor`` passes the count of :mod:`estimatorch._items`).
+            mean: ``loss`` is the mean over its items; False: their sum (``reduction="sum"``),
+                which the step divides by its items too. Defaults to True.
+
+        Example:
+            >>> net = nn.Linear(2, 1)
+            >>> est = Estimator(net, nn.MSELoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1))
+            >>> est.backward(nn.functional.mse_loss(net(torch.ones(4, 2)), torch.zeros(4, 1)), items=4)
+            >>> net.weight.grad.shape
+            torch.Size([1, 2])
+        """
         if loss.dim() > 0:
             loss = loss.mean()
+        step_items = self._step_items
+        if step_items is not None:
+            loss = step_items.weigh(loss, items, mean)
+        elif not mean:  # one micro-batch per step: the mean over its items
+            if items is None:
+                raise ValueError("backward(loss, mean=False) needs items=: the count the summed loss divides by")
+            loss = loss / (items.clamp(min=1) if isinstance(items, torch.Tensor) else max(items, 1))
         if self.grad_scaler is not None:
             loss = self.grad_scaler.scale(loss)
         loss.backward()
@@ -347,6 +400,7 @@ class Estimator(RunView):
     def _fit(self, run: Run) -> History:
         before = (self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler)
         self._run, self.dispatch, self._fitting = run, run.dispatch, True
+        self._step_items = run.items
         self.max_epoch, self.max_batch, self.batch_axis = run.plan["epochs"], run.plan["batches"], run.batch_axis
         failed, stopping = False, BaseException()
         try:
@@ -386,6 +440,7 @@ class Estimator(RunView):
                 return run.history
         finally:
             self.dispatch, self._fitting, run.step = Dispatch([]), False, None  # a graph's memory goes with it
+            self._step_items = None
             if not run.stage.holds_state:  # failed before training began: the estimator stays as it was
                 self._run, self.max_epoch, self.max_batch, self.batch_axis, self.lr_scheduler = before
             else:  # what fit(..., resume=True) continues from

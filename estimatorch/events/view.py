@@ -15,6 +15,7 @@ import torch
 from torch import nn
 
 from ..checkpoint import ResumableFit
+from ..distributed import StepItems
 from .timing import StepTimes
 
 __all__ = ["EstimatorView", "PositionView"]
@@ -62,6 +63,14 @@ class EstimatorView(ResumableFit, Protocol):
     #: a callable ``lr_scheduler`` (``(optimizer, total_steps) -> scheduler``) that ``fit`` builds
     #: the scheduler with at its start, before ``train_begin``; None when none was given
     lr_scheduler_factory: Optional[Callable[[torch.optim.Optimizer, int], object]]
+    #: True when a step's bits do not depend on how its micro-batches are split over processes
+    #: and accumulation steps (``Estimator(world_size_invariant=True)``)
+    world_size_invariant: bool
+
+    @property
+    def step_items(self) -> Optional[StepItems]:
+        """The items of the optimizer step under way (what its summed gradient is divided by),
+        when a step spans several micro-batches; else None."""
 
     @property
     def train_net(self) -> nn.Module:

@@ -108,3 +108,25 @@ def draws_follow_the_micro_batch(device, tmp_path):
 def test_each_micro_batch_of_an_elastic_fit_draws_from_its_place(tmp_path):
     for got, wanted in draws_follow_the_micro_batch("cpu", tmp_path):
         assert torch.equal(got, wanted)
+
+
+@pytest.mark.parametrize("n, drop_last", [(48, False), (45, False), (5, False), (45, True)])
+def test_step_samples_is_what_the_slots_of_each_step_hold(n, drop_last):
+    """The items of a step of samples, known without asking the other ranks."""
+    layout = ElasticLayout(None, [], n, 4, 2, 0, 4, drop_last, 0)
+    for step in range(layout.steps):
+        assert layout.step_samples(step) == sum(len(slot_positions(n, 4, 8, step, m)) for m in range(8))
+
+
+def test_a_split_no_accumulation_keeps_is_named(monkeypatch):
+    """4 micro-batches per step saved, resumed on 3 processes: no accumulation_steps keeps them."""
+    from estimatorch import distributed
+    from estimatorch.data._fingerprint import compare_fingerprints
+
+    saved = ElasticLayout(None, [], 48, 4, 2, 0, 2, False, 0).fingerprint()
+    now = ElasticLayout(None, [], 48, 4, 3, 0, 1, False, 0).fingerprint()
+    monkeypatch.setattr(distributed, "get_world_size", lambda: 3)
+    with pytest.raises(ValueError, match=r"saved 4 samples x 4 micro-batches per optimizer step, now 4 samples x 3 "
+                                         r"micro-batches.*no accumulation_steps keeps 4 micro-batches on 3 processes: "
+                                         r"resume on a number of processes that divides 4"):
+        compare_fingerprints(saved, now, "ckpt")

@@ -11,6 +11,7 @@ import math
 
 import pytest
 import torch
+import transformers
 
 from estimatorch import BatchProcessor, Estimator, rng
 from estimatorch.event_handlers import GradientUpdateHandler
@@ -28,22 +29,34 @@ MODELS = {
 
 
 def hand_loop(model, batches, *, lr=1e-3, accumulate=1, clip=None, autocast=None, seed=0):
-    """``out = model(**batch); out.loss.backward()``: the step a user writes, and its losses."""
+    """``out = model(**batch); out.loss.backward()``: the step a user writes, and its losses. With
+    accumulation, as transformers' ``Trainer`` scales it: each batch's loss over its tokens
+    (``num_items_in_batch``: labels other than -100, a causal LM's shifted by one), weighed by
+    them, the window's gradient divided by the tokens of every batch of the window."""
     rng.seed_everything(seed)
     optimizer = torch.optim.AdamW(model.parameters(), lr=lr)
+    causal = isinstance(model, transformers.GPT2LMHeadModel)
     model.train()
-    losses = []
+    losses, tokens = [], 0
     for i, batch in enumerate(batches, 1):
         with torch.autocast("cpu", dtype=torch.bfloat16) if autocast else torch.autocast("cpu", enabled=False):
-            out = model(**batch)
-        out.loss.backward()
+            if accumulate > 1:
+                n = (batch["labels"][..., 1:] if causal else batch["labels"]).ne(-100).sum()
+                out = model(**batch, num_items_in_batch=n.clamp(min=1))
+            else:
+                out = model(**batch)
+        if accumulate > 1:
+            torch.where(n > 0, out.loss * n, torch.zeros_like(out.loss)).backward()
+            tokens = tokens + n
+        else:
+            out.loss.backward()
         losses.append(float(out.loss.detach()).hex())
         if i % accumulate == 0 or i == len(batches):
-            pending = accumulate if i % accumulate == 0 else i % accumulate
-            if pending > 1:
+            if accumulate > 1:
                 for p in model.parameters():
                     if p.grad is not None:
-                        p.grad.div_(pending)
+                        p.grad.div_(tokens.clamp(min=1).float())
+                tokens = 0
             if clip is not None:
                 torch.nn.utils.clip_grad_norm_([p for p in model.parameters() if p.requires_grad], clip)
             optimizer.step()

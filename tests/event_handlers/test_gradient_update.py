@@ -206,7 +206,7 @@ def test_state_between_steps_round_trips():
     est, h = make_estimator(), GradientUpdateHandler()
     est.fit(make_batches(2), epochs=1, event_handlers=[h])
     state = h.state_dict()
-    assert state == {"pending": 0, "grads": None}
+    assert state == {"pending": 0, "grads": None, "items": None}
     fresh = GradientUpdateHandler()
     fresh.load_state_dict(state)
     assert fresh.state_dict() == state
@@ -360,3 +360,58 @@ def test_a_step_of_every_batch_is_capturable_and_a_replay_counts_as_a_step():
     plain.stepped = False
     replayed()
     assert plain.stepped is True
+
+
+# -- world_size_invariant in one process -------------------------------------------------------------
+def _invariant_fit(invariant, k, clip=None, net=None):
+    from estimatorch import Estimator
+
+    torch.manual_seed(0)
+    net = net or nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    est = Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=LR),
+                    world_size_invariant=invariant)
+    data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*make_batches(8, batch_size=4))))
+    handler = GradientUpdateHandler(accumulation_steps=k, clip_grad_norm=clip)
+    est.fit(torch.utils.data.DataLoader(data, batch_size=4), epochs=1, event_handlers=[handler])
+    return est.net, handler
+
+
+def test_world_size_invariant_sums_the_slots_in_the_tree_the_default_sums_them_in_order():
+    """Two slots: one addition either way, the same bits; four: ((g0 + g1) + (g2 + g3)) against
+    ((g0 + g1) + g2) + g3, the same to rounding; the clip's norm is added by rows."""
+    plain, _ = _invariant_fit(False, 2)
+    tree, handler = _invariant_fit(True, 2)
+    assert_same_params(tree, plain, exact=True)
+    assert handler.reduction is not None and handler.reduction.bytes_sent == 0  # one process: nothing sent
+    assert_same_params(_invariant_fit(True, 4)[0], _invariant_fit(False, 4)[0])
+    assert_same_params(_invariant_fit(True, 2, clip=0.05)[0], _invariant_fit(False, 2, clip=0.05)[0])
+    assert_params_differ(_invariant_fit(True, 2, clip=0.05)[0], plain)  # the clip bites
+
+
+def test_world_size_invariant_is_a_bool_without_cuda_graphs_and_running_statistics_are_named_at_fit_start():
+    from estimatorch import Estimator
+
+    net = nn.Linear(4, 3)
+    with pytest.raises(TypeError, match="world_size_invariant must be a bool, got 'yes'"):
+        Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                  world_size_invariant="yes")
+    with pytest.raises(ValueError, match="world_size_invariant=True and cuda_graphs=True cannot be combined"):
+        Estimator(net, nn.CrossEntropyLoss(), optimizer=torch.optim.SGD(net.parameters(), lr=0.1),
+                  world_size_invariant=True, cuda_graphs=True)
+    with pytest.warns(UserWarning, match=r"running statistics of 1 are not"):
+        _invariant_fit(True, 2, net=nn.Sequential(nn.Linear(4, 8), nn.BatchNorm1d(8), nn.Linear(8, 3)))
+
+
+def test_world_size_invariant_leaves_a_frozen_parameter_of_the_optimizer_alone():
+    from estimatorch import Estimator
+
+    torch.manual_seed(0)
+    net = nn.Sequential(nn.Linear(4, 8), nn.ReLU(), nn.Linear(8, 3))
+    net[0].weight.requires_grad_(False)
+    frozen = net[0].weight.detach().clone()
+    est = Estimator(net, nn.CrossEntropyLoss(), world_size_invariant=True,
+                    optimizer=torch.optim.AdamW(net.parameters(), lr=LR, weight_decay=0.5))
+    data = torch.utils.data.TensorDataset(*map(torch.cat, zip(*make_batches(4, batch_size=4))))
+    est.fit(torch.utils.data.DataLoader(data, batch_size=4), epochs=1,
+            event_handlers=[GradientUpdateHandler(accumulation_steps=2)])
+    assert torch.equal(net[0].weight, frozen) and net[0].weight.grad is None

@@ -129,6 +129,10 @@ def check_flags(**flags: Any) -> None:
         check_bool(value, name)
     if flags.get("deterministic") and flags.get("cudnn_benchmark"):
         raise ValueError("deterministic=True and cudnn_benchmark=True contradict each other; choose one")
+    if flags.get("world_size_invariant") and flags.get("cuda_graphs"):
+        raise ValueError("world_size_invariant=True and cuda_graphs=True cannot be combined: the invariant step "
+                         "folds each micro-batch's gradient on the host's schedule, which a CUDA graph cannot "
+                         "record; choose one")
 
 
 def check_optimizer(optimizer: Optional[torch.optim.Optimizer], net: nn.Module) -> None:

@@ -15,7 +15,8 @@ __all__ = ["open_train_stream"]
 def open_train_stream(estimator: FitEstimator, train_data: Any, handlers: list[Any]) -> TrainStream:
     """The training stream of ``train_data`` for a fit with ``handlers``. Laid out in global
     optimizer steps when a handler asks for elastic checkpoints (``CheckpointHandler(...,
-    elastic=True)``), with the handlers' accumulation steps."""
-    elastic = any(declared(h, "elastic_checkpoints") for h in handlers)
+    elastic=True)``) or the estimator is ``world_size_invariant``, with the handlers'
+    accumulation steps."""
+    elastic = estimator.world_size_invariant or any(declared(h, "elastic_checkpoints") for h in handlers)
     return open_stream(train_data, estimator.seed, elastic_steps=accumulation_steps(handlers) if elastic else None,
                        device=estimator.device)

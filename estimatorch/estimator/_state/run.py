@@ -131,6 +131,8 @@ class Run:
         self.step_times: Optional[StepTimes] = None
         #: the snapshot ``fit(..., resume=True)`` continues from, taken as the fit ends
         self.final_snapshot: Optional[dict[str, Any]] = None
+        #: the items of each optimizer step, when a step spans several micro-batches (else None)
+        self.items: Optional[distributed.StepItems] = None
         #: the run's ledger, kept by this attempt (rank 0): see ``_state/ledger.py``
         self.ledger = RunLedger()
         #: the replica check (``Estimator(check_replicas_every=...)``), None when off or in one process

@@ -197,7 +197,9 @@ class CheckpointHandler(StatefulHandler, TrainBegin, TrainEnd, BatchEnd, EpochEn
         elastic: lay the training samples out in global optimizer steps, so that the run can
             resume on another world size with the same ``batch_size`` and ``world_size x
             accumulation_steps`` (see :mod:`estimatorch.data._elastic`); set it from the
-            run's first fit on, and on every resume. Defaults to False.
+            run's first fit on, and on every resume. Bit-identical on any such split where the
+            estimator is ``world_size_invariant=True`` (which lays the samples out so itself).
+            Defaults to False.
         async_save: write checkpoints in the background; the step waits only for a copy of the
             state into reused buffers (see above): True (or ``"process"``) by a writer process
             (where none can run, not on Linux, True falls back to a thread, logged),
