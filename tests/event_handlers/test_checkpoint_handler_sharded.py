@@ -70,8 +70,8 @@ def test_the_whole_job_killed_after_a_checkpoint_relaunches_bit_identically(refe
     with pytest.raises(RankFailedError):
         _spawn(2, ckpt, batches=BATCHES, period=2, max_checkpoints=2, kill_at=5)
     # the lock and the progress mark: killed
-    assert sorted(os.listdir(ckpt)) == [checkpoint.LOCK_NAME, checkpoint.PROGRESS_NAME, _name(2), _name(4),
-                                        "model-latest"]
+    assert sorted(os.listdir(ckpt)) == sorted([checkpoint.LOCK_NAME, checkpoint.PROGRESS_NAME, _name(2), _name(4),
+                                               "model-latest"])
     again = _spawn(2, ckpt, batches=BATCHES, period=2, max_checkpoints=2, resume=True)
     _same_run(again, full, since=4)
     assert again[0]["files"] == [_name(10), _name(8), "model-latest"]  # retention
@@ -100,7 +100,8 @@ def test_a_damaged_shard_falls_back_to_the_previous_checkpoint_with_a_warning(re
     skipped = [line for line in again[0]["log"] if line.startswith("Skipping a checkpoint")]
     assert len(skipped) == 1 and str(shard) in skipped[0] and "truncated" in skipped[0], again[0]["log"]
     resumed = [line for line in again[0]["log"] if line.startswith("Resuming from")]
-    assert resumed and resumed[0].endswith(f"{_name(5)}: 0 epochs and 5 batches done"), again[0]["log"]
+    # the position, then (after ";") what the ledger says of the last attempt
+    assert resumed and resumed[0].split(";")[0].endswith(f"{_name(5)}: 0 epochs and 5 batches done"), again[0]["log"]
 
 
 def _in_process(ckpt_dir, **options):

@@ -78,7 +78,8 @@ def test_sigterm_during_a_background_write_leaves_both_checkpoints_durable_and_r
     # agree_every=1: the flags are exchanged after every step (gloo's default is every 16)
     stopped = _spawn(tmp_path / "run", period=3, handler=ASYNC, slow_write=0.5, signal_at={1: 3}, agree_every=1)
     assert [(r["outcome"], r["step"]) for r in stopped] == [("SystemExit(143)", 4)] * 2
-    assert stopped[0]["files"] == [_name(3), _name(4), "model-latest"]  # 3 in flight at the signal, 4 in train_end
+    # 3 in flight at the signal, 4 in train_end; the progress mark stays after a stop by a signal
+    assert stopped[0]["files"] == sorted([checkpoint.PROGRESS_NAME, _name(3), _name(4), "model-latest"])
     for step in (3, 4):
         assert checkpoint.locate(tmp_path / "run" / _name(step)).kind == "sharded"
     resume = tmp_path / "resume"
