@@ -58,6 +58,39 @@ def _gpu_for_cuda_tests(request, monkeypatch, _cpu_by_default):
     yield
 
 
+#: what the ranks' server imports once (estimatorch.distributed.spawn's forkserver, below)
+RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
+                "estimatorch", "estimatorch.checkpoint", "transformers"]
+
+
+@pytest.fixture(autouse=True, scope="session")
+def _ranks_from_a_forkserver():
+    """``distributed.spawn``'s ranks are forks of one server per test process that imported torch
+    once (stdlib multiprocessing's forkserver), not fresh interpreters: a spawned rank's seconds
+    of imports, times some hundred launches, were a large part of the suite. Each rank is still
+    a new process that shares nothing with the test's or an earlier run's (the server never runs
+    a rank's code), with the caller's environment and working directory.
+    tests/distributed/test_distributed.py tests the plain "spawn" start, the library's default."""
+    import multiprocessing
+
+    from estimatorch.distributed import _spawn
+
+    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    saved, _spawn._START_METHOD = _spawn._START_METHOD, "forkserver"
+    yield
+    _spawn._START_METHOD = saved
+
+
+@pytest.fixture
+def fresh_interpreter_ranks():
+    """For a test of spawn itself: its ranks start as the library starts them, fresh interpreters."""
+    from estimatorch.distributed import _spawn
+
+    saved, _spawn._START_METHOD = _spawn._START_METHOD, "spawn"
+    yield
+    _spawn._START_METHOD = saved
+
+
 @pytest.fixture(autouse=True)
 def _one_thread():
     threads = torch.get_num_threads()

@@ -59,6 +59,11 @@ _FAILURE_GRACE_S = 10.0
 _RELEASE_WAIT_S = 60.0
 
 
+#: how the ranks' processes start: "spawn", a fresh interpreter each. The test suite sets
+#: "forkserver" (tests/conftest.py): forks of one server that imported torch once, as fresh as a
+#: spawned process but without its seconds of imports; the environment goes with the request.
+_START_METHOD = "spawn"
+
 #: in a process :func:`spawn` started: sends a failure to the parent at once.
 _REPORT: Optional[Callable[[BaseException], None]] = None
 
@@ -86,7 +91,7 @@ def portable_exception(err: BaseException) -> Optional[BaseException]:
 
 
 def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int, backend: str,
-                 args: tuple, conn: Any) -> None:
+                 args: tuple, conn: Any, environ: dict[str, str]) -> None:
     """One spawned process: run ``fn``, hand its result (or error) to the parent through
     ``conn``, wait until the parent has heard from every rank, then leave with ``os._exit``.
 
@@ -95,6 +100,9 @@ def _spawn_entry(local_rank: int, fn: Callable[..., Any], nprocs: int, port: int
     after its work is done. The result is already delivered by then, and nothing the teardown
     would do (flushing streams aside, done here) is needed.
     """
+    if os.environ != environ:  # a forkserver's child has the server's environment, not the caller's
+        os.environ.clear()
+        os.environ.update(environ)
     os.environ.update(RANK=str(local_rank), LOCAL_RANK=str(local_rank), WORLD_SIZE=str(nprocs),
                       MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     code = 0
@@ -203,12 +211,12 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: Optional[str
 
 def _start_ranks(fn: Callable[..., Any], nprocs: int, backend: str, args: tuple) -> tuple[list[Any], list[Any]]:
     """Start one spawned process per rank, each with a pipe to this one."""
-    ctx = mp.get_context("spawn")
-    port = _free_port()
+    ctx = mp.get_context(_START_METHOD)
+    port, environ = _free_port(), dict(os.environ)
     procs, conns = [], []
     for rank in range(nprocs):
         parent_end, child_end = ctx.Pipe(duplex=True)
-        proc = ctx.Process(target=_spawn_entry, args=(rank, fn, nprocs, port, backend, args, child_end),
+        proc = ctx.Process(target=_spawn_entry, args=(rank, fn, nprocs, port, backend, args, child_end, environ),
                            name=f"estimatorch-rank{rank}", daemon=False)
         proc.start()
         child_end.close()

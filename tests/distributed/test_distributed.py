@@ -25,7 +25,7 @@ def _rank_and_sum(offset):
     return {"rank": distributed.get_rank(), "world": distributed.get_world_size(), "sum": total, "offset": offset}
 
 
-def test_spawn_returns_every_ranks_result_in_rank_order():
+def test_spawn_returns_every_ranks_result_in_rank_order(fresh_interpreter_ranks):
     results = distributed.spawn(_rank_and_sum, 2, 7, backend="gloo")
     assert [r["rank"] for r in results] == [0, 1] and [r["world"] for r in results] == [2, 2]
     assert all(torch.equal(r["sum"], torch.tensor([3.0])) and r["offset"] == 7 for r in results)
@@ -42,7 +42,7 @@ def _raise_on_rank_1(in_collective):
 
 
 @pytest.mark.parametrize("in_collective", [False, True])
-def test_spawn_raises_the_failing_ranks_exception_naming_the_rank(in_collective):
+def test_spawn_raises_the_failing_ranks_exception_naming_the_rank(in_collective, fresh_interpreter_ranks):
     with pytest.raises(distributed.RankFailedError, match="rank 1 of 2 raised ValueError: rank one refuses") as info:
         distributed.spawn(_raise_on_rank_1, 2, in_collective, backend="gloo")
     assert info.value.rank == 1
@@ -56,7 +56,7 @@ def _exit_without_result():
     return "done"
 
 
-def test_spawn_reports_a_rank_that_died_without_a_result():
+def test_spawn_reports_a_rank_that_died_without_a_result(fresh_interpreter_ranks):
     with pytest.raises(distributed.RankFailedError, match=r"rank 1 of 2 ended before returning a result \(exit code 3\)"):
         distributed.spawn(_exit_without_result, 2, backend="gloo")
 
@@ -73,10 +73,28 @@ def _abort_after_delivering():
     return distributed.get_rank() * 10
 
 
-def test_spawn_keeps_a_result_delivered_before_the_process_aborted():
+def test_spawn_keeps_a_result_delivered_before_the_process_aborted(fresh_interpreter_ranks):
     """The torch 2.13 gloo teardown abort, simulated: the result survives, with a warning."""
     with pytest.warns(RuntimeWarning, match=r"rank 0 delivered its result, then its process ended \(killed by signal SIGABRT\)"):
         assert distributed.spawn(_abort_after_delivering, 2, backend="gloo") == [0, 10]
+
+
+def _environment(name):
+    return os.environ.get(name), os.getcwd()
+
+
+@pytest.mark.parametrize("start", ["spawn", "forkserver"])
+def test_the_ranks_see_the_callers_environment_and_working_directory(start, monkeypatch, tmp_path):
+    """The suite's forkserver (tests/conftest.py) started before this test set the variable: its
+    children take the caller's environment from the request, as spawned ones inherit it."""
+    from estimatorch.distributed import _spawn
+
+    distributed.spawn(_environment, 1, "ESTIMATORCH_TEST_MARK", backend="gloo")  # the server is up
+    monkeypatch.setattr(_spawn, "_START_METHOD", start)
+    monkeypatch.setenv("ESTIMATORCH_TEST_MARK", "set by the test")
+    monkeypatch.chdir(tmp_path)
+    assert distributed.spawn(_environment, 2, "ESTIMATORCH_TEST_MARK", backend="gloo") == \
+        [("set by the test", str(tmp_path))] * 2
 
 
 def test_spawn_checks_its_arguments_before_starting_anything():
