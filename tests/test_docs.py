@@ -5,6 +5,7 @@ the same numbers run after run; nothing points outside the repository."""
 from __future__ import annotations
 
 import ast
+import functools
 import inspect
 import json
 import os
@@ -147,6 +148,12 @@ def test_the_module_map_check_catches_a_missing_module(tmp_path):
 _INSTANCES = {"est": "Estimator", "estimator": "Estimator", "run": "Run"}
 
 
+@functools.lru_cache(maxsize=None)
+def _tree(source: str) -> ast.Module:
+    """The parse of a module's source (the checks below read each module many times)."""
+    return ast.parse(source)
+
+
 def _package_index(root: pathlib.Path) -> tuple[dict[str, list[str]], dict[str, list[str]]]:
     """The package's modules by their last name (``_loop`` -> ``estimatorch.estimator._loop``)
     and its classes by name (``Run`` -> the modules defining one)."""
@@ -156,7 +163,7 @@ def _package_index(root: pathlib.Path) -> tuple[dict[str, list[str]], dict[str, 
         parts = list(path.relative_to(root.parent).with_suffix("").parts)
         dotted = ".".join(parts[:-1] if parts[-1] == "__init__" else parts)
         modules.setdefault(dotted.split(".")[-1], []).append(dotted)
-        for node in ast.parse(path.read_text(encoding="utf-8")).body:
+        for node in _tree(path.read_text(encoding="utf-8")).body:
             if isinstance(node, ast.ClassDef):
                 classes.setdefault(node.name, []).append(dotted)
     return modules, classes
@@ -168,7 +175,7 @@ def _class_members(root: pathlib.Path, module: str, name: str) -> set[str]:
     path = root.parent.joinpath(*module.split("."))
     path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
     members: set[str] = set()
-    for node in ast.parse(path.read_text(encoding="utf-8")).body:
+    for node in _tree(path.read_text(encoding="utf-8")).body:
         if isinstance(node, ast.ClassDef) and node.name == name:
             for item in ast.walk(node):
                 if isinstance(item, (ast.FunctionDef, ast.AsyncFunctionDef)):
@@ -211,7 +218,7 @@ def dotted_names_missing(text: str, root: pathlib.Path) -> list[str]:
             for module in candidates:
                 path = root.parent.joinpath(*module.split("."))
                 path = path / "__init__.py" if path.is_dir() else path.with_suffix(".py")
-                tree = ast.parse(path.read_text(encoding="utf-8"))
+                tree = _tree(path.read_text(encoding="utf-8"))
                 names = {t.id for node in ast.walk(tree) if isinstance(node, (ast.Assign, ast.AnnAssign))
                          for t in (node.targets if isinstance(node, ast.Assign) else [node.target])
                          if isinstance(t, ast.Name)}

@@ -74,7 +74,7 @@ def test_kills_at_every_stage_of_a_sharded_write_resume_from_the_newest_complete
     handler = {"async_save": async_save}
     newest = 0
     for stage, n, left in KILLS:
-        with pytest.raises(RankFailedError):
+        with pytest.raises(RankFailedError, match="SIGKILL"):  # the kill, not a launch that failed otherwise
             _spawn(ckpt, resume=True, kill_in=(stage, n), handler=handler)
         assert _where(ckpt) == left, stage
         step = _check_left(ckpt)
