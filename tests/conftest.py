@@ -58,9 +58,10 @@ def _gpu_for_cuda_tests(request, monkeypatch, _cpu_by_default):
     yield
 
 
-#: what the ranks' server imports once (estimatorch.distributed.spawn's forkserver, below)
-RANK_PRELOAD = ["torch", "torch.distributed", "torch.distributed.fsdp", "torch.distributed.checkpoint",
-                "estimatorch", "estimatorch.checkpoint", "transformers"]
+#: what the ranks' server imports once (estimatorch.distributed.spawn's forkserver, below);
+#: ``torch._dynamo``: torch imports it at a process's first optimizer (over a second)
+RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp",
+                "torch.distributed.checkpoint", "estimatorch", "estimatorch.checkpoint", "transformers"]
 
 
 @pytest.fixture(autouse=True, scope="session")

@@ -263,13 +263,16 @@ def _reap(procs: list[Any], conns: list[Any]) -> None:
 
 def _raise_rank_failure(failures: list[tuple[int, tuple]], silent: list[int], procs: list[Any]) -> None:
     """Raise a :class:`RankFailedError` for the rank that raised first (later failures are
-    usually its consequence: a collective that lost a peer), or else the first that died."""
+    usually its consequence: a collective that lost a peer), or else the first that died; the
+    message names every other failure too (a rank killed before a peer raised among them)."""
     raised = [(rank, report) for rank, report in failures if report[0] == "error"]
     # a rank that stopped because another failed (RankFailedError) is a consequence: the cause first
     raised.sort(key=lambda item: isinstance(item[1][1], RankFailedError))
+    cause = raised[0][0] if raised else failures[0][0] if failures else silent[0]
     others = [f"rank {rank}: {report[3] if report[0] == 'error' else report[1]}"
-              for rank, report in failures[1:] if report[0] == "error" or report[0] == "died"]
-    others += [f"rank {rank}: no report ({_describe_exit(procs[rank].exitcode)}, terminated)" for rank in silent]
+              for rank, report in failures if rank != cause and report[0] in ("error", "died")]
+    others += [f"rank {rank}: no report ({_describe_exit(procs[rank].exitcode)}, terminated)"
+               for rank in silent if rank != cause]
     tail = f"\n(also: {'; '.join(others)})" if others else ""
     if raised:
         rank, (_, exc, type_name, text, remote_tb) = raised[0]

@@ -122,6 +122,9 @@ def main():
         result = [fit(args.dir, args.workers, args.mode, args.at)]
     else:
         write_shards(args.dir)
+        # the ranks are forks of this process, which has trained nothing (as tests/forked.py's
+        # children are of their server): not fresh interpreters, each importing torch and datasets
+        distributed._spawn._START_METHOD = "fork"
         result = distributed.spawn(fit, args.ranks, args.dir, args.workers, args.mode, args.at, backend="gloo")
     if args.out:
         torch.save(result, args.out)

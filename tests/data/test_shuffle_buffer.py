@@ -8,8 +8,6 @@ from __future__ import annotations
 import os
 import shutil
 import signal
-import subprocess
-import sys
 import warnings
 from concurrent.futures import ThreadPoolExecutor
 
@@ -26,6 +24,7 @@ from estimatorch.data import open_stream  # noqa: E402
 from estimatorch.data._hf_streams import _EpochReplayStream  # noqa: E402
 from estimatorch.data._shuffle_buffer import BufferedStream, resumable_copy  # noqa: E402
 from estimatorch.testing import assert_resumable  # noqa: E402
+from tests import forked  # noqa: E402
 from tests.data.shuffle_buffer_worker import BATCH, EPOCHS, N  # noqa: E402
 from tests.data.test_hf_datasets import augment, resumes_exactly, write_shards  # noqa: E402
 from tests.data.test_iterable_streams import dropout_estimator  # noqa: E402
@@ -132,9 +131,8 @@ def test_a_map_after_the_shuffle_resumes_from_the_saved_buffer(tmp_path):
 
 # -- SIGKILL after a checkpoint, in a fresh process ------------------------------------------------
 def _run(*args, killed=False):
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join([os.getcwd(), os.environ.get("PYTHONPATH", "")]))
-    proc = subprocess.run([sys.executable, WORKER, *map(str, args)], capture_output=True, text=True, env=env,
-                          timeout=600)
+    # a fresh process, without a fresh interpreter's imports (tests/forked.py; datasets preloaded)
+    proc = forked.run(WORKER, args, timeout=600, preload=("datasets",))
     if killed:  # the process killed itself; a spawn launcher reports its killed ranks
         assert proc.returncode != 0, proc.stderr[-2000:]
         assert proc.returncode == -signal.SIGKILL or "--ranks" in args, proc.stderr[-2000:]

@@ -97,6 +97,23 @@ def test_the_ranks_see_the_callers_environment_and_working_directory(start, monk
         [("set by the test", str(tmp_path))] * 2
 
 
+def test_the_error_of_a_rank_that_raised_also_names_a_rank_killed_before_it():
+    """Rank 0 SIGKILLed, then rank 1's collective lost its peer: rank 1's error is raised (a
+    raised error is preferred), and the message names rank 0's death whichever came first."""
+    from types import SimpleNamespace
+
+    from estimatorch.distributed._spawn import _raise_rank_failure
+
+    error = RuntimeError("Connection closed by peer")
+    died, raised = (0, ("died", "killed by signal SIGKILL")), (1, ("error", error, "RuntimeError", str(error), "tb"))
+    procs = [SimpleNamespace(exitcode=-9), SimpleNamespace(exitcode=1)]
+    for failures in ([died, raised], [raised, died]):
+        with pytest.raises(distributed.RankFailedError) as info:
+            _raise_rank_failure(failures, [], procs)
+        assert info.value.rank == 1 and str(info.value).startswith("rank 1 of 2 raised RuntimeError")
+        assert str(info.value).endswith("(also: rank 0: killed by signal SIGKILL)"), str(info.value)
+
+
 def test_spawn_checks_its_arguments_before_starting_anything():
     with pytest.raises(ValueError, match="nprocs must be a positive int, got 0"):
         distributed.spawn(_rank_and_sum, 0)
