@@ -58,12 +58,6 @@ def _gpu_for_cuda_tests(request, monkeypatch, _cpu_by_default):
     yield
 
 
-#: what the ranks' server imports once (estimatorch.distributed.spawn's forkserver, below);
-#: ``torch._dynamo``: torch imports it at a process's first optimizer (over a second)
-RANK_PRELOAD = ["torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp",
-                "torch.distributed.checkpoint", "estimatorch", "estimatorch.checkpoint", "transformers"]
-
-
 @pytest.fixture(autouse=True, scope="session")
 def _ranks_from_a_forkserver():
     """``distributed.spawn``'s ranks are forks of one server per test process that imported torch
@@ -72,11 +66,10 @@ def _ranks_from_a_forkserver():
     a new process that shares nothing with the test's or an earlier run's (the server never runs
     a rank's code), with the caller's environment and working directory.
     tests/distributed/test_distributed.py tests the plain "spawn" start, the library's default."""
-    import multiprocessing
-
     from estimatorch.distributed import _spawn
+    from tests import forked
 
-    multiprocessing.get_context("forkserver").set_forkserver_preload(RANK_PRELOAD)
+    forked.forkserver()  # its preload (tests/forked.py)
     saved, _spawn._START_METHOD = _spawn._START_METHOD, "forkserver"
     yield
     _spawn._START_METHOD = saved

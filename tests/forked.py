@@ -41,6 +41,38 @@ from typing import Any, Optional, Sequence
 PRELOAD = ("torch", "torch._dynamo", "torch.utils.data", "estimatorch", "estimatorch.checkpoint", "fsspec", "s3fs")
 _ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
 
+#: what the suite's multiprocessing forkserver imports (one per test process: stdlib multiprocessing
+#: has one forkserver, so its users share one list): distributed.spawn's ranks (tests/conftest.py),
+#: the ported data-library kills (tests/data/sigkill.py) and the ledger's attempts. A module that
+#: fails to import (not installed, or the streaming tests' module without mosaicml-streaming) is
+#: skipped: they are imported by :func:`preload_forkserver`, not by multiprocessing itself.
+FORKSERVER_PRELOAD = ("torch", "torch._dynamo", "torch.distributed", "torch.distributed.fsdp",
+                      "torch.distributed.checkpoint", "estimatorch", "estimatorch.checkpoint", "transformers",
+                      "datasets", "torchdata.stateful_dataloader", "tests.data.test_iterable_streams",
+                      "tests.data.test_mosaic_streaming")
+
+
+def preload_forkserver() -> None:
+    """In the forkserver, before its first fork: import :data:`FORKSERVER_PRELOAD`."""
+    import importlib
+
+    for name in FORKSERVER_PRELOAD:
+        try:
+            importlib.import_module(name)
+        except Exception:  # noqa: BLE001 - an optional library, or a test module it needs: its forks import it
+            continue
+
+
+def forkserver() -> Any:
+    """The ``"forkserver"`` multiprocessing context, its server importing :data:`FORKSERVER_PRELOAD`
+    once (from its first start; each child is then a fork of a server that never ran a test's code)."""
+    import multiprocessing
+
+    context = multiprocessing.get_context("forkserver")
+    context.set_forkserver_preload(["tests.forked_preload"])  # runs preload_forkserver()
+    return context
+
+
 
 # -- the server (its own process) -----------------------------------------------------------------
 def serve(extra: Sequence[str] = ()) -> None:

@@ -8,10 +8,11 @@ import json
 import math
 import os
 import runpy
-import subprocess
 import sys
 
 import pytest
+
+from tests import forked
 
 pytestmark = pytest.mark.slow
 
@@ -19,8 +20,9 @@ BENCHMARKS = os.path.join(os.path.dirname(os.path.dirname(os.path.abspath(__file
 
 
 def _run(script: str, *args: str) -> str:
-    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, script), *args],
-                          capture_output=True, text=True, timeout=300)
+    """``python benchmarks/SCRIPT ARGS``'s stdout, forked from tests/forked.py's server (a fresh
+    process without a fresh interpreter's imports; what the script starts itself starts fresh)."""
+    done = forked.run(os.path.join(BENCHMARKS, script), args, timeout=300)
     assert done.returncode == 0, done.stderr
     return done.stdout
 
@@ -130,8 +132,7 @@ def test_checkpoint_cost_totals_a_save_as_its_stall_plus_the_extra_of_the_steps_
     (["--modes", "sync,async"], "--modes must name distinct modes of sync, thread, process, got 'sync,async'"),
 ])
 def test_checkpoint_cost_refuses_bad_stall_settings_before_any_work(args, message):
-    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "checkpoint_cost.py"), "--stall", *args],
-                          capture_output=True, text=True, timeout=60)
+    done = forked.run(os.path.join(BENCHMARKS, "checkpoint_cost.py"), ["--stall", *args], timeout=60)
     assert done.returncode == 2 and message in done.stderr
 
 
@@ -236,10 +237,9 @@ def test_tokenized_data_reports_every_path_against_the_plain_collate():
 
 
 def test_vs_trainer_reports_steps_data_and_both_kills_for_each_framework():
-    done = subprocess.run([sys.executable, os.path.join(BENCHMARKS, "vs_trainer.py"), "--steps", "6", "--save-every",
-                           "2", "--stop-at", "3", "--buffers", "0", "--frameworks", "estimatorch,trainer", "--rounds", "1",
-                           "--json"],
-                          capture_output=True, text=True, timeout=1500)
+    done = forked.run(os.path.join(BENCHMARKS, "vs_trainer.py"),
+                      ["--steps", "6", "--save-every", "2", "--stop-at", "3", "--buffers", "0",
+                       "--frameworks", "estimatorch,trainer", "--rounds", "1", "--json"], timeout=1500)
     assert done.returncode == 0, done.stderr[-3000:]
     results = json.loads(done.stdout)["results"]
     assert sorted(results) == ["estimatorch, buffer 0", "trainer, buffer 0"]

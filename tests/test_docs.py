@@ -8,17 +8,16 @@ import ast
 import functools
 import inspect
 import json
-import os
 import pathlib
 import re
 import subprocess
-import sys
 
 import pytest
 
 import estimatorch
 from estimatorch import event_handlers, metrics, statistics
 from estimatorch.event_handlers import EVENTS, StatefulHandler
+from tests import forked
 
 ROOT = pathlib.Path(__file__).resolve().parent.parent
 DOCS = ROOT / "docs"
@@ -363,9 +362,7 @@ def _run_example(workdir: pathlib.Path) -> list[str]:
     """The example's two printed results (not the log lines before them, whose timings vary)."""
     script = workdir / "example.py"
     script.write_text(_readme_example(), encoding="utf-8")
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    proc = subprocess.run([sys.executable, str(script)], cwd=workdir, capture_output=True, text=True, timeout=300,
-                          env=env)
+    proc = forked.run(str(script), [], cwd=str(workdir), timeout=300)  # as `python example.py`, without its imports
     assert proc.returncode == 0, proc.stderr[-2000:]
     return proc.stdout.splitlines()[-2:]
 
@@ -505,9 +502,8 @@ torch.save(est.net.state_dict(), os.path.join(workdir, "final.pt"))
 
 
 def _train(workdir: pathlib.Path, workers: int, kill_at: int) -> subprocess.CompletedProcess:
-    env = dict(os.environ, PYTHONPATH=os.pathsep.join(p for p in (str(ROOT), os.environ.get("PYTHONPATH")) if p))
-    return subprocess.run([sys.executable, str(workdir.parent / "train.py"), str(workdir), str(workers), str(kill_at)],
-                          capture_output=True, text=True, timeout=300, env=env)
+    """``python train.py WORKDIR WORKERS KILL_AT``, forked from tests/forked.py's server."""
+    return forked.run(str(workdir.parent / "train.py"), [workdir, workers, kill_at], timeout=300)
 
 
 @pytest.mark.slow

@@ -12,6 +12,8 @@ import sys
 
 import pytest
 
+from tests import forked
+
 pytestmark = pytest.mark.slow
 
 ROOT = os.path.dirname(os.path.dirname(os.path.abspath(__file__)))
@@ -21,7 +23,12 @@ TINY = ["--epochs", "2", "--batches-per-epoch", "12", "--val-batches", "2", "--d
 
 
 def run(args, tmp_path, launcher=()):
+    """``[*launcher, char_lm.py, ...]``; without a launcher ``python char_lm.py ...``, forked from
+    tests/forked.py's server (a fresh process without a fresh interpreter's imports)."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
+    if not launcher:
+        return forked.run(SCRIPT, [*TINY, "--model-dir", tmp_path / "run", *args], env=env, cwd=str(tmp_path),
+                          timeout=500)
     return subprocess.run([*launcher, SCRIPT, *TINY, "--model-dir", str(tmp_path / "run"), *args],
                           capture_output=True, text=True, env=env, timeout=500, cwd=tmp_path)
 
@@ -33,7 +40,7 @@ def planned(stdout):
 
 
 def test_char_lm_in_one_process_and_its_rerun(tmp_path):
-    proc = run([], tmp_path, [sys.executable])
+    proc = run([], tmp_path)
     assert proc.returncode == 0, proc.stderr[-3000:]
     assert planned(proc.stdout) == 24
     assert "Train finished" in proc.stdout and ": 2 epochs, 24 batches." in proc.stdout
@@ -42,7 +49,7 @@ def test_char_lm_in_one_process_and_its_rerun(tmp_path):
     files = sorted(os.listdir(tmp_path / "run"))
     assert "model-best.pt" in files and "model-epoch2batch24.pt" in files and "history.csv" in files
 
-    again = run([], tmp_path, [sys.executable])  # the same command: the run is finished
+    again = run([], tmp_path)  # the same command: the run is finished
     assert again.returncode == 0, again.stderr[-3000:]
     assert "Nothing to resume" in again.stderr + again.stdout and "val_loss" in again.stdout.split("Train finished")[1]
 
@@ -151,10 +158,9 @@ def test_weight_averaging_compares_the_trained_weights_with_their_average(tmp_pa
     """examples/weight_averaging.py, briefly: both runs train the same bits (the script checks),
     the table has a row per epoch, and the end compares the two weights on the same data."""
     env = dict(os.environ, PYTHONPATH=os.pathsep.join([ROOT, os.environ.get("PYTHONPATH", "")]), OMP_NUM_THREADS="1")
-    proc = subprocess.run([sys.executable, os.path.join(ROOT, "examples", "weight_averaging.py"), "--epochs", "2",
-                           "--batches-per-epoch", "20", "--hidden", "32", "--max-chars", "50000", "--decay", "0.9",
-                           "--val-windows", "500"],
-                          capture_output=True, text=True, env=env, timeout=300, cwd=tmp_path)
+    proc = forked.run(os.path.join(ROOT, "examples", "weight_averaging.py"),
+                      ["--epochs", "2", "--batches-per-epoch", "20", "--hidden", "32", "--max-chars", "50000",
+                       "--decay", "0.9", "--val-windows", "500"], env=env, cwd=str(tmp_path), timeout=300)
     assert proc.returncode == 0, proc.stderr[-3000:]
     table = proc.stdout.split("EMAHandler(0.9, warmup=True):\n")[1].splitlines()
     assert table[0].startswith("epoch") and [row.split()[0] for row in table[1:3]] == ["1", "2"]

@@ -5,7 +5,7 @@ checkpoints every batch and SIGKILLs itself right after the checkpoint of a chos
 again), made cheap enough to run over many pipelines on a loaded 2-core machine:
 
 - each fit runs in a process forked from one forkserver that imported torch, datasets, streaming
-  and torchdata once (``PRELOAD``): a fresh interpreter costs 10-15 s of imports here, a fork none;
+  and torchdata once (``tests/forked.py``'s ``FORKSERVER_PRELOAD``): a fresh interpreter costs 10-15 s of imports here, a fork none;
 - one killed chain per pipeline covers every stop: the fit is killed at the first stop, run again
   and killed at the second (resuming from the first), and so on, then run to the end; the steps it
   recorded across all its processes must be the uninterrupted run's, line for line.
@@ -26,16 +26,15 @@ from typing import Any
 
 import torch
 
-PRELOAD = ["torch", "datasets", "torchdata.stateful_dataloader", "estimatorch", "tests.data.test_iterable_streams",
-           "tests.data.test_mosaic_streaming"]
+from tests import forked
+
 _CONTEXT: Any = None
 
 
 def _context() -> Any:
     global _CONTEXT
     if _CONTEXT is None:
-        _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(PRELOAD)
+        _CONTEXT = forked.forkserver()  # torch, datasets, streaming and torchdata imported once
     return _CONTEXT
 
 

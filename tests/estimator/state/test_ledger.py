@@ -13,7 +13,6 @@ import contextlib
 import io
 import json
 import logging
-import multiprocessing
 import os
 import shutil
 import signal
@@ -25,6 +24,7 @@ from torch import nn
 from estimatorch import CheckpointHandler, Estimator, checkpoint
 from estimatorch.checkpoint import PARTS
 from estimatorch.event_handlers import BatchBegin, BatchEnd
+from tests import forked
 
 BATCHES, EPOCHS = 20, 2  # 40 steps
 KILL_AFTER, CHECKPOINT, TERM_AT = 13, 10, 27
@@ -34,8 +34,7 @@ _CONTEXT = None
 def _context():
     global _CONTEXT
     if _CONTEXT is None:  # forked from a server that imported torch once: an attempt costs no imports
-        _CONTEXT = multiprocessing.get_context("forkserver")
-        _CONTEXT.set_forkserver_preload(["torch", "estimatorch"])
+        _CONTEXT = forked.forkserver()
     return _CONTEXT
 
 
