@@ -211,7 +211,7 @@ def spawn(fn: Callable[..., Any], nprocs: int, *args: Any, backend: Optional[str
 
 def _start_ranks(fn: Callable[..., Any], nprocs: int, backend: str, args: tuple) -> tuple[list[Any], list[Any]]:
     """Start one spawned process per rank, each with a pipe to this one."""
-    ctx = mp.get_context(_START_METHOD)
+    ctx: Any = mp.get_context(_START_METHOD)  # "spawn" (or the suite's "forkserver")
     port, environ = _free_port(), dict(os.environ)
     procs, conns = [], []
     for rank in range(nprocs):
