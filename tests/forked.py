@@ -73,7 +73,6 @@ def forkserver() -> Any:
     return context
 
 
-
 # -- the server (its own process) -----------------------------------------------------------------
 def serve(extra: Sequence[str] = ()) -> None:
     """The server's loop: a request per line on stdin, its pid then its status on stdout."""

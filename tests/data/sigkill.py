@@ -5,7 +5,8 @@ checkpoints every batch and SIGKILLs itself right after the checkpoint of a chos
 again), made cheap enough to run over many pipelines on a loaded 2-core machine:
 
 - each fit runs in a process forked from one forkserver that imported torch, datasets, streaming
-  and torchdata once (``tests/forked.py``'s ``FORKSERVER_PRELOAD``): a fresh interpreter costs 10-15 s of imports here, a fork none;
+  and torchdata once (``tests/forked.py``'s ``FORKSERVER_PRELOAD``): a fresh interpreter costs
+  10-15 s of imports here, a fork none;
 - one killed chain per pipeline covers every stop: the fit is killed at the first stop, run again
   and killed at the second (resuming from the first), and so on, then run to the end; the steps it
   recorded across all its processes must be the uninterrupted run's, line for line.
